@@ -1,0 +1,351 @@
+"""The ``hyper`` command line: each command parses, calls one library function, renders.
+
+This is the only module that imports click and the only place where a HyperError becomes a
+message and an exit code (0 all tasks succeeded, 1 some task failed, 2 bad input,
+3 infrastructure error, 130 interrupted with tasks left running).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import click
+
+from hypercli import __version__
+from hypercli.errors import HyperError
+
+
+def _state():
+    from hypercli.state import State
+    return State()
+
+
+def _console(stderr: bool = False):
+    import os
+
+    from rich.console import Console
+    con = Console(stderr=stderr, highlight=False)
+    if not con.is_terminal and "COLUMNS" not in os.environ:
+        con.width = 160  # logs and CI: wide tables rather than folded ones
+    return con
+
+
+class HyperGroup(click.Group):
+    """Turns HyperErrors into a one-line message, a hint and the error's exit code."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except HyperError as e:
+            err = _console(stderr=True)
+            err.print(f"[bold red]error:[/] {e}", markup=True, soft_wrap=True)
+            if e.hint:
+                err.print(f"[dim]hint:[/] {e.hint}", soft_wrap=True)
+            ctx.exit(e.exit_code)
+
+
+@click.group(cls=HyperGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="hyper")
+def cli():
+    """Run recipes of container tasks on spot VMs, SSH hosts or this machine."""
+
+
+def _print_json(obj) -> None:
+    click.echo(json.dumps(obj, indent=2, ensure_ascii=False, default=str))
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def _ago(t: float | None) -> str:
+    if not t:
+        return "-"
+    s = time.time() - t
+    return f"{s:.0f}s ago" if s < 120 else f"{s / 60:.0f}m ago" if s < 7200 else \
+        f"{s / 3600:.1f}h ago"
+
+
+# -- plan ---------------------------------------------------------------------------------
+@cli.command()
+@click.argument("recipe", type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print the tasks as JSON.")
+def plan(recipe, as_json):
+    """Show the tasks RECIPE would run, without running anything."""
+    from hypercli.workflows import load
+    r, wf = load(recipe)
+    if as_json:
+        _print_json([{"task": t.id, "experiment": t.experiment, "params": t.params,
+                      "command": t.command} for t in wf.tasks])
+        return
+    from rich.table import Table
+    con = _console()
+    con.print(f"recipe [bold]{r.name}[/]: {len(wf.tasks)} tasks in "
+              f"{len(wf.experiments)} experiments, cluster {r.cluster.name} "
+              f"({r.cluster.provider})")
+    for e in wf.experiments:
+        after = f" after {', '.join(e.after)}" if e.after else ""
+        con.print(f"[bold]{e.name}[/]: {e.tasks} tasks, retries {e.retries}{after}")
+    table = Table(box=None)
+    for col in ("task", "command"):
+        table.add_column(col, overflow="fold")
+    for t in wf.tasks[:200]:
+        table.add_row(t.id, t.command)
+    con.print(table)
+    if len(wf.tasks) > 200:
+        con.print(f"… and {len(wf.tasks) - 200} more (use --json for all)")
+
+
+# -- run ----------------------------------------------------------------------------------
+def _progress_table(sched):
+    from rich.table import Table
+    t = Table(title=f"workflow {sched.wid}  ·  {time.time() - sched.started:.0f}s",
+              title_justify="left")
+    for col in ("experiment", "done", "running", "pending", "failed", "total"):
+        t.add_column(col, justify="right" if col != "experiment" else "left")
+    for exp, c in sched.snapshot().items():
+        total = sum(c.values())
+        t.add_row(exp, str(c.get("succeeded", 0)), str(c.get("running", 0)),
+                  str(c.get("pending", 0)),
+                  str(c.get("failed", 0) + c.get("skipped", 0) + c.get("cancelled", 0)),
+                  str(total))
+    return t
+
+
+def _line(sched) -> str:
+    parts = []
+    for exp, c in sched.snapshot().items():
+        bad = c.get("failed", 0) + c.get("skipped", 0) + c.get("cancelled", 0)
+        parts.append(f"{exp} {c.get('succeeded', 0)}/{sum(c.values())} done, "
+                     f"{c.get('running', 0)} running, {bad} failed")
+    return f"[{time.time() - sched.started:5.0f}s] " + "; ".join(parts)
+
+
+@cli.command()
+@click.argument("recipe", type=click.Path(dir_okay=False))
+@click.option("--new", is_flag=True, help="Start a new workflow even if one can be resumed.")
+@click.option("--on-interrupt", type=click.Choice(["ask", "leave", "cancel"]), default="ask",
+              show_default=True,
+              help="What Ctrl-C does: ask, leave the tasks running, or cancel them.")
+def run(recipe, new, on_interrupt):
+    """Run RECIPE's workflow to its end (resuming an unfinished one), with live progress."""
+    from hypercli.scheduler import Scheduler
+    from hypercli.workflows import prepare_run
+    state = _state()
+    con = _console()
+    wid, resumed, provider, nodes, lock = prepare_run(state, recipe, new=new, log=con.print)
+    live = None
+    if con.is_terminal:
+        from rich.live import Live
+        live = Live(console=con, refresh_per_second=4, transient=False)
+        live.start()
+    last = [0.0, ""]
+
+    def progress(sched):
+        if live is not None:
+            live.update(_progress_table(sched))
+            return
+        line = _line(sched)
+        if line.split("] ", 1)[1] != last[1] and time.time() - last[0] > 2 or sched._done():
+            last[:] = [time.time(), line.split("] ", 1)[1]]
+            con.print(line)
+
+    def ask() -> str:
+        if live is not None:
+            live.stop()
+        if on_interrupt != "ask":
+            return on_interrupt
+        if not sys.stdin.isatty():
+            return "leave"
+        return click.prompt("\ninterrupted: leave the tasks running or cancel them?",
+                            type=click.Choice(["leave", "cancel"]), default="leave")
+
+    try:
+        summary = Scheduler(state, wid, provider, nodes, on_interrupt=ask).run(progress)
+    finally:
+        if live is not None:
+            live.stop()
+        lock.release()
+    counts = ", ".join(f"{n} {s}" for s, n in sorted(summary.counts.items()))
+    if summary.interrupted == "leave":
+        con.print(f"left {wid} running ({counts}); `hyper run {recipe}` re-attaches, "
+                  f"`hyper cancel {wid}` stops it")
+    else:
+        con.print(f"workflow {wid}: {counts}")
+        if summary.exit_code == 0:
+            con.print(f"`hyper results {wid}` shows the metrics")
+        else:
+            con.print(f"`hyper ps {wid}` and `hyper logs {wid}/TASK` show what failed")
+    sys.exit(summary.exit_code)
+
+
+# -- clusters -----------------------------------------------------------------------------
+@cli.command()
+@click.argument("recipe", type=click.Path(dir_okay=False))
+def up(recipe):
+    """Bring up the cluster of RECIPE (no tasks are run)."""
+    from hypercli.recipe import load_recipe
+    from hypercli.workflows import up as up_
+    r = load_recipe(recipe)
+    nodes = up_(_state(), r)
+    click.echo(f"cluster {r.cluster.name} is up: {len(nodes)} {r.cluster.provider} nodes")
+
+
+@cli.command()
+@click.argument("cluster")
+def down(cluster):
+    """Take CLUSTER down: cancel its tasks and remove its nodes."""
+    from hypercli.cluster import down as down_
+    removed = down_(_state(), cluster)
+    for line in removed:
+        click.echo(f"removed {line}")
+    click.echo(f"cluster {cluster} is down")
+
+
+@cli.command()
+@click.argument("cluster", required=False)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def status(cluster, as_json):
+    """Show clusters and their nodes (all clusters, or CLUSTER)."""
+    state = _state()
+    clusters = [c for c in state.clusters() if cluster in (None, c["name"])]
+    if cluster and not clusters:
+        from hypercli.errors import UsageError
+        raise UsageError(f"no cluster named {cluster!r}", "`hyper status` lists them")
+    out = [{"cluster": c["name"], "provider": c["provider"], "status": c["status"],
+            "nodes": [{"name": n["name"], "status": n["status"], "slots": n["slots"],
+                       "provider_id": n["provider_id"]} for n in state.nodes(c["name"])]}
+           for c in clusters]
+    if as_json:
+        _print_json(out)
+        return
+    if not out:
+        click.echo("no clusters; `hyper up RECIPE` or `hyper run RECIPE` creates one")
+    for c in out:
+        up_nodes = sum(n["status"] == "up" for n in c["nodes"])
+        click.echo(f"{c['cluster']}  {c['provider']}  {c['status']}  "
+                   f"{up_nodes}/{len(c['nodes'])} nodes up")
+        for n in c["nodes"]:
+            click.echo(f"  {n['name']:<24} {n['status']:<6} slots {n['slots']}  "
+                       f"{n['provider_id'] or ''}")
+
+
+# -- workflows and tasks ------------------------------------------------------------------
+@cli.command()
+@click.argument("workflow", required=False)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def ps(workflow, as_json):
+    """List workflows, or the tasks of WORKFLOW (an id or a recipe name)."""
+    state = _state()
+    if workflow is None:
+        rows = [{"workflow": w["id"], "status": w["status"], "cluster": w["cluster"],
+                 "counts": state.counts(w["id"]), "created_at": w["created_at"]}
+                for w in state.workflows()]
+        if as_json:
+            _print_json(rows)
+            return
+        for r in rows:
+            totals: dict = {}
+            for c in r["counts"].values():
+                for k, v in c.items():
+                    totals[k] = totals.get(k, 0) + v
+            counts = ", ".join(f"{v} {k}" for k, v in sorted(totals.items()))
+            click.echo(f"{r['workflow']:<28} {r['status']:<10} {_ago(r['created_at']):<10} "
+                       f"{counts}")
+        if not rows:
+            click.echo("no workflows yet; `hyper run RECIPE` starts one")
+        return
+    wid = state.workflow(workflow)["id"]
+    live = {a["task"]: a for a in state.attempts(wid)}
+    rows = [{"task": t["id"], "experiment": t["experiment"], "status": t["status"],
+             "attempts": t["attempts"], "node": (live.get(t["id"]) or {}).get("node"),
+             "params": t["params"], "metrics": t["metrics"] or {}}
+            for t in state.tasks(wid)]
+    if as_json:
+        _print_json(rows)
+        return
+    from rich.table import Table
+    table = Table(title=f"workflow {wid}", title_justify="left", box=None)
+    for col in ("task", "status", "attempts", "node", "params"):
+        table.add_column(col, overflow="fold")
+    for r in rows:
+        params = " ".join(f"{k}={_fmt(v)}" for k, v in r["params"].items())
+        table.add_row(r["task"], r["status"], str(r["attempts"]), r["node"] or "-", params)
+    _console().print(table)
+
+
+@cli.command()
+@click.argument("workflow")
+@click.option("--sort", "sort", metavar="METRIC", help="Metric to order by (default: the "
+              "first one reported), largest first.")
+@click.option("--ascending", is_flag=True, help="Smallest first (for losses).")
+@click.option("--all", "show_all", is_flag=True,
+              help="Also list tasks that did not report the metric (e.g. a report step).")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON list, one object per task.")
+def results(workflow, sort, ascending, show_all, as_json):
+    """Parameters and metrics of WORKFLOW's tasks, best first."""
+    from hypercli.workflows import results as results_
+    wid, metric, rows = results_(_state(), workflow, sort, ascending)
+    if as_json:
+        _print_json([{k: r[k] for k in ("task", "experiment", "status", "params", "metrics")}
+                     for r in rows])
+        return
+    from rich.table import Table
+    hidden = 0
+    if metric and not show_all:
+        shown = [r for r in rows if metric in r["metrics"]]
+        hidden, rows = len(rows) - len(shown), shown
+    pnames = list(dict.fromkeys(k for r in rows for k in r["params"]))
+    mnames = list(dict.fromkeys(k for r in rows for k in r["metrics"]))
+    if metric in mnames:
+        mnames.remove(metric)
+        mnames.insert(0, metric)
+    table = Table(title=f"workflow {wid}" + (f", by {metric}" if metric else ""),
+                  title_justify="left")
+    for col in ["task", "status", *pnames, *mnames]:
+        table.add_column(col, justify="left" if col in ("task", "status") else "right",
+                         style="bold" if col == metric else None)
+    for r in rows:
+        table.add_row(r["task"], r["status"], *[_fmt(r["params"].get(p, "")) for p in pnames],
+                      *[_fmt(r["metrics"].get(m, "")) for m in mnames])
+    con = _console()
+    con.print(table)
+    if hidden:
+        con.print(f"{hidden} tasks without {metric} not shown (--all shows them)")
+
+
+@cli.command()
+@click.argument("task")
+@click.option("-f", "--follow", is_flag=True, help="Keep streaming until the attempt ends.")
+@click.option("--attempt", type=int, metavar="N", help="Attempt number (default: the newest).")
+def logs(task, follow, attempt):
+    """Print the output of TASK (``search-0007`` or ``WORKFLOW/search-0007``)."""
+    from hypercli.workflows import log_chunks, pick_attempt
+    state = _state()
+    a = pick_attempt(state, task, attempt)
+    out, err = sys.stdout.buffer, sys.stderr.buffer
+    try:
+        for stream, data in log_chunks(state, a, follow=follow):
+            f = out if stream == "stdout" else err
+            f.write(data)
+            f.flush()
+    except KeyboardInterrupt:
+        pass
+
+
+@cli.command()
+@click.argument("target")
+def cancel(target):
+    """Cancel a workflow (id or recipe name) or one task (WORKFLOW/TASK)."""
+    from hypercli.workflows import cancel as cancel_
+    what, n = cancel_(_state(), target)
+    click.echo(f"cancelled {what} ({n} task{'s' if n != 1 else ''})")
+
+
+def main() -> None:
+    """Entry point of the ``hyper`` console script."""
+    cli(prog_name="hyper")

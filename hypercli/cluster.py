@@ -1,0 +1,90 @@
+"""Clusters: bring a recipe's nodes up through its provider, record them, and take them down.
+
+``up`` is idempotent: it asks the provider for the cluster's nodes and reconciles the state
+file with the answer (new nodes added, vanished ones marked down). ``down`` cancels the attempts
+still running on the nodes, asks the provider to remove them and marks everything down.
+"""
+
+from __future__ import annotations
+
+from hypercli.errors import HyperError, UsageError
+from hypercli.providers import get_provider
+from hypercli.recipe import ClusterSpec
+from hypercli.state import State
+
+
+def up(state: State, spec: ClusterSpec) -> list[dict]:
+    """Bring the cluster of ``spec`` up and return its live nodes (``nodes`` rows).
+
+    Raises:
+        UsageError: a cluster of that name exists with another provider.
+        InfraError/NodeError: the provider failed.
+    """
+    old = state.cluster(spec.name)
+    if old and old["status"] == "up" and old["provider"] != spec.provider:
+        raise UsageError(f"cluster {spec.name} is up with provider {old['provider']}, "
+                         f"not {spec.provider}",
+                         f"`hyper down {spec.name}` first, or name another cluster")
+    provider = get_provider(spec.provider)
+    instances = provider.launch(spec)
+    state.put_cluster(spec.name, spec.provider,
+                      {"workers": spec.workers, "options": spec.options}, "up")
+    names = set()
+    for inst in instances:
+        names.add(inst.name)
+        state.put_node(spec.name, inst.name, slots=inst.slots, provider_id=inst.provider_id,
+                       address=inst.address, info=inst.extra)
+    for n in state.nodes(spec.name, status="up"):
+        if n["name"] not in names:
+            state.set_node_status(n["name"], "down")
+    state.event("cluster", f"up with {len(instances)} nodes ({spec.provider})")
+    return state.nodes(spec.name, status="up")
+
+
+def cancel_on_nodes(state: State, attempts: list[dict], provider, grace: float = 5.0) -> None:
+    """Cancel live attempts on their nodes, grouped per node; unreachable nodes are skipped
+    (their attempts end as lost when next polled)."""
+    by_node: dict[str, list[str]] = {}
+    for a in attempts:
+        by_node.setdefault(a["node"], []).append(a["id"])
+    nodes = {n["name"]: n for c in state.clusters() for n in state.nodes(c["name"])}
+    for node_name, ids in by_node.items():
+        node = nodes.get(node_name)
+        if node is None:
+            continue
+        try:
+            client = provider.connect(node)
+            try:
+                client.call("cancel", ids=ids, grace=grace)
+            finally:
+                client.close()
+        except HyperError as e:
+            state.event("node", f"cancel failed: {e}", node=node_name)
+
+
+def down(state: State, name: str) -> list[str]:
+    """Take a cluster down: cancel its running attempts and workflows, remove its nodes.
+
+    Returns:
+        one line per removed resource.
+    Raises:
+        UsageError: no cluster of that name.
+    """
+    c = state.cluster(name)
+    if c is None:
+        known = ", ".join(x["name"] for x in state.clusters()) or "none"
+        raise UsageError(f"no cluster named {name!r}", f"known clusters: {known}")
+    provider = get_provider(c["provider"])
+    nodes = state.nodes(name)
+    node_names = {n["name"] for n in nodes}
+    live = [a for a in state.live_attempts() if a["node"] in node_names]
+    cancel_on_nodes(state, live, provider)
+    for wf in state.workflows(limit=1000):
+        if wf["cluster"] == name and wf["status"] == "running":
+            state.set_workflow(wf["id"], status="cancelling")
+    removed = provider.terminate(name, [n for n in nodes if n["status"] != "down"])
+    for n in nodes:
+        state.set_node_status(n["name"], "down")
+    state.set_cluster_status(name, "down")
+    state.event("cluster", f"{name} down: removed {len(removed)} resources")
+    return removed

@@ -1,0 +1,124 @@
+"""The client end of the node agent protocol (``hypercli/node/agent.py`` documents it).
+
+A :class:`AgentClient` wraps any pair of byte streams connected to ``agent.py serve``: a local
+subprocess's pipes (local provider) or an SSH exec channel (ssh and cloud providers). Calls are
+synchronous and serialized; :meth:`AgentClient.wake` may be called from any thread to cut short
+a ``poll`` wait in progress.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Callable
+
+from hypercli.errors import NodeError
+
+AGENT_PATH = Path(__file__).with_name("agent.py")
+
+
+def agent_source() -> bytes:
+    """The agent program's bytes, as copied to remote nodes."""
+    return AGENT_PATH.read_bytes()
+
+
+class AgentClient:
+    """Requests to one node's agent.
+
+    Args:
+        node: node name, for errors.
+        write: callable writing bytes to the agent's stdin.
+        readline: callable returning one line (bytes, b"" at EOF) of the agent's stdout.
+        close: callable closing the transport.
+    Raises (from call):
+        NodeError: the transport closed or failed, or the agent answered ``ok: false``.
+    """
+
+    def __init__(self, node: str, write: Callable[[bytes], None],
+                 readline: Callable[[], bytes], close: Callable[[], None]):
+        self.node = node
+        self._write, self._readline, self._close = write, readline, close
+        self._call_lock = threading.Lock()
+        self._write_lock = threading.Lock()
+        self._next = 0
+        self.closed = False
+
+    def _send(self, obj: dict) -> None:
+        data = json.dumps(obj, separators=(",", ":")).encode() + b"\n"
+        with self._write_lock:
+            self._write(data)
+
+    def call(self, op: str, **args) -> dict:
+        """Send one request and wait for its response (dict without ``ok``/``id``)."""
+        with self._call_lock:
+            if self.closed:
+                raise NodeError(self.node, "agent connection is closed")
+            self._next += 1
+            try:
+                self._send({"id": self._next, "op": op, **args})
+                line = self._readline()
+            except (OSError, EOFError, ValueError) as e:
+                self.closed = True
+                raise NodeError(self.node, f"agent connection failed: {e}") from None
+            if not line:
+                self.closed = True
+                raise NodeError(self.node, "agent connection closed")
+            resp = json.loads(line)
+            if not resp.pop("ok", False):
+                raise NodeError(self.node, f"agent: {resp.get('error')}")
+            resp.pop("id", None)
+            return resp
+
+    def wake(self) -> None:
+        """Cut short the current (or next) ``poll`` wait. Safe from any thread."""
+        try:
+            self._send({"op": "wake"})
+        except (OSError, EOFError, ValueError):
+            pass
+
+    def read(self, attempt_id: str, stream: str, offset: int, limit: int = 1 << 20) -> dict:
+        """Read a log stream by offset: dict with data (bytes), offset (next), size, done."""
+        r = self.call("read", id=attempt_id, stream=stream, offset=offset, limit=limit)
+        r["data"] = base64.b64decode(r["data"])
+        return r
+
+    def close(self) -> None:
+        self.closed = True
+        try:
+            self._close()
+        except OSError:
+            pass
+
+
+def local_agent(node: str, root: str | os.PathLike, env: dict | None = None) -> AgentClient:
+    """Start ``agent.py serve`` as a subprocess of this process and connect to it.
+
+    Args:
+        node: node name (for errors).
+        root: the node's folder (attempt folders go in ``root/tasks``).
+        env: environment of the agent and so of its tasks (default: this process's).
+    """
+    proc = subprocess.Popen([sys.executable, "-I", str(AGENT_PATH), "serve", "--root", str(root)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, bufsize=0,
+                            start_new_session=True)
+
+    def write(data: bytes) -> None:
+        proc.stdin.write(data)
+
+    def close() -> None:
+        try:
+            proc.stdin.close()
+        finally:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            proc.stdout.close()
+
+    return AgentClient(node, write, proc.stdout.readline, close)

@@ -1,0 +1,507 @@
+"""The run loop: ready tasks onto free node slots, attempts watched to their end, retries.
+
+One :class:`NodeWorker` thread per node owns that node's agent channel: it sends launches and
+cancels and long-polls the node's running attempts, posting what it learns to one queue. The
+main thread alone reads that queue and writes the state file, so every decision is made in one
+place, in order. Each launch is written to the state file *before* it is sent (write-ahead):
+a ``hyper run`` killed at any point and started again re-sends launches the node may not have
+received (the agent's launch is idempotent per attempt id) and re-attaches to attempts still
+running, instead of starting them again.
+
+Rules (paper section III-D for the re-run of lost work):
+  * Experiments run in the order of their ``after`` edges; a task is ready when every experiment
+    its experiment comes after has all its tasks succeeded.
+  * A failed attempt (exit code ≠ 0) or a lost one (its node or supervisor died) gives the task a
+    new attempt with the same arguments while failed + lost attempts ≤ ``retries``.
+  * A task out of attempts fails its experiment; the experiments after it are skipped.
+  * The first successful attempt of a task wins: a later success of the same task (a node that
+    came back) is recorded as ``superseded`` and changes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from hypercli.errors import HyperError, InfraError, NodeError, UsageError
+from hypercli.state import LIVE_ATTEMPT, TERMINAL_TASK, State
+
+POLL_WAIT = 1.0  # s a node's long poll waits for an attempt to end (cut short by new work)
+RECONNECT_FOR = 30.0  # s a node may stay unreachable before its attempts are declared lost
+
+
+class NodeWorker(threading.Thread):
+    """Owns one node's agent channel (see the module docstring).
+
+    Args:
+        node: ``nodes`` row.
+        connect: () → AgentClient; raises NodeError when the node is unreachable.
+        events: queue receiving ``(kind, node_name, payload)`` tuples: ``states``
+            ({attempt id: state}), ``error`` (message), ``lost`` (message: gave up on the node).
+    """
+
+    def __init__(self, node: dict, connect: Callable, events: queue.Queue):
+        super().__init__(name=f"node-{node['name']}", daemon=True)
+        self.node = node["name"]
+        self.connect = connect
+        self.events = events
+        self.inbox: queue.Queue = queue.Queue()
+        self.watch: set[str] = set()
+        self.client = None
+        self.stopping = False
+
+    def submit(self, op: str, payload) -> None:
+        """Queue ``launch`` (list of specs), ``watch`` (ids) or ``cancel`` (ids); wake the poll."""
+        self.inbox.put((op, payload))
+        if self.client is not None:
+            self.client.wake()
+
+    def stop(self) -> None:
+        self.stopping = True
+        self.inbox.put(("stop", None))
+        if self.client is not None:
+            self.client.wake()
+
+    def _handle(self, op: str, payload) -> None:
+        if op == "launch":
+            r = self.client.call("launch", attempts=payload)
+            self.watch.update(payload_id for payload_id in r["states"])
+            self.events.put(("states", self.node, r["states"]))
+        elif op == "watch":
+            self.watch.update(payload)
+        elif op == "cancel":
+            r = self.client.call("cancel", ids=list(payload), grace=5)
+            self.events.put(("states", self.node, r["states"]))
+
+    def _step(self) -> None:
+        if self.client is None:
+            self.client = self.connect()
+        while True:
+            try:
+                op, payload = self.inbox.get_nowait() if self.watch else self.inbox.get(
+                    timeout=POLL_WAIT)
+            except queue.Empty:
+                break
+            if op == "stop":
+                return
+            try:
+                self._handle(op, payload)
+            except NodeError:
+                self.inbox.put((op, payload))  # retried after the reconnect
+                raise
+        if self.watch and not self.stopping:
+            r = self.client.call("poll", ids=sorted(self.watch), wait=POLL_WAIT)
+            done = {k: v for k, v in r["states"].items() if v["state"] != "running"}
+            if done:
+                self.watch.difference_update(done)
+                self.events.put(("states", self.node, done))
+
+    def run(self) -> None:
+        down_since = None
+        while not self.stopping:
+            try:
+                self._step()
+                down_since = None
+            except NodeError as e:
+                if self.client is not None:
+                    self.client.close()
+                self.client = None
+                down_since = down_since or time.time()
+                self.events.put(("error", self.node, str(e)))
+                if time.time() - down_since > RECONNECT_FOR:
+                    self.events.put(("lost", self.node, str(e)))
+                    return
+                time.sleep(min(2.0, 0.2 + (time.time() - down_since) / 5))
+        if self.client is not None:
+            self.client.close()
+
+
+@dataclass
+class Summary:
+    """What a run ended with: task counts by status, and how it ended."""
+
+    workflow: str
+    counts: dict = field(default_factory=dict)
+    interrupted: str | None = None  # None, "leave" or "cancel"
+    exit_code: int = 0
+
+
+class Scheduler:
+    """Drives one workflow to its end (see the module docstring).
+
+    Args:
+        state: the state file.
+        workflow: workflow id.
+        provider: the cluster's provider (``connect``, ``output_dir``).
+        nodes: the cluster's live ``nodes`` rows.
+        on_interrupt: called (no arguments) in the main thread after Ctrl-C; returns
+            ``"leave"`` (tasks keep running, a later ``hyper run`` re-attaches) or ``"cancel"``.
+    """
+
+    def __init__(self, state: State, workflow: str, provider, nodes: list[dict], *,
+                 on_interrupt: Callable[[], str] | None = None):
+        self.state, self.wid, self.provider = state, workflow, provider
+        self.wf = state.workflow(workflow)
+        self.on_interrupt = on_interrupt or (lambda: "leave")
+        self.events: queue.Queue = queue.Queue()
+        self.nodes = {n["name"]: n for n in nodes}
+        self.free = {n["name"]: n["slots"] for n in nodes}
+        self.workers = {n["name"]: NodeWorker(n, lambda n=n: provider.connect(n), self.events)
+                        for n in nodes}
+        self.exps = {e["name"]: e for e in state.experiments(workflow)}
+        self.tasks = {t["id"]: t for t in state.tasks(workflow)}
+        self.queue: dict[str, deque] = {e: deque() for e in self.exps}
+        self.live: dict[str, dict] = {}  # attempt id → attempt row (+ task)
+        self.failures: dict[str, int] = {}
+        self.count: dict[str, dict[str, int]] = {e: {} for e in self.exps}
+        for t in self.tasks.values():
+            c = self.count[t["experiment"]]
+            c[t["status"]] = c.get(t["status"], 0) + 1
+        self.started = time.time()
+
+    def _set(self, task: dict, status: str) -> None:
+        """Change a task's status in memory, keeping the per-experiment counts."""
+        c = self.count[task["experiment"]]
+        c[task["status"]] -= 1
+        c[status] = c.get(status, 0) + 1
+        task["status"] = status
+
+    # -- setup ---------------------------------------------------------------------------
+    def _recover(self) -> None:
+        """Load the queue and re-attach to attempts a previous run left live."""
+        for a in self.state.attempts(self.wid):
+            if a["status"] in ("failed", "lost"):
+                self.failures[a["task"]] = self.failures.get(a["task"], 0) + 1
+        lost = []
+        for a in self.state.attempts(self.wid, status=LIVE_ATTEMPT):
+            w = self.workers.get(a["node"])
+            if w is None:
+                lost.append(a)
+                continue
+            self.live[a["id"]] = a
+            self.free[a["node"]] -= 1
+            if a["status"] == "launching":
+                w.submit("launch", [self._spec(self.tasks[a["task"]], a["id"], a["number"],
+                                               a["node"])])
+            else:
+                w.submit("watch", [a["id"]])
+        live_tasks = {a["task"] for a in self.live.values()}
+        for t in self.tasks.values():
+            if t["status"] == "pending" or (t["status"] == "running"
+                                            and t["id"] not in live_tasks):
+                self._set(t, "pending")
+                self.queue[t["experiment"]].append(t["id"])
+        for a in lost:
+            self._ended(a, {"state": "lost"}, "its node is no longer in the cluster")
+
+    def _spec(self, task: dict, attempt_id: str, number: int, node: str) -> dict:
+        output = self.provider.output_dir(self.wf["storage"], self.wid, task["id"])
+        env = dict(task["env"])
+        env.update({
+            "HYPER_TASK_ID": task["id"], "HYPER_EXPERIMENT": task["experiment"],
+            "HYPER_WORKFLOW": self.wid, "HYPER_ATTEMPT": str(number), "HYPER_NODE": node,
+            "HYPER_OUTPUT": output, "HYPER_OUTPUTS": os.path.dirname(output),
+            "HYPER_PARAMS": json.dumps(task["params"], ensure_ascii=False),
+        })
+        return {"id": attempt_id, "script": task["command"], "env": env,
+                "cwd": self.wf["workdir"], "output": output,
+                "image": self.exps[task["experiment"]]["image"]}
+
+    # -- decisions -----------------------------------------------------------------------
+    def _exp_state(self, name: str) -> str:
+        """'blocked' (deps not done), 'ready', 'dead' (a dependency failed)."""
+        for dep in self.exps[name]["after"]:
+            counts = self.count[dep]
+            if any(counts.get(s) for s in ("failed", "skipped", "cancelled")):
+                return "dead"
+            if counts.get("succeeded", 0) < sum(counts.values()):
+                return "blocked"
+        return "ready"
+
+    def _dispatch(self) -> None:
+        batches: dict[str, list] = {}
+        rows = []
+        free_nodes = [n for n, k in self.free.items() if k > 0]
+        for name in self.exps:
+            q = self.queue[name]
+            if not q:
+                continue
+            st = self._exp_state(name)
+            if st == "dead":
+                self._skip(name)
+                continue
+            if st == "blocked":
+                continue
+            cap = self.exps[name]["workers"]
+            running = sum(1 for a in self.live.values()
+                          if self.tasks[a["task"]]["experiment"] == name) if cap else 0
+            while q and free_nodes and (not cap or running < cap):
+                node = max(free_nodes, key=lambda n: self.free[n])
+                task = self.tasks[q.popleft()]
+                number = task["attempts"] + 1
+                aid = f"{self.wid}.{task['id']}.{number}"
+                self._set(task, "running")
+                task["attempts"] = number
+                rows.append((aid, self.wid, task["id"], number, node))
+                batches.setdefault(node, []).append(self._spec(task, aid, number, node))
+                self.live[aid] = {"id": aid, "task": task["id"], "node": node,
+                                  "number": number, "status": "launching"}
+                self.free[node] -= 1
+                running += 1
+                if self.free[node] == 0:
+                    free_nodes.remove(node)
+        if rows:
+            self.state.start_attempts(rows)
+            for node, specs in batches.items():
+                self.workers[node].submit("launch", specs)
+
+    def _skip(self, exp: str) -> None:
+        ids = list(self.queue[exp])
+        self.queue[exp].clear()
+        for tid in ids:
+            self._set(self.tasks[tid], "skipped")
+        self.state.set_tasks(self.wid, [{"id": t, "status": "skipped", "ended_at": time.time()}
+                                        for t in ids])
+        self.state.event("workflow", f"experiment {exp} skipped: an experiment it comes after "
+                         "failed", workflow=self.wid)
+
+    def _ended(self, a: dict, st: dict, why: str | None = None) -> tuple[dict, dict | None]:
+        """Attempt and task updates for an attempt that is no longer running."""
+        task = self.tasks[a["task"]]
+        now = time.time()
+        code = st.get("code")
+        if st["state"] == "exited":
+            status = "cancelled" if st.get("cancelled") else (
+                "succeeded" if code == 0 else "failed")
+        else:
+            status = "lost"
+        if task["status"] == "succeeded" and status == "succeeded":
+            status = "superseded"
+        upd = {"id": a["id"], "status": status, "exit_code": code,
+               "metrics": st.get("metrics"), "ended_at": st.get("ended") or now,
+               "started_at": st.get("started"),
+               "error": why or (f"exit code {code}" if status == "failed" else None)}
+        self.live.pop(a["id"], None)
+        if a["node"] in self.free:
+            self.free[a["node"]] += 1
+        if status == "superseded" or task["status"] in TERMINAL_TASK:
+            return upd, None
+        if status == "succeeded":
+            self._set(task, "succeeded")
+            return upd, {"id": task["id"], "status": "succeeded", "metrics": st.get("metrics"),
+                         "ended_at": now}
+        if status == "cancelled":
+            self._set(task, "cancelled")
+            return upd, {"id": task["id"], "status": "cancelled", "ended_at": now}
+        self.failures[task["id"]] = self.failures.get(task["id"], 0) + 1
+        if self.failures[task["id"]] <= self.exps[task["experiment"]]["retries"]:
+            self._set(task, "pending")
+            self.queue[task["experiment"]].appendleft(task["id"])
+            return upd, {"id": task["id"], "status": "pending"}
+        self._set(task, "failed")
+        return upd, {"id": task["id"], "status": "failed", "metrics": st.get("metrics"),
+                     "ended_at": now}
+
+    # -- events --------------------------------------------------------------------------
+    def _apply(self, kind: str, node: str, payload) -> None:
+        if kind == "error":
+            self.state.event("node", f"unreachable: {payload}", workflow=self.wid, node=node)
+            return
+        if kind == "lost":
+            self.state.event("node", f"lost: {payload}", workflow=self.wid, node=node)
+            self.state.set_node_status(node, "lost")
+            self.free.pop(node, None)
+            payload = {a["id"]: {"state": "lost"} for a in self.live.values()
+                       if a["node"] == node}
+        att_upd, task_upd = [], []
+        for aid, st in payload.items():
+            a = self.live.get(aid)
+            if a is None:
+                continue
+            if st["state"] == "running":
+                if a["status"] == "launching":
+                    a["status"] = "running"
+                    att_upd.append({"id": aid, "status": "running",
+                                    "started_at": st.get("started") or time.time()})
+                continue
+            u, t = self._ended(a, st, "node lost" if kind == "lost" else None)
+            att_upd.append(u)
+            if t:
+                task_upd.append(t)
+        if att_upd or task_upd:
+            with self.state.tx():
+                self.state.update_attempts(att_upd)
+                self.state.set_tasks(self.wid, task_upd)
+
+    def _drain(self, timeout: float) -> None:
+        try:
+            ev = self.events.get(timeout=timeout)
+        except queue.Empty:
+            return
+        while True:
+            self._apply(*ev)
+            try:
+                ev = self.events.get_nowait()
+            except queue.Empty:
+                return
+
+    # -- the loop ------------------------------------------------------------------------
+    def snapshot(self) -> dict:
+        """experiment → {status: count} of the run in progress (for progress displays)."""
+        return {e: {k: v for k, v in c.items() if v} for e, c in self.count.items()}
+
+    def _done(self) -> bool:
+        return not self.live and not any(n for c in self.count.values()
+                                         for s, n in c.items() if s not in TERMINAL_TASK)
+
+    def _cancelled_elsewhere(self) -> bool:
+        """Pick up ``hyper cancel`` from another process: True when the whole workflow was
+        cancelled; single cancelled tasks are taken off the queue."""
+        if self.state.workflow(self.wid)["status"] in ("cancelling", "cancelled"):
+            return True
+        for t in self.state.tasks(self.wid, status=["cancelled"]):
+            mine = self.tasks[t["id"]]
+            if mine["status"] not in TERMINAL_TASK:
+                if mine["status"] == "pending":
+                    self.queue[mine["experiment"]].remove(mine["id"])
+                self._set(mine, "cancelled")
+        return False
+
+    def cancel(self) -> None:
+        """Cancel every live attempt on its node and every task not yet ended; waits for the
+        nodes to confirm (at most ~15 s)."""
+        by_node: dict[str, list] = {}
+        for a in self.live.values():
+            by_node.setdefault(a["node"], []).append(a["id"])
+        for node, ids in by_node.items():
+            if node in self.workers and self.workers[node].is_alive():
+                self.workers[node].submit("cancel", ids)
+        deadline = time.time() + 15
+        while self.live and time.time() < deadline:
+            self._drain(0.2)
+        now = time.time()
+        ids = [t["id"] for t in self.tasks.values() if t["status"] not in TERMINAL_TASK]
+        for tid in ids:
+            self._set(self.tasks[tid], "cancelled")
+        with self.state.tx():
+            self.state.update_attempts([{"id": a, "status": "cancelled", "ended_at": now}
+                                        for a in self.live])
+            self.state.set_tasks(self.wid, [{"id": t, "status": "cancelled", "ended_at": now}
+                                            for t in ids])
+        self.live.clear()
+
+    def run(self, progress: Callable[[Scheduler], None] | None = None,
+            refresh: float = 0.25) -> Summary:
+        """Run the workflow to its end, a cancel, or an interrupt.
+
+        Args:
+            progress: called with this scheduler about every ``refresh`` seconds.
+        Returns:
+            a Summary; ``exit_code`` 0 when every task succeeded, 1 otherwise, 130 after an
+            interrupt that left tasks running.
+        Raises:
+            InfraError: every node of the cluster was lost with work left to do.
+        """
+        self.state.set_workflow(self.wid, driver_pid=os.getpid(), status="running")
+        interrupted = []
+        old = {s: signal.signal(s, lambda *_: interrupted.append(s))
+               for s in (signal.SIGINT, signal.SIGTERM)}
+        for w in self.workers.values():
+            w.start()
+        summary = Summary(self.wid)
+        last_check = 0.0
+        try:
+            self._recover()
+            while True:
+                if interrupted:
+                    choice = "leave" if interrupted[0] == signal.SIGTERM else self.on_interrupt()
+                    summary.interrupted = choice
+                    if choice == "cancel":
+                        self.cancel()
+                    break
+                if time.time() - last_check > 0.5:
+                    last_check = time.time()
+                    if self._cancelled_elsewhere():
+                        self.cancel()
+                        summary.interrupted = "cancel"
+                        break
+                self._dispatch()
+                if self._done():
+                    break
+                if not self.free and not self.live:
+                    raise InfraError(f"every node of workflow {self.wid}'s cluster was lost",
+                                     "`hyper status` shows the nodes; `hyper run` again resumes")
+                if progress:
+                    progress(self)
+                self._drain(refresh)
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+            for w in self.workers.values():
+                w.stop()
+            for w in self.workers.values():
+                w.join(timeout=10)
+        summary.counts = {}
+        for t in self.tasks.values():
+            summary.counts[t["status"]] = summary.counts.get(t["status"], 0) + 1
+        if summary.interrupted == "leave":
+            summary.exit_code = 130
+            self.state.set_workflow(self.wid, driver_pid=None)
+        else:
+            ok = summary.counts.get("succeeded", 0) == len(self.tasks)
+            status = "cancelled" if summary.interrupted else ("succeeded" if ok else "failed")
+            summary.exit_code = 0 if ok else 1
+            self.state.set_workflow(self.wid, status=status, ended_at=time.time(),
+                                    driver_pid=None)
+            self.state.event("workflow", f"{status}: {summary.counts}", workflow=self.wid)
+        if progress:
+            progress(self)
+        return summary
+
+
+def cancel_task(state: State, wid: str, tid: str, provider) -> int:
+    """Cancel one task from outside its ``hyper run``: marked cancelled first (so it is not
+    retried), then its live attempt is stopped on its node. Returns 1.
+
+    Raises:
+        UsageError: the task has already ended.
+    """
+    from hypercli.cluster import cancel_on_nodes
+    t = state.task(wid, tid)
+    if t["status"] in TERMINAL_TASK:
+        raise UsageError(f"task {wid}/{tid} has already ended ({t['status']})")
+    now = time.time()
+    state.set_tasks(wid, [{"id": tid, "status": "cancelled", "ended_at": now}])
+    live = state.attempts(wid, tid, status=LIVE_ATTEMPT)
+    cancel_on_nodes(state, live, provider)
+    state.update_attempts([{"id": a["id"], "status": "cancelled", "ended_at": now}
+                           for a in live])
+    return 1
+
+
+def cancel_workflow(state: State, wid: str, provider) -> int:
+    """Cancel a workflow from outside its ``hyper run``: its live attempts are stopped on their
+    nodes and its unfinished tasks marked cancelled; a ``hyper run`` driving it notices and
+    ends. Returns the number of tasks cancelled."""
+    from hypercli.cluster import cancel_on_nodes
+    state.set_workflow(wid, status="cancelling")
+    live = state.attempts(wid, status=LIVE_ATTEMPT)
+    try:
+        cancel_on_nodes(state, live, provider)
+    except HyperError:
+        pass
+    now = time.time()
+    ids = [t["id"] for t in state.tasks(wid) if t["status"] not in TERMINAL_TASK]
+    with state.tx():
+        state.update_attempts([{"id": a["id"], "status": "cancelled", "ended_at": now}
+                               for a in live])
+        state.set_tasks(wid, [{"id": t, "status": "cancelled", "ended_at": now} for t in ids])
+        state.set_workflow(wid, status="cancelled", ended_at=now)
+    return len(ids)

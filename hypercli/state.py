@@ -1,0 +1,416 @@
+"""The state file: one SQLite database under ``$HYPER_HOME`` holding everything hypercli knows.
+
+Tables: clusters, nodes, workflows, experiments, tasks, attempts, events, and
+``schema_migrations`` (numbered migrations, each applied once, in order). This is the only
+module that writes SQL. JSON columns hold structured values (never pickle).
+
+Concurrency: WAL journal, so ``hyper ps`` reads while ``hyper run`` writes; a 10 s busy
+timeout for writers. The file is created with mode 0600 inside a 0700 folder: it names hosts,
+addresses and commands.
+
+Statuses:
+    task:     pending → running → succeeded | failed ; or skipped / cancelled
+    attempt:  launching → running → succeeded | failed | lost | cancelled | superseded
+    workflow: running → succeeded | failed | cancelled
+    cluster:  up | down ;  node: up | lost | down
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sqlite3
+import time
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from hypercli.errors import StateError, UsageError
+
+TERMINAL_TASK = ("succeeded", "failed", "skipped", "cancelled")
+LIVE_ATTEMPT = ("launching", "running")
+
+MIGRATIONS: list = []
+
+
+def migration(fn):
+    """Register a migration; its number is its position (1-based) in this module."""
+    MIGRATIONS.append(fn)
+    return fn
+
+
+@migration
+def m001_initial(db: sqlite3.Connection) -> None:
+    _script(db, """
+    CREATE TABLE clusters (
+        name TEXT PRIMARY KEY, provider TEXT NOT NULL, spec TEXT NOT NULL DEFAULT '{}',
+        status TEXT NOT NULL, created_at REAL NOT NULL, updated_at REAL NOT NULL);
+    CREATE TABLE nodes (
+        name TEXT PRIMARY KEY, cluster TEXT NOT NULL REFERENCES clusters(name),
+        provider_id TEXT, address TEXT NOT NULL DEFAULT '{}', slots INTEGER NOT NULL,
+        status TEXT NOT NULL, info TEXT NOT NULL DEFAULT '{}',
+        created_at REAL NOT NULL, updated_at REAL NOT NULL);
+    CREATE INDEX nodes_cluster ON nodes(cluster);
+    CREATE TABLE workflows (
+        id TEXT PRIMARY KEY, name TEXT NOT NULL, seq INTEGER NOT NULL, cluster TEXT NOT NULL,
+        recipe_path TEXT, digest TEXT NOT NULL, storage TEXT NOT NULL, workdir TEXT NOT NULL,
+        status TEXT NOT NULL, created_at REAL NOT NULL, ended_at REAL, driver_pid INTEGER);
+    CREATE INDEX workflows_name ON workflows(name, seq);
+    CREATE TABLE experiments (
+        workflow TEXT NOT NULL REFERENCES workflows(id), name TEXT NOT NULL,
+        position INTEGER NOT NULL, after TEXT NOT NULL, retries INTEGER NOT NULL,
+        image TEXT, workers INTEGER, PRIMARY KEY (workflow, name));
+    CREATE TABLE tasks (
+        workflow TEXT NOT NULL REFERENCES workflows(id), id TEXT NOT NULL,
+        experiment TEXT NOT NULL, idx INTEGER NOT NULL, params TEXT NOT NULL,
+        command TEXT NOT NULL, env TEXT NOT NULL, status TEXT NOT NULL,
+        attempts INTEGER NOT NULL DEFAULT 0, metrics TEXT, ended_at REAL,
+        PRIMARY KEY (workflow, id));
+    CREATE TABLE attempts (
+        id TEXT PRIMARY KEY, workflow TEXT NOT NULL, task TEXT NOT NULL,
+        number INTEGER NOT NULL, node TEXT NOT NULL, status TEXT NOT NULL,
+        exit_code INTEGER, error TEXT, metrics TEXT, created_at REAL NOT NULL,
+        started_at REAL, ended_at REAL);
+    CREATE INDEX attempts_task ON attempts(workflow, task);
+    CREATE INDEX attempts_live ON attempts(status) WHERE status IN ('launching', 'running');
+    CREATE TABLE events (
+        id INTEGER PRIMARY KEY AUTOINCREMENT, ts REAL NOT NULL, workflow TEXT,
+        task TEXT, attempt TEXT, node TEXT, kind TEXT NOT NULL, message TEXT NOT NULL);
+    """)
+
+
+def _script(db: sqlite3.Connection, sql: str) -> None:
+    """Run ``;``-separated statements inside the caller's transaction (``executescript``
+    would commit it)."""
+    for stmt in sql.split(";"):
+        if stmt.strip():
+            db.execute(stmt)
+
+
+def home() -> Path:
+    """The state folder: ``$HYPER_HOME``, else ``~/.hyper``. Created 0700 when missing."""
+    p = Path(os.environ.get("HYPER_HOME") or Path.home() / ".hyper").expanduser()
+    p.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return p
+
+
+def _dumps(value) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+class State:
+    """A connection to the state file.
+
+    Args:
+        path: the SQLite file; default ``home() / "state.db"``.
+    Raises:
+        StateError: the file cannot be created, is not a hypercli state file, or was written
+            by a newer hypercli (more migrations than this one knows).
+    """
+
+    def __init__(self, path: str | os.PathLike | None = None):
+        self.path = Path(path) if path else home() / "state.db"
+        try:
+            if not self.path.exists():
+                self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+                os.close(os.open(self.path, os.O_CREAT | os.O_WRONLY, 0o600))
+            self.db = sqlite3.connect(self.path, timeout=10.0, isolation_level=None,
+                                      check_same_thread=False)
+            self.db.row_factory = sqlite3.Row
+            self.db.execute("PRAGMA journal_mode=WAL")
+            self.db.execute("PRAGMA synchronous=NORMAL")
+            self.db.execute("PRAGMA foreign_keys=ON")
+            self._migrate()
+        except sqlite3.DatabaseError as e:
+            raise StateError(f"state file {self.path}: {e}",
+                             "move it aside or set HYPER_HOME to another folder") from None
+
+    def _migrate(self) -> None:
+        with self.tx():
+            self.db.execute("CREATE TABLE IF NOT EXISTS schema_migrations ("
+                            "version INTEGER PRIMARY KEY, name TEXT, applied_at REAL)")
+            done = {r[0] for r in self.db.execute("SELECT version FROM schema_migrations")}
+            if done and max(done) > len(MIGRATIONS):
+                raise StateError(f"state file {self.path} is from a newer hypercli "
+                                 f"(schema {max(done)}, this one knows {len(MIGRATIONS)})",
+                                 "upgrade hypercli")
+            for n, fn in enumerate(MIGRATIONS, 1):
+                if n not in done:
+                    fn(self.db)
+                    self.db.execute("INSERT INTO schema_migrations VALUES (?,?,?)",
+                                    (n, fn.__name__, time.time()))
+
+    @contextlib.contextmanager
+    def tx(self) -> Iterator[sqlite3.Connection]:
+        """A write transaction (BEGIN IMMEDIATE); commits on success, rolls back on error.
+        Nested use joins the outer transaction."""
+        if self.db.in_transaction:
+            yield self.db
+            return
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            yield self.db
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        self.db.execute("COMMIT")
+
+    def close(self) -> None:
+        self.db.close()
+
+    def schema_version(self) -> int:
+        return self.db.execute("SELECT MAX(version) FROM schema_migrations").fetchone()[0]
+
+    # -- clusters and nodes -------------------------------------------------------------
+    def put_cluster(self, name: str, provider: str, spec: dict, status: str = "up") -> None:
+        now = time.time()
+        with self.tx() as db:
+            db.execute("INSERT INTO clusters VALUES (?,?,?,?,?,?) ON CONFLICT(name) DO UPDATE "
+                       "SET provider=excluded.provider, spec=excluded.spec, "
+                       "status=excluded.status, updated_at=excluded.updated_at",
+                       (name, provider, _dumps(spec), status, now, now))
+
+    def cluster(self, name: str) -> dict | None:
+        r = self.db.execute("SELECT * FROM clusters WHERE name=?", (name,)).fetchone()
+        return _row(r, "spec")
+
+    def clusters(self) -> list[dict]:
+        rows = self.db.execute("SELECT * FROM clusters ORDER BY created_at").fetchall()
+        return [_row(r, "spec") for r in rows]
+
+    def set_cluster_status(self, name: str, status: str) -> None:
+        with self.tx() as db:
+            db.execute("UPDATE clusters SET status=?, updated_at=? WHERE name=?",
+                       (status, time.time(), name))
+
+    def put_node(self, cluster: str, name: str, *, slots: int, provider_id: str | None = None,
+                 address: dict | None = None, status: str = "up", info: dict | None = None):
+        now = time.time()
+        with self.tx() as db:
+            db.execute("INSERT INTO nodes VALUES (?,?,?,?,?,?,?,?,?) ON CONFLICT(name) DO UPDATE "
+                       "SET cluster=excluded.cluster, provider_id=excluded.provider_id, "
+                       "address=excluded.address, slots=excluded.slots, status=excluded.status, "
+                       "info=excluded.info, updated_at=excluded.updated_at",
+                       (name, cluster, provider_id, _dumps(address or {}), slots, status,
+                        _dumps(info or {}), now, now))
+
+    def nodes(self, cluster: str, status: str | None = None) -> list[dict]:
+        q, args = "SELECT * FROM nodes WHERE cluster=?", [cluster]
+        if status:
+            q, args = q + " AND status=?", args + [status]
+        rows = self.db.execute(q + " ORDER BY created_at, name", args).fetchall()
+        return [_row(r, "address", "info") for r in rows]
+
+    def set_node_status(self, name: str, status: str) -> None:
+        with self.tx() as db:
+            db.execute("UPDATE nodes SET status=?, updated_at=? WHERE name=?",
+                       (status, time.time(), name))
+
+    # -- workflows ----------------------------------------------------------------------
+    def create_workflow(self, wf, *, cluster: str, recipe_path: str | None, storage: str,
+                        workdir: str) -> str:
+        """Store a planned workflow (``hypercli.plan.Workflow``) with all its tasks pending.
+
+        Returns:
+            the new workflow id, ``<name>-<seq>`` with seq counting from 1 per recipe name.
+        """
+        now = time.time()
+        with self.tx() as db:
+            seq = db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM workflows WHERE name=?",
+                             (wf.name,)).fetchone()[0]
+            wid = f"{wf.name}-{seq}"
+            db.execute("INSERT INTO workflows VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                       (wid, wf.name, seq, cluster, recipe_path, wf.digest, storage, workdir,
+                        "running", now, None, None))
+            db.executemany("INSERT INTO experiments VALUES (?,?,?,?,?,?,?)",
+                           [(wid, e.name, i, _dumps(list(e.after)), e.retries, e.image,
+                             e.workers) for i, e in enumerate(wf.experiments)])
+            db.executemany("INSERT INTO tasks (workflow, id, experiment, idx, params, command,"
+                           " env, status) VALUES (?,?,?,?,?,?,?, 'pending')",
+                           ((wid, t.id, t.experiment, t.index, _dumps(t.params), t.command,
+                             _dumps(t.env)) for t in wf.tasks))
+            self._event(db, "workflow", f"planned {len(wf.tasks)} tasks", workflow=wid)
+        return wid
+
+    def workflow(self, ref: str) -> dict:
+        """A workflow by id (``quickstart-3``) or by recipe name (its newest workflow).
+
+        Raises:
+            UsageError: no workflow has that id or name.
+        """
+        r = self.db.execute("SELECT * FROM workflows WHERE id=?", (ref,)).fetchone()
+        if r is None:
+            r = self.db.execute("SELECT * FROM workflows WHERE name=? ORDER BY seq DESC LIMIT 1",
+                                (ref,)).fetchone()
+        if r is None:
+            known = [x[0] for x in self.db.execute(
+                "SELECT id FROM workflows ORDER BY created_at DESC LIMIT 5")]
+            raise UsageError(f"no workflow named {ref!r}",
+                             f"known: {', '.join(known)}" if known else "run `hyper run RECIPE`")
+        return dict(r)
+
+    def workflows(self, limit: int = 50) -> list[dict]:
+        rows = self.db.execute("SELECT * FROM workflows ORDER BY created_at DESC LIMIT ?",
+                               (limit,)).fetchall()
+        return [dict(r) for r in rows]
+
+    def latest_workflow(self, name: str) -> dict | None:
+        r = self.db.execute("SELECT * FROM workflows WHERE name=? ORDER BY seq DESC LIMIT 1",
+                            (name,)).fetchone()
+        return dict(r) if r else None
+
+    def set_workflow(self, wid: str, **fields) -> None:
+        """Update workflow columns (status, ended_at, driver_pid)."""
+        cols = ", ".join(f"{k}=?" for k in fields)
+        with self.tx() as db:
+            db.execute(f"UPDATE workflows SET {cols} WHERE id=?", (*fields.values(), wid))
+
+    def experiments(self, wid: str) -> list[dict]:
+        rows = self.db.execute("SELECT * FROM experiments WHERE workflow=? ORDER BY position",
+                               (wid,)).fetchall()
+        return [_row(r, "after") for r in rows]
+
+    # -- tasks and attempts -------------------------------------------------------------
+    def tasks(self, wid: str, *, status: Iterable[str] | None = None) -> list[dict]:
+        q, args = "SELECT * FROM tasks WHERE workflow=?", [wid]
+        if status:
+            status = list(status)
+            q += f" AND status IN ({','.join('?' * len(status))})"
+            args += status
+        rows = self.db.execute(q + " ORDER BY rowid", args).fetchall()
+        return [_row(r, "params", "env", "metrics") for r in rows]
+
+    def task(self, wid: str, task_id: str) -> dict:
+        r = self.db.execute("SELECT * FROM tasks WHERE workflow=? AND id=?",
+                            (wid, task_id)).fetchone()
+        if r is None:
+            raise UsageError(f"workflow {wid} has no task {task_id!r}",
+                             f"`hyper ps {wid}` lists its tasks")
+        return _row(r, "params", "env", "metrics")
+
+    def find_task(self, ref: str) -> tuple[str, str]:
+        """Resolve ``TASK`` or ``WORKFLOW/TASK`` to (workflow id, task id); a bare task id
+        means the newest workflow that has it.
+
+        Raises:
+            UsageError: no such task.
+        """
+        if "/" in ref:
+            wref, tid = ref.rsplit("/", 1)
+            wid = self.workflow(wref)["id"]
+            one = self.db.execute("SELECT MIN(id), COUNT(*) FROM tasks WHERE workflow=? AND "
+                                  "experiment=?", (wid, tid)).fetchone()
+            if one[1] == 1:
+                tid = one[0]
+            self.task(wid, tid)
+            return wid, tid
+        r = self.db.execute("SELECT t.workflow, t.id FROM tasks t JOIN workflows w ON "
+                            "w.id=t.workflow WHERE t.id=? ORDER BY w.created_at DESC LIMIT 1",
+                            (ref,)).fetchone()
+        if r is None:  # an experiment of one task may be named by the experiment
+            r = self.db.execute("SELECT t.workflow, MIN(t.id), COUNT(*) AS n FROM tasks t JOIN "
+                                "workflows w ON w.id=t.workflow WHERE t.experiment=? GROUP BY "
+                                "t.workflow ORDER BY w.created_at DESC LIMIT 1", (ref,)).fetchone()
+            if r is not None and r["n"] != 1:
+                r = None
+        if r is None:
+            raise UsageError(f"no task {ref!r}", "give it as WORKFLOW/TASK, see `hyper ps`")
+        return r[0], r[1]
+
+    def counts(self, wid: str) -> dict[str, dict[str, int]]:
+        """experiment → {status: number of tasks}."""
+        out: dict[str, dict[str, int]] = {}
+        for exp, status, n in self.db.execute(
+                "SELECT experiment, status, COUNT(*) FROM tasks WHERE workflow=? "
+                "GROUP BY experiment, status", (wid,)):
+            out.setdefault(exp, {})[status] = n
+        return out
+
+    def attempts(self, wid: str, task: str | None = None, *,
+                 status: Iterable[str] | None = None) -> list[dict]:
+        q, args = "SELECT * FROM attempts WHERE workflow=?", [wid]
+        if task:
+            q, args = q + " AND task=?", args + [task]
+        if status:
+            status = list(status)
+            q += f" AND status IN ({','.join('?' * len(status))})"
+            args += status
+        rows = self.db.execute(q + " ORDER BY created_at, number", args).fetchall()
+        return [_row(r, "metrics") for r in rows]
+
+    def live_attempts(self, node: str | None = None) -> list[dict]:
+        q, args = "SELECT * FROM attempts WHERE status IN ('launching','running')", []
+        if node:
+            q, args = q + " AND node=?", [node]
+        return [_row(r, "metrics") for r in self.db.execute(q, args).fetchall()]
+
+    def start_attempts(self, rows: list[tuple[str, str, str, int, str]]) -> None:
+        """Record attempts about to be launched, in one transaction, before the launch is sent
+        (write-ahead: a resumed run re-sends launches the node never got).
+
+        Args:
+            rows: (attempt id, workflow id, task id, attempt number, node name) tuples.
+        """
+        now = time.time()
+        with self.tx() as db:
+            db.executemany("INSERT INTO attempts (id, workflow, task, number, node, status,"
+                           " created_at) VALUES (?,?,?,?,?,'launching',?)",
+                           [(*r, now) for r in rows])
+            db.executemany("UPDATE tasks SET status='running', attempts=? "
+                           "WHERE workflow=? AND id=?", [(r[3], r[1], r[2]) for r in rows])
+
+    def update_attempts(self, updates: list[dict]) -> None:
+        """Apply attempt changes in one transaction.
+
+        Args:
+            updates: dicts with ``id`` and any of status, exit_code, error, metrics (dict),
+                started_at, ended_at (unix seconds).
+        """
+        with self.tx() as db:
+            for u in updates:
+                u = dict(u)
+                aid = u.pop("id")
+                if "metrics" in u:
+                    u["metrics"] = _dumps(u["metrics"]) if u["metrics"] is not None else None
+                cols = ", ".join(f"{k}=?" for k in u)
+                db.execute(f"UPDATE attempts SET {cols} WHERE id=?", (*u.values(), aid))
+
+    def set_tasks(self, wid: str, updates: list[dict]) -> None:
+        """Apply task changes (``id`` + status, metrics, ended_at) in one transaction."""
+        with self.tx() as db:
+            for u in updates:
+                u = dict(u)
+                tid = u.pop("id")
+                if "metrics" in u:
+                    u["metrics"] = _dumps(u["metrics"]) if u["metrics"] is not None else None
+                cols = ", ".join(f"{k}=?" for k in u)
+                db.execute(f"UPDATE tasks SET {cols} WHERE workflow=? AND id=?",
+                           (*u.values(), wid, tid))
+
+    # -- events -------------------------------------------------------------------------
+    @staticmethod
+    def _event(db, kind: str, message: str, **ids) -> None:
+        db.execute("INSERT INTO events (ts, workflow, task, attempt, node, kind, message) "
+                   "VALUES (?,?,?,?,?,?,?)", (time.time(), ids.get("workflow"), ids.get("task"),
+                                              ids.get("attempt"), ids.get("node"), kind, message))
+
+    def event(self, kind: str, message: str, **ids) -> None:
+        """Append to the event log (kind: workflow, attempt, node, cluster; ids: workflow,
+        task, attempt, node)."""
+        with self.tx() as db:
+            self._event(db, kind, message, **ids)
+
+    def events(self, wid: str, limit: int = 200) -> list[dict]:
+        rows = self.db.execute("SELECT * FROM events WHERE workflow=? ORDER BY id DESC LIMIT ?",
+                               (wid, limit)).fetchall()
+        return [dict(r) for r in reversed(rows)]
+
+
+def _row(r: sqlite3.Row | None, *json_cols: str) -> dict | None:
+    if r is None:
+        return None
+    d = dict(r)
+    for c in json_cols:
+        if d.get(c) is not None:
+            d[c] = json.loads(d[c])
+    return d

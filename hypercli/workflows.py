@@ -1,0 +1,239 @@
+"""Workflows as the user sees them: start or resume one from a recipe, its results, its logs.
+
+The functions here are what the CLI commands call; each takes plain values and returns plain
+values (dicts, lists), so the CLI only parses and renders.
+
+Resume rule: ``hyper run RECIPE`` continues the newest workflow of the recipe's name when that
+workflow has not ended and was planned from the same tasks (same plan digest); otherwise it
+starts a new workflow ``<name>-<n+1>``. A workflow is driven by one ``hyper run`` at a time,
+enforced with an flock on ``$HYPER_HOME/locks/<workflow>.lock`` (released by the kernel when
+that process dies, even by SIGKILL).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+from hypercli import cluster as C
+from hypercli import state as S
+from hypercli.errors import HyperError, UsageError
+from hypercli.plan import Workflow, build_plan
+from hypercli.providers import get_provider
+from hypercli.recipe import Recipe, load_recipe
+
+
+def default_storage() -> str:
+    """``file://$HYPER_HOME/storage``: where outputs go when the recipe names no storage."""
+    return "file://" + str(S.home() / "storage")
+
+
+def load(recipe_path: str) -> tuple[Recipe, Workflow]:
+    """Read, validate and plan a recipe. Raises RecipeError."""
+    recipe = load_recipe(recipe_path)
+    return recipe, build_plan(recipe)
+
+
+class Lock:
+    """An exclusive flock on ``$HYPER_HOME/locks/<name>.lock``; the holder's pid is inside.
+
+    Raises (from acquire):
+        UsageError: another live process holds it (its pid is in the message).
+    """
+
+    def __init__(self, name: str):
+        d = S.home() / "locks"
+        d.mkdir(exist_ok=True, mode=0o700)
+        self.path = d / f"{name}.lock"
+        self.fd = None
+
+    def acquire(self) -> "Lock":
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            pid = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise UsageError(f"{self.path.stem} is being run by another `hyper run` (pid {pid})",
+                             "wait for it, or stop it first") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def start_or_resume(state: S.State, recipe: Recipe, wf: Workflow, *, new: bool = False
+                    ) -> tuple[str, bool]:
+    """The workflow ``hyper run`` should drive (see the resume rule in the module docstring).
+
+    Args:
+        new: always start a new workflow.
+    Returns:
+        (workflow id, resumed?).
+    Raises:
+        UsageError: the newest workflow of this name is unfinished but was planned from a
+            different recipe (the message says how to go on).
+    """
+    last = state.latest_workflow(wf.name)
+    if last and not new and last["status"] in ("running", "cancelling"):
+        if last["digest"] == wf.digest:
+            return last["id"], True
+        raise UsageError(f"workflow {last['id']} of recipe {wf.name} has not ended and was "
+                         "planned from a different version of the recipe",
+                         f"`hyper run --new` starts another, `hyper cancel {last['id']}` "
+                         "ends it")
+    storage = recipe.storage or default_storage()
+    wid = state.create_workflow(wf, cluster=recipe.cluster.name, recipe_path=recipe.path,
+                                storage=storage, workdir=recipe.workdir)
+    return wid, False
+
+
+def provider_of(state: S.State, cluster_name: str):
+    c = state.cluster(cluster_name)
+    if c is None:
+        raise UsageError(f"no cluster named {cluster_name!r}", "`hyper status` lists them")
+    return get_provider(c["provider"])
+
+
+def results(state: S.State, ref: str, sort: str | None = None, ascending: bool = False
+            ) -> tuple[str, str | None, list[dict]]:
+    """Tasks of a workflow with their parameters and last reported metrics, best first.
+
+    Args:
+        ref: workflow id or recipe name (newest workflow).
+        sort: metric to order by; default the first metric any task reported.
+        ascending: smallest first (for losses); default largest first.
+    Returns:
+        (workflow id, the metric sorted by or None, rows) where each row has task, experiment,
+        status, params (dict), metrics (dict), attempts (int). Tasks without the metric last.
+    Raises:
+        UsageError: unknown workflow.
+    """
+    wid = state.workflow(ref)["id"]
+    rows = [{"task": t["id"], "experiment": t["experiment"], "status": t["status"],
+             "params": t["params"], "metrics": t["metrics"] or {}, "attempts": t["attempts"]}
+            for t in state.tasks(wid)]
+    if sort is None:
+        sort = next((k for r in rows for k in r["metrics"]), None)
+    if sort is not None:
+        def key(r):
+            v = r["metrics"].get(sort)
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+            return (0, v if ascending else -v) if ok else (1, 0)
+        rows.sort(key=key)
+    return wid, sort, rows
+
+
+def pick_attempt(state: S.State, ref: str, number: int | None = None) -> dict:
+    """The attempt of a task (``TASK`` or ``WORKFLOW/TASK``): number N, else the newest.
+
+    Raises:
+        UsageError: unknown task, no such attempt, or the task never started.
+    """
+    wid, tid = state.find_task(ref)
+    attempts = state.attempts(wid, tid)
+    if not attempts:
+        raise UsageError(f"task {wid}/{tid} has not started yet", "`hyper ps` shows its status")
+    if number is None:
+        return attempts[-1]
+    for a in attempts:
+        if a["number"] == number:
+            return a
+    raise UsageError(f"task {wid}/{tid} has no attempt {number}",
+                     f"it has attempts 1..{len(attempts)}")
+
+
+def log_chunks(state: S.State, attempt: dict, *, follow: bool = False,
+               interval: float = 0.25) -> Iterator[tuple[str, bytes]]:
+    """Yield (stream, bytes) of an attempt's stdout and stderr, read by offset from its node;
+    with ``follow``, until the attempt ends. Falls back to the copy in ``$HYPER_HOME/logs``
+    when the node cannot be reached.
+
+    Raises:
+        InfraError: the node is unreachable and no copy exists.
+    """
+    wf = state.workflow(attempt["workflow"])
+    copy = S.home() / "logs" / attempt["id"]
+    try:
+        node = next(n for n in state.nodes(wf["cluster"]) if n["name"] == attempt["node"])
+        client = provider_of(state, wf["cluster"]).connect(node)
+    except (StopIteration, HyperError):
+        if not copy.exists():
+            raise
+        for stream in ("stdout", "stderr"):
+            p = copy / stream
+            if p.exists():
+                yield stream, p.read_bytes()
+        return
+    offsets = {"stdout": 0, "stderr": 0}
+    try:
+        while True:
+            done = True
+            for stream in offsets:
+                while True:
+                    r = client.read(attempt["id"], stream, offsets[stream])
+                    offsets[stream] = r["offset"]
+                    if r["data"]:
+                        yield stream, r["data"]
+                    if len(r["data"]) < (1 << 20):
+                        break
+                done = done and r["done"]
+            if not follow or done:
+                return
+            time.sleep(interval)
+    finally:
+        client.close()
+
+
+def cancel(state: S.State, ref: str) -> tuple[str, int]:
+    """Cancel a workflow (id or name) or one task (``WORKFLOW/TASK``).
+
+    Returns:
+        (what was cancelled, number of tasks cancelled).
+    """
+    from hypercli.scheduler import cancel_task, cancel_workflow
+    if "/" in ref:
+        wid, tid = state.find_task(ref)
+        wf = state.workflow(wid)
+        return f"{wid}/{tid}", cancel_task(state, wid, tid, provider_of(state, wf["cluster"]))
+    wf = state.workflow(ref)
+    if wf["status"] not in ("running", "cancelling"):
+        raise UsageError(f"workflow {wf['id']} has already ended ({wf['status']})")
+    return wf["id"], cancel_workflow(state, wf["id"], provider_of(state, wf["cluster"]))
+
+
+def up(state: S.State, recipe: Recipe) -> list[dict]:
+    """Bring the recipe's cluster up; returns its nodes."""
+    return C.up(state, recipe.cluster)
+
+
+def prepare_run(state: S.State, recipe_path: str, *, new: bool = False,
+                log: Callable[[str], None] = lambda s: None):
+    """Everything ``hyper run`` does before its loop: plan, pick the workflow, lock it, bring
+    the cluster up. Returns (workflow id, resumed?, provider, nodes, lock)."""
+    recipe, wf = load(recipe_path)
+    wid, resumed = start_or_resume(state, recipe, wf, new=new)
+    lock = Lock(wid).acquire()
+    try:
+        nodes = C.up(state, recipe.cluster)
+        provider = get_provider(recipe.cluster.provider)
+    except BaseException:
+        lock.release()
+        raise
+    log(f"{'resuming' if resumed else 'starting'} workflow {wid}: {len(wf.tasks)} tasks on "
+        f"{len(nodes)} {recipe.cluster.provider} nodes")
+    return wid, resumed, provider, nodes, lock
+
+
+def storage_folder(state: S.State, wid: str) -> Path | None:
+    """The output folder of a workflow whose storage is a ``file://`` folder, else None."""
+    storage = state.workflow(wid)["storage"]
+    return Path(storage[7:]) / wid if storage.startswith("file://") else None
