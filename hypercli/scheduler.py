@@ -411,7 +411,7 @@ class Scheduler:
         """
         self.state.set_workflow(self.wid, driver_pid=os.getpid(), status="running")
         interrupted = []
-        old = {s: signal.signal(s, lambda *_: interrupted.append(s))
+        old = {s: signal.signal(s, lambda signum, frame: interrupted.append(signum))
                for s in (signal.SIGINT, signal.SIGTERM)}
         for w in self.workers.values():
             w.start()

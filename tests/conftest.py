@@ -1,0 +1,87 @@
+"""Shared fixtures: an isolated HYPER_HOME, recipe files, and the `hyper` command.
+
+Every test that runs tasks uses ``hyper_home``; at teardown it stops, by the pids recorded in
+the attempt folders, any task process group still alive, so no test leaves processes behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _kill_leftovers(home: Path) -> None:
+    for pidfile in home.glob("local/tasks/*/pid"):
+        try:
+            pid = json.loads(pidfile.read_text()).get("pid")
+        except (OSError, ValueError):
+            continue
+        if pid and not (pidfile.parent / "exit").exists():
+            try:
+                os.killpg(int(pid), signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+@pytest.fixture
+def hyper_home(tmp_path, monkeypatch):
+    """A fresh ``$HYPER_HOME`` for the test (also exported to subprocesses)."""
+    home = tmp_path / "hyper-home"
+    monkeypatch.setenv("HYPER_HOME", str(home))
+    yield home
+    _kill_leftovers(home)
+
+
+@pytest.fixture
+def write_recipe(tmp_path):
+    """write_recipe(text, name="r.yaml") → path of a recipe file in a temp folder."""
+    def write(text: str, name: str = "r.yaml") -> Path:
+        p = tmp_path / name
+        p.write_text(textwrap.dedent(text))
+        return p
+    return write
+
+
+def hyper_cmd() -> list[str]:
+    """The installed ``hyper`` console script when on PATH beside this Python, else
+    ``python -m hypercli``."""
+    exe = Path(sys.executable).parent / "hyper"
+    if exe.exists():
+        return [str(exe)]
+    found = shutil.which("hyper")
+    return [found] if found else [sys.executable, "-m", "hypercli"]
+
+
+@pytest.fixture
+def hyper(hyper_home):
+    """hyper(*args, timeout=120, **popen_kw) → CompletedProcess of the real CLI."""
+    def run(*args, timeout: float = 120, check: bool = False, **kw):
+        env = dict(os.environ, COLUMNS="200")
+        p = subprocess.run([*hyper_cmd(), *map(str, args)], capture_output=True, text=True,
+                           timeout=timeout, env=env, cwd=kw.pop("cwd", ROOT), **kw)
+        if check and p.returncode != 0:
+            raise AssertionError(f"hyper {args} exited {p.returncode}:\n{p.stdout}\n{p.stderr}")
+        return p
+    return run
+
+
+def wait_for(pred, timeout: float = 30, interval: float = 0.05, what: str = "condition"):
+    """Poll pred() until truthy; returns its value or fails the test after timeout (s)."""
+    end = time.time() + timeout
+    while time.time() < end:
+        v = pred()
+        if v:
+            return v
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
