@@ -1,0 +1,203 @@
+"""A `hyper run` killed (SIGKILL), interrupted (Ctrl-C) or cancelled from another process:
+tasks survive the CLI, a new run re-attaches instead of restarting, nothing runs twice."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import select
+import signal
+import subprocess
+import time
+
+from conftest import ROOT, hyper_cmd, wait_for
+from hypercli.scheduler import Scheduler
+from hypercli.state import State
+from hypercli.workflows import prepare_run
+
+RECIPE = """
+    name: slow
+    cluster: {workers: 2}
+    experiments:
+      work:
+        parameters: {i: [1, 2, 3, 4, 5]}
+        command: |
+          echo "$HYPER_ATTEMPT $$" >> "$HYPER_OUTPUT/runs"
+          sleep 1.2
+          echo '{"done": {{i}}}' >> "$HYPER_METRICS"
+"""
+
+
+def start_run(path, *args, **kw) -> subprocess.Popen:
+    return subprocess.Popen([*hyper_cmd(), "run", str(path), *args], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def live_attempts(wid: str = "slow-1") -> list[dict]:
+    try:
+        return State().attempts(wid, status=["running"])
+    except Exception:  # workflow not created yet
+        return []
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def task_pids(home, attempts) -> list[int]:
+    return [json.loads((home / "local" / "tasks" / a["id"] / "pid").read_text())["pid"]
+            for a in attempts]
+
+
+def assert_each_task_ran_once(home, wid="slow-1"):
+    state = State()
+    for t in state.tasks(wid):
+        attempts = state.attempts(wid, t["id"])
+        assert [a["status"] for a in attempts].count("succeeded") == 1, attempts
+        assert t["status"] == "succeeded"
+        runs = (home / "storage" / wid / t["id"] / "runs").read_text().splitlines()
+        assert len(runs) == 1, (t["id"], runs)  # the command itself ran exactly once
+
+
+def test_sigkilled_run_resumes_and_reattaches(hyper_home, write_recipe, hyper):
+    path = write_recipe(RECIPE)
+    p = start_run(path)
+    running = wait_for(lambda: len(live_attempts()) == 2 and live_attempts(), what="2 running")
+    p.kill()
+    p.wait(timeout=10)
+    pids = task_pids(hyper_home, running)
+    assert all(alive(pid) for pid in pids)  # the tasks outlived the CLI
+    r = hyper("run", path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "resuming workflow slow-1" in r.stdout
+    assert_each_task_ran_once(hyper_home)
+    state = State()
+    for a in running:  # re-attached: the same attempt succeeded, no second attempt
+        assert state.attempts("slow-1", a["task"])[0]["id"] == a["id"]
+        assert state.task("slow-1", a["task"])["attempts"] == 1
+
+
+def test_launch_written_ahead_but_never_sent_is_sent_on_resume(hyper_home, write_recipe):
+    path = write_recipe(RECIPE)
+    state = State()
+    wid, _, provider, nodes, lock = prepare_run(state, str(path))
+    # the previous run died between recording the launch and sending it
+    state.start_attempts([(f"{wid}.work-0000.1", wid, "work-0000", 1, nodes[0]["name"])])
+    try:
+        summary = Scheduler(state, wid, provider, nodes).run()
+    finally:
+        lock.release()
+    assert summary.exit_code == 0
+    assert [a["id"] for a in state.attempts(wid, "work-0000")] == [f"{wid}.work-0000.1"]
+    assert_each_task_ran_once(hyper_home, wid)
+
+
+def test_second_run_of_a_driven_workflow_is_refused(hyper_home, write_recipe, hyper):
+    path = write_recipe(RECIPE)
+    p = start_run(path)
+    try:
+        wait_for(live_attempts, what="running attempts")
+        r = hyper("run", path)
+        assert r.returncode == 2
+        assert f"pid {p.pid}" in r.stderr
+    finally:
+        p.wait(timeout=60)
+    assert p.returncode == 0
+
+
+def test_interrupt_cancel_stops_tasks(hyper_home, write_recipe):
+    path = write_recipe(RECIPE)
+    p = start_run(path, "--on-interrupt", "cancel")
+    running = wait_for(lambda: len(live_attempts()) == 2 and live_attempts(), what="running")
+    pids = task_pids(hyper_home, running)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=30)
+    assert p.returncode == 1, out + err
+    wait_for(lambda: not any(alive(pid) for pid in pids), timeout=10, what="tasks to stop")
+    state = State()
+    assert {t["status"] for t in state.tasks("slow-1")} == {"cancelled"}
+    assert state.workflow("slow-1")["status"] == "cancelled"
+    assert {a["status"] for a in state.attempts("slow-1")} == {"cancelled"}
+
+
+def test_interrupt_leave_keeps_tasks_then_run_resumes(hyper_home, write_recipe, hyper):
+    path = write_recipe(RECIPE)
+    p = start_run(path, "--on-interrupt", "leave")
+    running = wait_for(lambda: len(live_attempts()) == 2 and live_attempts(), what="running")
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=30)
+    assert p.returncode == 130, out + err
+    assert "left slow-1 running" in out
+    assert all(alive(pid) for pid in task_pids(hyper_home, running))
+    r = hyper("run", path)
+    assert r.returncode == 0, r.stderr
+    assert_each_task_ran_once(hyper_home)
+
+
+def test_ctrl_c_asks_on_a_terminal(hyper_home, write_recipe):
+    path = write_recipe(RECIPE)
+    pid, fd = pty.fork()
+    if pid == 0:  # child: the real CLI on a terminal
+        os.chdir(ROOT)
+        os.execvp(hyper_cmd()[0], [*hyper_cmd(), "run", str(path)])
+    buf = b""
+
+    def read_until(token: bytes, timeout: float = 30) -> None:
+        nonlocal buf
+        end = time.time() + timeout
+        while token not in buf and time.time() < end:
+            if select.select([fd], [], [], 0.2)[0]:
+                try:
+                    buf += os.read(fd, 4096)
+                except OSError:
+                    break
+        assert token in buf, buf.decode(errors="replace")[-2000:]
+
+    try:
+        wait_for(lambda: len(live_attempts()) == 2, what="running")
+        os.write(fd, b"\x03")  # Ctrl-C, delivered by the terminal as SIGINT
+        read_until(b"leave the tasks running or cancel them?")
+        os.write(fd, b"cancel\r")
+        read_until(b"workflow slow-1:")
+    finally:
+        _, status = os.waitpid(pid, 0)
+        os.close(fd)
+    assert os.waitstatus_to_exitcode(status) == 1
+    assert {t["status"] for t in State().tasks("slow-1")} == {"cancelled"}
+
+
+def test_cancel_from_another_process_and_ps_while_running(hyper_home, write_recipe, hyper):
+    path = write_recipe(RECIPE)
+    p = start_run(path)
+    running = wait_for(lambda: len(live_attempts()) == 2 and live_attempts(), what="running")
+    for _ in range(3):  # readers are not blocked by the writing run
+        r = hyper("ps", "slow-1", "--json")
+        assert r.returncode == 0 and len(json.loads(r.stdout)) == 5
+    r = hyper("cancel", "slow")
+    assert r.returncode == 0 and "cancelled slow-1" in r.stdout
+    out, err = p.communicate(timeout=30)
+    assert p.returncode == 1, out + err
+    assert not any(alive(pid) for pid in task_pids(hyper_home, running))
+    assert State().workflow("slow-1")["status"] == "cancelled"
+    r = hyper("cancel", "slow-1")
+    assert r.returncode == 2 and "already ended" in r.stderr
+
+
+def test_cancel_one_task(hyper_home, write_recipe, hyper):
+    path = write_recipe(RECIPE)
+    p = start_run(path)
+    wait_for(lambda: live_attempts(), what="running")
+    r = hyper("cancel", "slow-1/work-0004")  # still pending: never launched
+    assert r.returncode == 0, r.stderr
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 1, out + err
+    state = State()
+    status = {t["id"]: t["status"] for t in state.tasks("slow-1")}
+    assert status.pop("work-0004") == "cancelled"
+    assert set(status.values()) == {"succeeded"}
+    assert state.attempts("slow-1", "work-0004") == []
