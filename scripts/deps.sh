@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Debian packages the test suite needs. Installs the missing ones when run as root on a
+# Debian-like system; otherwise prints what is missing and goes on.
+set -euo pipefail
+packages=(python3-venv)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+done
+# python3 -m venv works without python3-venv when Python is not Debian's own.
+if python3 -c 'import venv, ensurepip' 2>/dev/null; then
+  missing=("${missing[@]/python3-venv}")
+fi
+missing=($(printf '%s\n' "${missing[@]}" | sed '/^$/d'))
+[ ${#missing[@]} -eq 0 ] && exit 0
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq "${missing[@]}" >/dev/null
+else
+  echo "missing Debian packages (install them as root): ${missing[*]}" >&2
+fi
