@@ -149,7 +149,7 @@ def load_recipe(path: str | os.PathLike) -> Recipe:
     Returns:
         the :class:`Recipe`, with ``path`` as given and ``name`` defaulting to the file's stem.
     Raises:
-        RecipeError: missing file, a folder, unreadable, over 1 MiB, not UTF-8, or any problem
+        RecipeError: missing file, a folder, unreadable, over 256 KiB, not UTF-8, or any problem
             :func:`parse_recipe` reports.
     """
     try:

@@ -338,7 +338,7 @@ def test_missing_file(tmp_path):
 def test_folder_big_binary_and_empty_files(tmp_path):
     cases = {"dir": None, "big.yaml": b"# x\n" * (1 << 18) + b"\n", "bin.yaml": b"a: 1\n\xff\n",
              "empty.yaml": b"  \n# nothing\n"}
-    expected = {"dir": "is a folder", "big.yaml": "larger than 1 MiB",
+    expected = {"dir": "is a folder", "big.yaml": "larger than 256 KiB",
                 "bin.yaml": "not UTF-8", "empty.yaml": "recipe is empty"}
     for name, data in cases.items():
         p = tmp_path / name

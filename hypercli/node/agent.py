@@ -319,20 +319,30 @@ def _write_json(path, obj):
     os.replace(tmp, path)  # atomic: a reader sees the old file or the whole new one
 
 
-def _command(d, spec):
-    """argv of the task: the script under bash/sh, or inside ``docker run`` for an image."""
+def _command(d, spec, env):
+    """argv of the task: the script under bash/sh, or inside ``docker run`` for an image.
+
+    In a container the attempt folder, the output folder and the working folder are bound at
+    the same paths, so every ``HYPER_*`` path means the same inside and out; ``env`` names are
+    passed with ``-e NAME`` (values come from the environment, never the command line).
+    """
     shell = "/bin/bash" if os.path.exists("/bin/bash") else "/bin/sh"
     script = os.path.join(d, "script.sh")
     if not spec.get("image"):
         return [shell, script]
     docker = shutil.which("docker") or "docker"
-    argv = [docker, "run", "--rm", "--name", "hyper-" + spec["id"], "--init",
-            "-v", "%s:%s" % (d, d), "-w", spec.get("cwd") or "/"]
+    argv = [docker, "run", "--rm", "--name", "hyper-" + spec["id"], "-v", "%s:%s" % (d, d)]
+    binds = dict(spec.get("binds") or {})
+    for path in (spec.get("output"), spec.get("outputs"), spec.get("cwd")):
+        if path and os.path.isdir(path):
+            binds.setdefault(path, path)
+    for host_path, path in sorted(binds.items()):
+        argv += ["-v", "%s:%s" % (host_path, path)]
+    if spec.get("cwd"):
+        argv += ["-w", spec["cwd"]]
     if spec.get("gpus"):
         argv += ["--gpus", "all"]
-    for host_path, path in sorted((spec.get("binds") or {}).items()):
-        argv += ["-v", "%s:%s" % (host_path, path)]
-    for k in sorted(spec.get("env") or {}):
+    for k in sorted(spec.get("env") or {}) + ["HYPER_METRICS"]:
         argv += ["-e", k]
     return argv + [spec["image"], "sh", script]
 
@@ -360,7 +370,7 @@ def _supervise(d, spec):
             os.makedirs(spec["output"], exist_ok=True)
         with open(os.path.join(d, "stdout"), "ab") as out, \
                 open(os.path.join(d, "stderr"), "ab") as err:
-            proc = subprocess.Popen(_command(d, spec), cwd=cwd or None, env=env, stdout=out,
+            proc = subprocess.Popen(_command(d, spec, env), cwd=cwd or None, env=env, stdout=out,
                                     stderr=err, stdin=subprocess.DEVNULL,
                                     preexec_fn=os.setpgrp)
         _write_json(os.path.join(d, "pid"), {"pid": proc.pid, "started": time.time()})

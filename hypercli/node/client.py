@@ -39,10 +39,16 @@ class AgentClient:
         NodeError: the transport closed or failed, or the agent answered ``ok: false``.
     """
 
+    #: s an answer may take beyond the request's own ``wait`` and ``grace`` before the node
+    #: counts as hung (a stopped host keeps its TCP connection up but never answers)
+    CALL_TIMEOUT = 5.0
+
     def __init__(self, node: str, write: Callable[[bytes], None],
-                 readline: Callable[[], bytes], close: Callable[[], None]):
+                 readline: Callable[[], bytes], close: Callable[[], None],
+                 settimeout: Callable[[float], None] | None = None):
         self.node = node
         self._write, self._readline, self._close = write, readline, close
+        self._settimeout = settimeout
         self._call_lock = threading.Lock()
         self._write_lock = threading.Lock()
         self._next = 0
@@ -60,6 +66,9 @@ class AgentClient:
                 raise NodeError(self.node, "agent connection is closed")
             self._next += 1
             try:
+                if self._settimeout is not None:
+                    self._settimeout(float(args.get("wait") or 0) + float(args.get("grace") or 0)
+                                     + self.CALL_TIMEOUT)
                 self._send({"id": self._next, "op": op, **args})
                 line = self._readline()
             except (OSError, EOFError, ValueError) as e:
