@@ -131,13 +131,19 @@ def _line(sched) -> str:
 @click.option("--on-interrupt", type=click.Choice(["ask", "leave", "cancel"]), default="ask",
               show_default=True,
               help="What Ctrl-C does: ask, leave the tasks running, or cancel them.")
-def run(recipe, new, on_interrupt):
+@click.option("--trust-new-hosts", is_flag=True,
+              help="Pin the host key of SSH hosts seen for the first time (check them first).")
+@click.option("--cluster", metavar="NAME",
+              help="Run on this cluster as it is (from `hyper up`), not the recipe's.")
+def run(recipe, new, on_interrupt, trust_new_hosts, cluster):
     """Run RECIPE's workflow to its end (resuming an unfinished one), with live progress."""
     from hypercli.scheduler import Scheduler
     from hypercli.workflows import prepare_run
     state = _state()
     con = _console()
-    wid, resumed, provider, nodes, lock = prepare_run(state, recipe, new=new, log=con.print)
+    wid, resumed, provider, nodes, lock = prepare_run(
+        state, recipe, new=new, trust_new_hosts=trust_new_hosts, cluster=cluster,
+        log=con.print)
     live = None
     if con.is_terminal:
         from rich.live import Live
@@ -185,14 +191,44 @@ def run(recipe, new, on_interrupt):
 
 # -- clusters -----------------------------------------------------------------------------
 @cli.command()
-@click.argument("recipe", type=click.Path(dir_okay=False))
-def up(recipe):
-    """Bring up the cluster of RECIPE (no tasks are run)."""
-    from hypercli.recipe import load_recipe
+@click.argument("recipe", type=click.Path(dir_okay=False), required=False)
+@click.option("--provider", type=click.Choice(["local", "ssh"]),
+              help="Without RECIPE: the provider of the cluster to bring up.")
+@click.option("--host", "hosts", multiple=True, metavar="[USER@]HOST[:PORT]",
+              help="Without RECIPE: an SSH host (repeat for more).")
+@click.option("--identity-file", type=click.Path(dir_okay=False),
+              help="Without RECIPE: the SSH private key.")
+@click.option("--user", help="Without RECIPE: the SSH user where a host names none.")
+@click.option("--workers", type=int, help="Without RECIPE: number of local worker slots.")
+@click.option("--name", default="default", show_default=True,
+              help="Without RECIPE: the cluster's name.")
+@click.option("--trust-new-hosts", is_flag=True,
+              help="Pin the host key of SSH hosts seen for the first time (check them first).")
+def up(recipe, provider, hosts, identity_file, user, workers, name, trust_new_hosts):
+    """Bring up the cluster of RECIPE, or one given by options (no tasks are run)."""
+    from hypercli.errors import UsageError
+    from hypercli.workflows import cluster_spec
     from hypercli.workflows import up as up_
-    r = load_recipe(recipe)
-    nodes = up_(_state(), r)
-    click.echo(f"cluster {r.cluster.name} is up: {len(nodes)} {r.cluster.provider} nodes")
+    if recipe:
+        from hypercli.recipe import load_recipe
+        spec = load_recipe(recipe).cluster
+    elif provider:
+        spec = cluster_spec(name, provider, list(hosts), workers=workers,
+                            identity_file=identity_file, user=user)
+    else:
+        raise UsageError("give a RECIPE or --provider", "e.g. `hyper up --provider ssh "
+                         "--host root@10.0.0.5 --identity-file ~/.ssh/id_ed25519`")
+    err = _console(stderr=True)
+    nodes = up_(_state(), spec, trust_new_hosts=trust_new_hosts,
+                log=lambda line: err.print(f"[yellow]not up:[/] {line}", soft_wrap=True))
+    click.echo(f"cluster {spec.name} is up: {len(nodes)} {spec.provider} nodes")
+    for n in nodes:
+        info = n["info"]
+        extra = (f"  {info.get('cpus', '?')} CPUs, {info.get('memory_bytes', 0) / 2**30:.1f} "
+                 f"GiB, {info.get('disk_free_bytes', 0) / 2**30:.0f} GiB free, "
+                 f"{len(info.get('gpus') or [])} GPUs, docker: "
+                 f"{'yes' if info.get('docker') else 'no'}") if spec.provider != "local" else ""
+        click.echo(f"  {n['name']}  {n['provider_id']}{extra}")
 
 
 @cli.command()

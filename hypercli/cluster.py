@@ -7,26 +7,40 @@ still running on the nodes, asks the provider to remove them and marks everythin
 
 from __future__ import annotations
 
-from hypercli.errors import HyperError, UsageError
+from typing import Callable
+
+from hypercli.errors import HyperError, InfraError, UsageError
 from hypercli.providers import get_provider
 from hypercli.recipe import ClusterSpec
 from hypercli.state import State
 
 
-def up(state: State, spec: ClusterSpec) -> list[dict]:
+def up(state: State, spec: ClusterSpec, provider=None,
+       report: Callable[[str], None] = lambda line: None) -> list[dict]:
     """Bring the cluster of ``spec`` up and return its live nodes (``nodes`` rows).
 
+    Args:
+        provider: the provider instance to use (default: a new one of ``spec.provider``).
+        report: receives one line per target that could not be brought up.
     Raises:
         UsageError: a cluster of that name exists with another provider.
-        InfraError/NodeError: the provider failed.
+        InfraError: no node at all came up (the message lists every target's error).
     """
     old = state.cluster(spec.name)
     if old and old["status"] == "up" and old["provider"] != spec.provider:
         raise UsageError(f"cluster {spec.name} is up with provider {old['provider']}, "
                          f"not {spec.provider}",
                          f"`hyper down {spec.name}` first, or name another cluster")
-    provider = get_provider(spec.provider)
-    instances = provider.launch(spec)
+    provider = provider or get_provider(spec.provider)
+    result = provider.launch(spec)
+    instances = result.instances
+    for target, err in result.errors.items():
+        report(f"{target}: {err}" + (f" ({err.hint})" if getattr(err, "hint", None) else ""))
+        state.event("node", f"{target} not brought up: {err}")
+    if not instances:
+        lines = "; ".join(f"{t}: {e}" for t, e in result.errors.items())
+        raise InfraError(f"no node of cluster {spec.name} came up: {lines}",
+                         getattr(next(iter(result.errors.values()), None), "hint", None))
     state.put_cluster(spec.name, spec.provider,
                       {"workers": spec.workers, "options": spec.options}, "up")
     names = set()

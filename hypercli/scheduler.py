@@ -14,8 +14,13 @@ Rules (paper section III-D for the re-run of lost work):
   * A failed attempt (exit code ≠ 0) or a lost one (its node or supervisor died) gives the task a
     new attempt with the same arguments while failed + lost attempts ≤ ``retries``.
   * A task out of attempts fails its experiment; the experiments after it are skipped.
-  * The first successful attempt of a task wins: a later success of the same task (a node that
-    came back) is recorded as ``superseded`` and changes nothing.
+  * The first successful attempt of a task wins: a later success of the same task is recorded
+    as ``superseded`` and changes nothing.
+  * A node unreachable for LOST_AFTER seconds is *lost*: its attempts are marked lost and their
+    tasks re-queued. A lost node that answers again is first *fenced*: the attempts that were
+    declared lost on it are cancelled there, and whatever they produced is discarded (nothing
+    is fetched, their attempts stay ``lost``), so a node that comes back never gives a task a
+    second result. Then it takes new work again.
 """
 
 from __future__ import annotations
@@ -34,7 +39,11 @@ from hypercli.errors import HyperError, InfraError, NodeError, UsageError
 from hypercli.state import LIVE_ATTEMPT, TERMINAL_TASK, State
 
 POLL_WAIT = 1.0  # s a node's long poll waits for an attempt to end (cut short by new work)
-RECONNECT_FOR = 30.0  # s a node may stay unreachable before its attempts are declared lost
+#: s a node may stay unreachable before its attempts are declared lost and re-queued. With
+#: the SSH layer's keepalive (~4 s to notice a silent link) and 3 s reconnect timeouts this
+#: puts a task back to work within ~10 s of its node's death (goal of the SSH issue).
+LOST_AFTER = 3.0
+FENCE_RETRY = 5.0  # s between reconnect tries to a lost node (to fence it when it is back)
 
 
 class NodeWorker(threading.Thread):
@@ -44,21 +53,26 @@ class NodeWorker(threading.Thread):
         node: ``nodes`` row.
         connect: () → AgentClient; raises NodeError when the node is unreachable.
         events: queue receiving ``(kind, node_name, payload)`` tuples: ``states``
-            ({attempt id: state}), ``error`` (message), ``lost`` (message: gave up on the node).
+            ({attempt id: state}), ``error`` (message), ``lost`` (message: the node has been
+            unreachable for LOST_AFTER s), ``back`` (None: a lost node answers again).
+        session: the provider's NodeSession for this node and workflow, or None.
     """
 
-    def __init__(self, node: dict, connect: Callable, events: queue.Queue):
+    def __init__(self, node: dict, connect: Callable, events: queue.Queue, session=None):
         super().__init__(name=f"node-{node['name']}", daemon=True)
         self.node = node["name"]
         self.connect = connect
         self.events = events
+        self.session = session
         self.inbox: queue.Queue = queue.Queue()
         self.watch: set[str] = set()
         self.client = None
         self.stopping = False
+        self.lost = False
 
     def submit(self, op: str, payload) -> None:
-        """Queue ``launch`` (list of specs), ``watch`` (ids) or ``cancel`` (ids); wake the poll."""
+        """Queue ``launch`` (list of specs), ``watch`` (ids), ``cancel`` (ids) or ``fence``
+        (ids: cancel, and bring nothing back); wake the poll in progress."""
         self.inbox.put((op, payload))
         if self.client is not None:
             self.client.wake()
@@ -69,20 +83,33 @@ class NodeWorker(threading.Thread):
         if self.client is not None:
             self.client.wake()
 
+    def _report(self, states: dict, collect: bool = True) -> None:
+        """Post ended/started states; ended ones are collected first (logs, outputs)."""
+        ended = {k: v for k, v in states.items() if v["state"] != "running"}
+        if ended and collect and self.session is not None:
+            self.session.after_end(ended)
+        self.watch.difference_update(ended)
+        self.events.put(("states", self.node, states))
+
     def _handle(self, op: str, payload) -> None:
         if op == "launch":
+            if self.session is not None:
+                self.session.before_launch(payload)
             r = self.client.call("launch", attempts=payload)
-            self.watch.update(payload_id for payload_id in r["states"])
-            self.events.put(("states", self.node, r["states"]))
+            self.watch.update(r["states"])
+            self._report(r["states"])
         elif op == "watch":
             self.watch.update(payload)
-        elif op == "cancel":
+        elif op in ("cancel", "fence"):
             r = self.client.call("cancel", ids=list(payload), grace=5)
-            self.events.put(("states", self.node, r["states"]))
+            self._report(r["states"], collect=op == "cancel")
 
     def _step(self) -> None:
         if self.client is None:
             self.client = self.connect()
+            if self.lost:
+                self.lost = False
+                self.events.put(("back", self.node, None))
         while True:
             try:
                 op, payload = self.inbox.get_nowait() if self.watch else self.inbox.get(
@@ -100,8 +127,7 @@ class NodeWorker(threading.Thread):
             r = self.client.call("poll", ids=sorted(self.watch), wait=POLL_WAIT)
             done = {k: v for k, v in r["states"].items() if v["state"] != "running"}
             if done:
-                self.watch.difference_update(done)
-                self.events.put(("states", self.node, done))
+                self._report(done)
 
     def run(self) -> None:
         down_since = None
@@ -113,14 +139,28 @@ class NodeWorker(threading.Thread):
                 if self.client is not None:
                     self.client.close()
                 self.client = None
-                down_since = down_since or time.time()
-                self.events.put(("error", self.node, str(e)))
-                if time.time() - down_since > RECONNECT_FOR:
+                if self.lost:  # keep knocking, slowly, so a node that comes back is fenced
+                    time.sleep(FENCE_RETRY)
+                    continue
+                if down_since is None:  # the first error of an outage is worth a line
+                    down_since = time.monotonic()
+                    self.events.put(("error", self.node, str(e)))
+                if time.monotonic() - down_since >= LOST_AFTER:
+                    self.lost = True
+                    self.watch.clear()
+                    self._drop_inbox()
                     self.events.put(("lost", self.node, str(e)))
-                    return
-                time.sleep(min(2.0, 0.2 + (time.time() - down_since) / 5))
+                    continue
+                time.sleep(0.2)
         if self.client is not None:
             self.client.close()
+
+    def _drop_inbox(self) -> None:
+        while True:
+            try:
+                self.inbox.get_nowait()
+            except queue.Empty:
+                return
 
 
 @dataclass
@@ -153,8 +193,10 @@ class Scheduler:
         self.events: queue.Queue = queue.Queue()
         self.nodes = {n["name"]: n for n in nodes}
         self.free = {n["name"]: n["slots"] for n in nodes}
-        self.workers = {n["name"]: NodeWorker(n, lambda n=n: provider.connect(n), self.events)
+        self.workers = {n["name"]: NodeWorker(n, lambda n=n: provider.connect(n), self.events,
+                                              provider.session(n, self.wf))
                         for n in nodes}
+        self.fenced: dict[str, set] = {}  # node → attempt ids declared lost on it
         self.exps = {e["name"]: e for e in state.experiments(workflow)}
         self.tasks = {t["id"]: t for t in state.tasks(workflow)}
         self.queue: dict[str, deque] = {e: deque() for e in self.exps}
@@ -202,17 +244,19 @@ class Scheduler:
             self._ended(a, {"state": "lost"}, "its node is no longer in the cluster")
 
     def _spec(self, task: dict, attempt_id: str, number: int, node: str) -> dict:
-        output = self.provider.output_dir(self.wf["storage"], self.wid, task["id"])
+        row = self.nodes[node]
+        cwd, output, outputs = self.provider.task_paths(row, self.wf, task["id"])
+        exp = self.exps[task["experiment"]]
         env = dict(task["env"])
         env.update({
             "HYPER_TASK_ID": task["id"], "HYPER_EXPERIMENT": task["experiment"],
             "HYPER_WORKFLOW": self.wid, "HYPER_ATTEMPT": str(number), "HYPER_NODE": node,
-            "HYPER_OUTPUT": output, "HYPER_OUTPUTS": os.path.dirname(output),
+            "HYPER_OUTPUT": output, "HYPER_OUTPUTS": outputs,
             "HYPER_PARAMS": json.dumps(task["params"], ensure_ascii=False),
         })
-        return {"id": attempt_id, "script": task["command"], "env": env,
-                "cwd": self.wf["workdir"], "output": output,
-                "image": self.exps[task["experiment"]]["image"]}
+        return {"id": attempt_id, "script": task["command"], "env": env, "cwd": cwd,
+                "output": output, "outputs": outputs, "image": exp["image"],
+                "after": list(exp["after"]), "gpus": bool(row["info"].get("gpus"))}
 
     # -- decisions -----------------------------------------------------------------------
     def _exp_state(self, name: str) -> str:
@@ -320,10 +364,24 @@ class Scheduler:
             self.free.pop(node, None)
             payload = {a["id"]: {"state": "lost"} for a in self.live.values()
                        if a["node"] == node}
+            self.fenced.setdefault(node, set()).update(payload)
+        if kind == "back":
+            self.state.event("node", "back: fencing the attempts declared lost on it",
+                             workflow=self.wid, node=node)
+            self.state.set_node_status(node, "up")
+            self.free[node] = self.nodes[node]["slots"]
+            if self.fenced.get(node):
+                self.workers[node].submit("fence", sorted(self.fenced[node]))
+            return
         att_upd, task_upd = [], []
         for aid, st in payload.items():
             a = self.live.get(aid)
             if a is None:
+                if aid in self.fenced.get(node, ()) and st["state"] != "running":
+                    self.fenced[node].discard(aid)
+                    note = ("fenced: it ended with exit code %s after its node was declared "
+                            "lost; result discarded" % st.get("code"))
+                    att_upd.append({"id": aid, "error": note})
                 continue
             if st["state"] == "running":
                 if a["status"] == "launching":

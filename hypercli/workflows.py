@@ -12,6 +12,7 @@ that process dies, even by SIGKILL).
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import os
 import time
@@ -210,21 +211,65 @@ def cancel(state: S.State, ref: str) -> tuple[str, int]:
     return wf["id"], cancel_workflow(state, wf["id"], provider_of(state, wf["cluster"]))
 
 
-def up(state: S.State, recipe: Recipe) -> list[dict]:
-    """Bring the recipe's cluster up; returns its nodes."""
-    return C.up(state, recipe.cluster)
+def up(state: S.State, spec, *, trust_new_hosts: bool = False,
+       log: Callable[[str], None] = lambda s: None) -> list[dict]:
+    """Bring a cluster (``recipe.ClusterSpec``) up; returns its nodes. Targets that fail are
+    reported through ``log``, one line each; the others go on."""
+    provider = get_provider(spec.provider, trust_new_hosts=trust_new_hosts)
+    return C.up(state, spec, provider, report=log)
+
+
+def cluster_spec(name: str, provider: str, hosts: list[str], *, workers: int | None = None,
+                 identity_file: str | None = None, user: str | None = None):
+    """A ClusterSpec from command-line options (``hyper up --provider ssh --host ...``),
+    checked by the same rules as a recipe's ``cluster:``.
+
+    Raises:
+        RecipeError: a bad option value (reported with the option's field name).
+    """
+    import yaml
+
+    from hypercli.recipe import parse_recipe
+    cluster: dict = {"provider": provider, "name": name}
+    if workers:
+        cluster["workers"] = workers
+    if hosts:
+        cluster["hosts"] = list(hosts)
+    if identity_file:
+        cluster["identity_file"] = identity_file
+    if user:
+        cluster["user"] = user
+    text = yaml.safe_dump({"name": name, "cluster": cluster,
+                           "experiments": {"none": {"command": "true"}}})
+    return parse_recipe(text, path="(command line)").cluster
 
 
 def prepare_run(state: S.State, recipe_path: str, *, new: bool = False,
+                trust_new_hosts: bool = False, cluster: str | None = None,
                 log: Callable[[str], None] = lambda s: None):
     """Everything ``hyper run`` does before its loop: plan, pick the workflow, lock it, bring
-    the cluster up. Returns (workflow id, resumed?, provider, nodes, lock)."""
+    the cluster up (or, with ``cluster``, use that cluster as it is, whatever the recipe's
+    ``cluster:`` says). Returns (workflow id, resumed?, provider, nodes, lock).
+
+    Raises:
+        UsageError: ``cluster`` names no cluster that is up.
+    """
     recipe, wf = load(recipe_path)
+    if cluster is not None:
+        row = state.cluster(cluster)
+        if row is None or row["status"] != "up":
+            raise UsageError(f"no cluster {cluster!r} is up", "`hyper status` lists clusters; "
+                             "`hyper up` brings one up")
+        recipe = dataclasses.replace(recipe, cluster=dataclasses.replace(
+            recipe.cluster, name=cluster, provider=row["provider"]))
     wid, resumed = start_or_resume(state, recipe, wf, new=new)
     lock = Lock(wid).acquire()
     try:
-        nodes = C.up(state, recipe.cluster)
-        provider = get_provider(recipe.cluster.provider)
+        provider = get_provider(recipe.cluster.provider, trust_new_hosts=trust_new_hosts)
+        if cluster is not None:
+            nodes = state.nodes(cluster, status="up")
+        else:
+            nodes = C.up(state, recipe.cluster, provider, report=log)
     except BaseException:
         lock.release()
         raise

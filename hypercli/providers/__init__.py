@@ -10,16 +10,20 @@ import importlib
 
 from hypercli.errors import UsageError
 
-#: provider name → module path; each module defines ``PROVIDER``, a Provider instance factory.
+#: provider name → module path; each module defines ``make_provider(**options)``.
 REGISTRY = {
     "local": "hypercli.providers.local",
+    "ssh": "hypercli.providers.ssh",
 }
 
-PLANNED = ("ssh", "aws", "gcp", "azure")
+PLANNED = ("aws", "gcp", "azure")
 
 
-def get_provider(name: str):
+def get_provider(name: str, **options):
     """The provider called ``name`` (a fresh instance).
+
+    Args:
+        options: provider settings from the command line (``trust_new_hosts``).
 
     Raises:
         UsageError: unknown provider, or one this version does not ship yet.
@@ -29,4 +33,4 @@ def get_provider(name: str):
             raise UsageError(f"provider {name!r} is not available in this version of hypercli",
                              "use provider: local")
         raise UsageError(f"unknown provider {name!r}", f"one of: {', '.join(REGISTRY)}")
-    return importlib.import_module(REGISTRY[name]).make_provider()
+    return importlib.import_module(REGISTRY[name]).make_provider(**options)

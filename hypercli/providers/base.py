@@ -35,13 +35,36 @@ class Instance:
     extra: dict = field(default_factory=dict)
 
 
+@dataclass
+class LaunchResult:
+    """What ``launch`` got: the nodes that are up, and an error per target that is not
+    (partial success survives: one bad host does not stop the others)."""
+
+    instances: list
+    errors: dict = field(default_factory=dict)
+
+
+class NodeSession(Protocol):
+    """A node's side work for one workflow, run in the node's scheduler thread."""
+
+    def before_launch(self, specs: list[dict]) -> None:
+        """Prepare the node for these launch specs (workdir, inputs, images).
+        Raises NodeError."""
+
+    def after_end(self, states: dict) -> None:
+        """Bring back what ended attempts left on the node (logs, outputs) before the
+        scheduler hears of their end. Raises NodeError."""
+
+
 class Provider(Protocol):
     """What ``hypercli.cluster`` and ``hypercli.scheduler`` need from a provider."""
 
     name: str
+    #: True when nodes are other machines (logs and outputs are fetched from them)
+    remote: bool
 
-    def launch(self, spec: ClusterSpec) -> list[Instance]:
-        """Create or find the cluster's nodes. Raises InfraError/UsageError."""
+    def launch(self, spec: ClusterSpec) -> LaunchResult:
+        """Create or find the cluster's nodes. Raises UsageError for a bad spec."""
 
     def connect(self, node: dict) -> AgentClient:
         """Open an agent channel to a node (a ``nodes`` row of the state file).
@@ -50,5 +73,9 @@ class Provider(Protocol):
     def terminate(self, cluster: str, nodes: list[dict]) -> list[str]:
         """Remove the nodes; returns a line per removed resource."""
 
-    def output_dir(self, storage: str, workflow: str, task: str) -> str:
-        """The folder, as seen on the node, given to a task as ``HYPER_OUTPUT``."""
+    def task_paths(self, node: dict, wf: dict, task: str) -> tuple[str, str, str]:
+        """(working folder, ``HYPER_OUTPUT``, ``HYPER_OUTPUTS``) of a task, as seen on the
+        node; ``wf`` is the ``workflows`` row."""
+
+    def session(self, node: dict, wf: dict) -> NodeSession | None:
+        """The node's session for a workflow, or None when there is no side work."""

@@ -16,7 +16,7 @@ from pathlib import Path
 from hypercli import state as S
 from hypercli.errors import UsageError
 from hypercli.node.client import AgentClient, local_agent
-from hypercli.providers.base import Instance
+from hypercli.providers.base import Instance, LaunchResult
 from hypercli.recipe import ClusterSpec
 
 
@@ -36,14 +36,15 @@ class LocalProvider:
     """Worker slots on this machine (see the module docstring)."""
 
     name = "local"
+    remote = False
 
     def root(self) -> Path:
         return S.home() / "local"
 
-    def launch(self, spec: ClusterSpec) -> list[Instance]:
+    def launch(self, spec: ClusterSpec) -> LaunchResult:
         n = spec.workers or os.cpu_count() or 1
-        return [Instance(f"{spec.name}-{i}", f"local:{i}", 1, {"root": str(self.root())})
-                for i in range(n)]
+        return LaunchResult([Instance(f"{spec.name}-{i}", f"local:{i}", 1,
+                                      {"root": str(self.root())}) for i in range(n)])
 
     def connect(self, node: dict) -> AgentClient:
         env = dict(os.environ)
@@ -54,9 +55,13 @@ class LocalProvider:
     def terminate(self, cluster: str, nodes: list[dict]) -> list[str]:
         return [f"worker slot {n['name']}" for n in nodes]
 
-    def output_dir(self, storage: str, workflow: str, task: str) -> str:
-        return str(storage_path(storage) / workflow / task)
+    def task_paths(self, node: dict, wf: dict, task: str) -> tuple[str, str, str]:
+        outputs = storage_path(wf["storage"]) / wf["id"]
+        return wf["workdir"], str(outputs / task), str(outputs)
+
+    def session(self, node: dict, wf: dict) -> None:
+        return None
 
 
-def make_provider() -> LocalProvider:
+def make_provider(**_) -> LocalProvider:
     return LocalProvider()

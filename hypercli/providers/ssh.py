@@ -1,0 +1,283 @@
+"""The ssh provider: hosts a user already has (a lab server, on-premise machines), and the base
+of the cloud providers, whose nodes are SSH hosts a cloud created.
+
+``cluster: {provider: ssh, hosts: [root@10.0.0.5:22, ...], identity_file: ~/.ssh/id_ed25519}``.
+Bootstrap (``launch``) connects to every host in parallel, checks host keys against the pins
+(:mod:`hypercli.ssh.hostkeys`), copies the node agent to ``~/.hyper/bin/agent-<hash>.py`` and
+records what the host has (CPUs, memory, free disk, GPUs from ``nvidia-smi``, docker). A host
+that is unreachable, refuses the key or has no ``python3`` is reported on its own line; the
+others go on.
+
+Per node and workflow (:class:`SSHSession`, in the node's scheduler thread):
+* the recipe's ``workdir`` is copied once to ``~/.hyper/work/<workflow>`` (a tar stream);
+* before a task of an experiment with ``after`` starts, the outputs of those experiments are
+  copied to the node's ``~/.hyper/outputs/<workflow>/`` (``HYPER_OUTPUTS``);
+* the experiment's image is made present (:mod:`hypercli.ssh.images`);
+* when attempts end, their stdout/stderr go to ``$HYPER_HOME/logs/<attempt>/`` and their output
+  folders into the storage folder, in one tar stream per batch, *before* the scheduler hears
+  of the end, so a dependent task never starts without its inputs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import shlex
+import tarfile
+import threading
+from pathlib import Path
+
+from hypercli import state as S
+from hypercli.errors import HyperError, InfraError, NodeError, UsageError
+from hypercli.node.client import AgentClient, agent_source
+from hypercli.providers.base import Instance, LaunchResult
+from hypercli.recipe import ClusterSpec
+from hypercli.ssh import images
+from hypercli.ssh.conn import Connection, Target
+from hypercli.ssh.fanout import fan_out
+from hypercli.ssh.hostkeys import KnownHosts
+
+AGENT_HASH = hashlib.sha256(agent_source()).hexdigest()[:12]
+AGENT_REL = f".hyper/bin/agent-{AGENT_HASH}.py"
+WORKDIR_EXCLUDE = {".git", ".venv", "venv", "__pycache__", ".hyper", ".mypy_cache",
+                   ".pytest_cache", "node_modules"}
+WORKDIR_MAX = 512 << 20  # bytes: a workdir larger than this is refused (use storage/mounts)
+
+
+def _targets(spec: ClusterSpec) -> list[Target]:
+    o = spec.options
+    try:
+        return [Target.parse(h, user=o.get("user"), port=o.get("port"),
+                             identity_file=os.path.expanduser(o["identity_file"])
+                             if o.get("identity_file") else None) for h in o.get("hosts", [])]
+    except ValueError as e:
+        raise UsageError(f"cluster.hosts: {e}") from None
+
+
+def _target_of(node: dict) -> Target:
+    a = node["address"]
+    return Target(a["host"], a["port"], a["user"], a.get("identity_file"))
+
+
+def _tar_dir(src: Path, arcname: str) -> bytes:
+    """A tar of a folder, skipping caches and VCS folders. Raises UsageError when too big."""
+    buf = io.BytesIO()
+    total = 0
+
+    def keep(ti: tarfile.TarInfo):
+        nonlocal total
+        if set(Path(ti.name).parts) & WORKDIR_EXCLUDE:
+            return None
+        total += ti.size
+        if total > WORKDIR_MAX:
+            raise UsageError(f"workdir {src} is over {WORKDIR_MAX >> 20} MiB",
+                             "keep data in storage or mounts, not in the workdir")
+        return ti
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        tar.add(str(src), arcname=arcname, filter=keep)
+    return buf.getvalue()
+
+
+def _untar(data: bytes, dest: Path) -> None:
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        tar.extractall(dest, filter="data")
+
+
+class SSHProvider:
+    """Hosts reached over SSH (see the module docstring).
+
+    Args:
+        trust_new_hosts: pin the key of hosts seen for the first time instead of refusing them.
+    """
+
+    name = "ssh"
+    remote = True
+
+    def __init__(self, trust_new_hosts: bool = False):
+        self.trust_new_hosts = trust_new_hosts
+        self._conns: dict[str, Connection] = {}
+        self._known: dict[str, KnownHosts] = {}
+        self._lock = threading.Lock()
+
+    def known_hosts(self, cluster: str) -> KnownHosts:
+        """The cluster's pinned keys, one instance shared by all its connections."""
+        with self._lock:
+            if cluster not in self._known:
+                self._known[cluster] = KnownHosts(cluster)
+            return self._known[cluster]
+
+    # -- connections ---------------------------------------------------------------------
+    def connection(self, name: str, target: Target, cluster: str) -> Connection:
+        """The cached live connection to a node, (re)connecting when needed."""
+        with self._lock:
+            conn = self._conns.get(name)
+        if conn is not None and conn.alive():
+            return conn
+        conn = Connection(name, target, self.known_hosts(cluster), trust_new=self.trust_new_hosts)
+        with self._lock:
+            old, self._conns[name] = self._conns.get(name), conn
+        if old is not None:
+            old.close()
+        return conn
+
+    def drop(self, name: str) -> None:
+        with self._lock:
+            conn = self._conns.pop(name, None)
+        if conn is not None:
+            conn.close()
+
+    # -- the contract --------------------------------------------------------------------
+    def bootstrap(self, name: str, target: Target, cluster: str) -> Instance:
+        """Connect, install the agent, and describe the host. Raises NodeError."""
+        conn = self.connection(name, target, cluster)
+        r = conn.run("command -v python3 >/dev/null || exit 127; "
+                     f"mkdir -p ~/.hyper/bin && test -s ~/{AGENT_REL} && echo present; "
+                     "echo $HOME", check=False)
+        if r.exit_code == 127:
+            raise NodeError(name, f"{target} has no python3", "install python3 on the host "
+                            "(or use `hyper up --bootstrap`)")
+        lines = r.stdout.decode().split()
+        if "present" not in lines:
+            conn.run(f"cat > ~/{AGENT_REL}.tmp && mv ~/{AGENT_REL}.tmp ~/{AGENT_REL}",
+                     stdin=agent_source())
+        client = self.connect_conn(conn, name)
+        try:
+            info = client.call("hello")
+        finally:
+            client.close()
+        info.pop("version", None)
+        return Instance(name, str(target), 1, {"host": target.host, "port": target.port,
+                                               "user": target.user,
+                                               "identity_file": target.identity_file}, info)
+
+    def launch(self, spec: ClusterSpec) -> LaunchResult:
+        targets = _targets(spec)
+        if not targets:
+            raise UsageError("cluster.hosts is empty", "list the hosts: [root@10.0.0.5, ...]")
+        named = {f"{spec.name}-{i}": t for i, t in enumerate(targets)}
+        res = fan_out(named, lambda n: self.bootstrap(n, named[n], spec.name))
+        return LaunchResult(list(res.ok.values()),
+                            {str(named[n]): e for n, e in res.failed.items()})
+
+    def connect_conn(self, conn: Connection, name: str, root: str = "~/.hyper") -> AgentClient:
+        ch = conn.channel()
+        ch.exec_command(f"exec python3 ~/{AGENT_REL} serve --root {shlex.quote(root)}"
+                        if root != "~/.hyper" else f"exec python3 ~/{AGENT_REL} serve")
+        f = ch.makefile("rb")
+
+        def close() -> None:
+            try:
+                ch.shutdown_write()
+            finally:
+                ch.close()
+        return AgentClient(name, ch.sendall, f.readline, close, ch.settimeout)
+
+    def connect(self, node: dict) -> AgentClient:
+        cluster = node["cluster"]
+        try:
+            conn = self.connection(node["name"], _target_of(node), cluster)
+            return self.connect_conn(conn, node["name"])
+        except HyperError:
+            self.drop(node["name"])
+            raise
+
+    def terminate(self, cluster: str, nodes: list[dict]) -> list[str]:
+        for n in nodes:
+            self.drop(n["name"])
+        return [f"host {n['provider_id']} (left running: not ours)" for n in nodes]
+
+    def task_paths(self, node: dict, wf: dict, task: str) -> tuple[str, str, str]:
+        root = node["info"].get("root") or "/root/.hyper"
+        outputs = f"{root}/outputs/{wf['id']}"
+        return f"{root}/work/{wf['id']}", f"{outputs}/{task}", outputs
+
+    def session(self, node: dict, wf: dict) -> "SSHSession":
+        return SSHSession(self, node, wf)
+
+
+class SSHSession:
+    """One node's side work for one workflow (module docstring); runs in the node's thread."""
+
+    def __init__(self, provider: SSHProvider, node: dict, wf: dict):
+        self.p, self.node, self.wf = provider, node, wf
+        self.synced = False
+        self.staged: set[str] = set()
+        self.images: set[str] = set()
+        self.root = node["info"].get("root") or "/root/.hyper"
+        self.storage = Path(wf["storage"][7:]) if wf["storage"].startswith("file://") else None
+
+    def conn(self) -> Connection:
+        return self.p.connection(self.node["name"], _target_of(self.node), self.node["cluster"])
+
+    def before_launch(self, specs: list[dict]) -> None:
+        conn = self.conn()
+        wid = self.wf["id"]
+        if not self.synced:
+            work = f"{self.root}/work"
+            conn.run(f"mkdir -p {work} && rm -rf {work}/{wid} && tar -C {work} -xf -",
+                     stdin=_tar_dir(Path(self.wf["workdir"]), wid), timeout=600)
+            self.synced = True
+        for exp in {e for s in specs for e in s.get("after", [])} - self.staged:
+            self._stage(conn, exp)
+            self.staged.add(exp)
+        for image in {s["image"] for s in specs if s.get("image")} - self.images:
+            images.ensure(conn, image)
+            self.images.add(image)
+
+    def _stage(self, conn: Connection, exp: str) -> None:
+        if self.storage is None:
+            raise InfraError(f"storage {self.wf['storage']} cannot hold outputs yet",
+                             "use storage: file://PATH")
+        src = self.storage / self.wf["id"]
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            for d in sorted(src.glob(f"{exp}-*")) if src.exists() else []:
+                tar.add(str(d), arcname=d.name)
+        outputs = f"{self.root}/outputs/{self.wf['id']}"
+        conn.run(f"mkdir -p {outputs} && tar -C {outputs} -xf -", stdin=buf.getvalue(),
+                 timeout=600)
+
+    def after_end(self, states: dict[str, dict]) -> None:
+        """Copy logs and outputs of ended attempts here (one tar stream). Raises NodeError."""
+        ids = [a for a, st in states.items() if st["state"] != "unknown"]
+        if not ids:
+            return
+        tasks = {a: a.split(".")[-2] for a in ids}  # <workflow>.<task>.<n>
+        wid = self.wf["id"]
+        paths = [f"tasks/{a}/{s}" for a in ids for s in ("stdout", "stderr")]
+        paths += [f"outputs/{wid}/{t}" for t in tasks.values()]
+        cmd = (f"cd {self.root} && tar -cf - --ignore-failed-read "
+               + " ".join(shlex.quote(p) for p in paths) + " 2>/dev/null; true")
+        data = self.conn().run(cmd, timeout=600).stdout
+        tmp = S.home() / "logs" / f".incoming-{os.getpid()}-{threading.get_ident()}"
+        tmp.mkdir(parents=True, exist_ok=True)
+        try:
+            if data:
+                _untar(data, tmp)
+            for a in ids:
+                src = tmp / "tasks" / a
+                if src.exists():
+                    dest = S.home() / "logs" / a
+                    dest.mkdir(parents=True, exist_ok=True)
+                    for f in src.iterdir():
+                        os.replace(f, dest / f.name)
+            if self.storage is not None:
+                for a, t in tasks.items():
+                    if states[a].get("state") != "exited" or states[a].get("code") != 0:
+                        continue
+                    src = tmp / "outputs" / wid / t
+                    if src.exists():
+                        dest = self.storage / wid / t
+                        dest.parent.mkdir(parents=True, exist_ok=True)
+                        if dest.exists():
+                            import shutil
+                            shutil.rmtree(dest)
+                        os.replace(src, dest)
+        finally:
+            import shutil
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def make_provider(trust_new_hosts: bool = False, **_) -> SSHProvider:
+    return SSHProvider(trust_new_hosts=trust_new_hosts)
