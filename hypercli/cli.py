@@ -141,9 +141,11 @@ def run(recipe, new, on_interrupt, trust_new_hosts, cluster):
     from hypercli.workflows import prepare_run
     state = _state()
     con = _console()
+    err = _console(stderr=True)
     wid, resumed, provider, nodes, lock = prepare_run(
         state, recipe, new=new, trust_new_hosts=trust_new_hosts, cluster=cluster,
-        log=con.print)
+        log=con.print, report=lambda line: err.print(f"[yellow]not up:[/] {line}",
+                                                     soft_wrap=True))
     live = None
     if con.is_terminal:
         from rich.live import Live

@@ -246,10 +246,12 @@ def cluster_spec(name: str, provider: str, hosts: list[str], *, workers: int | N
 
 def prepare_run(state: S.State, recipe_path: str, *, new: bool = False,
                 trust_new_hosts: bool = False, cluster: str | None = None,
-                log: Callable[[str], None] = lambda s: None):
+                log: Callable[[str], None] = lambda s: None,
+                report: Callable[[str], None] | None = None):
     """Everything ``hyper run`` does before its loop: plan, pick the workflow, lock it, bring
     the cluster up (or, with ``cluster``, use that cluster as it is, whatever the recipe's
-    ``cluster:`` says). Returns (workflow id, resumed?, provider, nodes, lock).
+    ``cluster:`` says). ``log`` gets progress lines, ``report`` (default ``log``) one line per
+    node that could not be brought up. Returns (workflow id, resumed?, provider, nodes, lock).
 
     Raises:
         UsageError: ``cluster`` names no cluster that is up.
@@ -269,7 +271,7 @@ def prepare_run(state: S.State, recipe_path: str, *, new: bool = False,
         if cluster is not None:
             nodes = state.nodes(cluster, status="up")
         else:
-            nodes = C.up(state, recipe.cluster, provider, report=log)
+            nodes = C.up(state, recipe.cluster, provider, report=report or log)
     except BaseException:
         lock.release()
         raise

@@ -85,3 +85,6 @@ def wait_for(pred, timeout: float = 30, interval: float = 0.05, what: str = "con
             return v
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+from sshhosts import ssh_client_key, ssh_hosts, tiny_image  # noqa: E402,F401  (fixtures)
