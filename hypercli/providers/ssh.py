@@ -34,7 +34,7 @@ from hypercli.node.client import AgentClient, agent_source
 from hypercli.providers.base import Instance, LaunchResult
 from hypercli.recipe import ClusterSpec
 from hypercli.ssh import images
-from hypercli.ssh.conn import Connection, Target
+from hypercli.ssh.conn import CONNECT_TIMEOUT, Connection, Target
 from hypercli.ssh.fanout import fan_out
 from hypercli.ssh.hostkeys import KnownHosts
 
@@ -42,6 +42,7 @@ AGENT_HASH = hashlib.sha256(agent_source()).hexdigest()[:12]
 AGENT_REL = f".hyper/bin/agent-{AGENT_HASH}.py"
 WORKDIR_EXCLUDE = {".git", ".venv", "venv", "__pycache__", ".hyper", ".mypy_cache",
                    ".pytest_cache", "node_modules"}
+BOOTSTRAP_TIMEOUT = 15.0  # s per connection step when first contacting a host (it may be booting)
 WORKDIR_MAX = 512 << 20  # bytes: a workdir larger than this is refused (use storage/mounts)
 
 
@@ -108,13 +109,16 @@ class SSHProvider:
             return self._known[cluster]
 
     # -- connections ---------------------------------------------------------------------
-    def connection(self, name: str, target: Target, cluster: str) -> Connection:
-        """The cached live connection to a node, (re)connecting when needed."""
+    def connection(self, name: str, target: Target, cluster: str,
+                   timeout: float = CONNECT_TIMEOUT) -> Connection:
+        """The cached live connection to a node, (re)connecting when needed (``timeout``: s
+        for each of TCP connect, banner and authentication)."""
         with self._lock:
             conn = self._conns.get(name)
         if conn is not None and conn.alive():
             return conn
-        conn = Connection(name, target, self.known_hosts(cluster), trust_new=self.trust_new_hosts)
+        conn = Connection(name, target, self.known_hosts(cluster), trust_new=self.trust_new_hosts,
+                          timeout=timeout)
         with self._lock:
             old, self._conns[name] = self._conns.get(name), conn
         if old is not None:
@@ -130,7 +134,7 @@ class SSHProvider:
     # -- the contract --------------------------------------------------------------------
     def bootstrap(self, name: str, target: Target, cluster: str) -> Instance:
         """Connect, install the agent, and describe the host. Raises NodeError."""
-        conn = self.connection(name, target, cluster)
+        conn = self.connection(name, target, cluster, BOOTSTRAP_TIMEOUT)
         r = conn.run("command -v python3 >/dev/null || exit 127; "
                      f"mkdir -p ~/.hyper/bin && test -s ~/{AGENT_REL} && echo present; "
                      "echo $HOME", check=False)
