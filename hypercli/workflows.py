@@ -21,7 +21,7 @@ from typing import Callable, Iterator
 
 from hypercli import cluster as C
 from hypercli import state as S
-from hypercli.errors import HyperError, UsageError
+from hypercli.errors import HyperError, InfraError, UsageError
 from hypercli.plan import Workflow, build_plan
 from hypercli.providers import get_provider
 from hypercli.recipe import Recipe, load_recipe
@@ -163,16 +163,26 @@ def log_chunks(state: S.State, attempt: dict, *, follow: bool = False,
     """
     wf = state.workflow(attempt["workflow"])
     copy = S.home() / "logs" / attempt["id"]
-    try:
-        node = next(n for n in state.nodes(wf["cluster"]) if n["name"] == attempt["node"])
-        client = provider_of(state, wf["cluster"]).connect(node)
-    except (StopIteration, HyperError):
-        if not copy.exists():
-            raise
+
+    def from_copy():
         for stream in ("stdout", "stderr"):
             p = copy / stream
             if p.exists():
                 yield stream, p.read_bytes()
+
+    if attempt["status"] not in S.LIVE_ATTEMPT and copy.exists():
+        yield from from_copy()  # ended and brought back: no need to reach the node
+        return
+    try:
+        node = next((n for n in state.nodes(wf["cluster"]) if n["name"] == attempt["node"]),
+                    None)
+        if node is None:
+            raise InfraError(f"node {attempt['node']} of attempt {attempt['id']} is unknown")
+        client = provider_of(state, wf["cluster"]).connect(node)
+    except HyperError:
+        if not copy.exists():
+            raise
+        yield from from_copy()
         return
     offsets = {"stdout": 0, "stderr": 0}
     try:

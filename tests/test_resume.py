@@ -199,5 +199,7 @@ def test_cancel_one_task(hyper_home, write_recipe, hyper):
     state = State()
     status = {t["id"]: t["status"] for t in state.tasks("slow-1")}
     assert status.pop("work-0004") == "cancelled"
-    assert set(status.values()) == {"succeeded"}
+    assert set(status.values()) == {"succeeded"}, (state.attempts("slow-1"), [
+        (hyper_home / "local" / "tasks" / a["id"] / "stderr").read_text()
+        for a in state.attempts("slow-1") if a["status"] == "failed"])
     assert state.attempts("slow-1", "work-0004") == []

@@ -215,8 +215,7 @@ class Agent:
             s.update(state="exited", code=ex.get("code"), ended=ex.get("ended"))
         elif not os.path.isdir(d):
             return s
-        elif _locked(os.path.join(d, "lock")) or not os.path.exists(os.path.join(d, "pid")) \
-                and _young(d):
+        elif _locked(os.path.join(d, "lock")):
             s["state"] = "running"
         else:
             s["state"] = "lost"
@@ -262,24 +261,26 @@ class Agent:
             f.write("set -e\n" + spec["script"] + "\n")
         _write_json(os.path.join(d, "spec.json"), spec)
         open(os.path.join(d, "metrics.jsonl"), "ab").close()
+        ready_r, ready_w = os.pipe()
         pid = os.fork()
         if pid == 0:  # first child: detach, fork the supervisor, exit
             try:
+                os.close(ready_r)
                 os.setsid()
                 if os.fork() == 0:
-                    _supervise(d, spec)
+                    _supervise(d, spec, ready_w)
             finally:
                 os._exit(0)
+        os.close(ready_w)
         os.waitpid(pid, 0)
+        # the supervisor writes one byte once it holds the lock: from now on "lock free and
+        # no exit file" can only mean it died
+        r, _, _ = select.select([ready_r], [], [], 30)
+        ok = bool(r) and os.read(ready_r, 1) == b"1"
+        os.close(ready_r)
+        if not ok:
+            return self.state(spec["id"])
         return {"state": "running", "cancelled": False}
-
-
-def _young(d, seconds=10.0):
-    """A folder created under ``seconds`` ago whose supervisor may not have locked it yet."""
-    try:
-        return time.time() - os.stat(d).st_mtime < seconds
-    except OSError:
-        return False
 
 
 def _locked(path):
@@ -347,13 +348,16 @@ def _command(d, spec, env):
     return argv + [spec["image"], "sh", script]
 
 
-def _supervise(d, spec):
-    """Body of the detached supervisor: run the command, record pid and exit atomically."""
+def _supervise(d, spec, ready):
+    """Body of the detached supervisor: take the lock, tell the agent (one byte on ``ready``),
+    run the command, record its pid, then its exit code atomically."""
     devnull = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(devnull, fd)
     lock = os.open(os.path.join(d, "lock"), os.O_CREAT | os.O_RDWR, 0o600)
     fcntl.flock(lock, fcntl.LOCK_EX)
+    os.write(ready, b"1")
+    os.close(ready)
     for fd in _open_fds():
         if fd > 2 and fd != lock:
             try:
