@@ -79,6 +79,12 @@ def m001_initial(db: sqlite3.Connection) -> None:
     """)
 
 
+@migration
+def m002_workflow_spec(db: sqlite3.Connection) -> None:
+    """Workflow settings the nodes need beyond the tasks: ``{"mounts": {path: url}}``."""
+    db.execute("ALTER TABLE workflows ADD COLUMN spec TEXT NOT NULL DEFAULT '{}'")
+
+
 def _script(db: sqlite3.Connection, sql: str) -> None:
     """Run ``;``-separated statements inside the caller's transaction (``executescript``
     would commit it)."""
@@ -208,8 +214,9 @@ class State:
 
     # -- workflows ----------------------------------------------------------------------
     def create_workflow(self, wf, *, cluster: str, recipe_path: str | None, storage: str,
-                        workdir: str) -> str:
-        """Store a planned workflow (``hypercli.plan.Workflow``) with all its tasks pending.
+                        workdir: str, spec: dict | None = None) -> str:
+        """Store a planned workflow (``hypercli.plan.Workflow``) with all its tasks pending;
+        ``spec`` holds settings for the nodes (``{"mounts": {path: url}}``).
 
         Returns:
             the new workflow id, ``<name>-<seq>`` with seq counting from 1 per recipe name.
@@ -219,9 +226,10 @@ class State:
             seq = db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM workflows WHERE name=?",
                              (wf.name,)).fetchone()[0]
             wid = f"{wf.name}-{seq}"
-            db.execute("INSERT INTO workflows VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+            db.execute("INSERT INTO workflows (id, name, seq, cluster, recipe_path, digest, "
+                       "storage, workdir, status, created_at, spec) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
                        (wid, wf.name, seq, cluster, recipe_path, wf.digest, storage, workdir,
-                        "running", now, None, None))
+                        "running", now, _dumps(spec or {})))
             db.executemany("INSERT INTO experiments VALUES (?,?,?,?,?,?,?)",
                            [(wid, e.name, i, _dumps(list(e.after)), e.retries, e.image,
                              e.workers) for i, e in enumerate(wf.experiments)])
@@ -247,17 +255,17 @@ class State:
                 "SELECT id FROM workflows ORDER BY created_at DESC LIMIT 5")]
             raise UsageError(f"no workflow named {ref!r}",
                              f"known: {', '.join(known)}" if known else "run `hyper run RECIPE`")
-        return dict(r)
+        return _row(r, "spec")
 
     def workflows(self, limit: int = 50) -> list[dict]:
         rows = self.db.execute("SELECT * FROM workflows ORDER BY created_at DESC LIMIT ?",
                                (limit,)).fetchall()
-        return [dict(r) for r in rows]
+        return [_row(r, "spec") for r in rows]
 
     def latest_workflow(self, name: str) -> dict | None:
         r = self.db.execute("SELECT * FROM workflows WHERE name=? ORDER BY seq DESC LIMIT 1",
                             (name,)).fetchone()
-        return dict(r) if r else None
+        return _row(r, "spec")
 
     def set_workflow(self, wid: str, **fields) -> None:
         """Update workflow columns (status, ended_at, driver_pid)."""

@@ -93,7 +93,8 @@ def start_or_resume(state: S.State, recipe: Recipe, wf: Workflow, *, new: bool =
                          "ends it")
     storage = recipe.storage or default_storage()
     wid = state.create_workflow(wf, cluster=recipe.cluster.name, recipe_path=recipe.path,
-                                storage=storage, workdir=recipe.workdir)
+                                storage=storage, workdir=recipe.workdir,
+                                spec={"mounts": dict(recipe.mounts)})
     return wid, False
 
 

@@ -101,11 +101,12 @@ def test_state_file_is_private_wal_and_migrated(hyper_home):
     assert stat.S_IMODE(os.stat(s.path).st_mode) == 0o600
     assert stat.S_IMODE(os.stat(hyper_home).st_mode) == 0o700
     assert s.db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-    assert s.schema_version() == 1
+    from hypercli.state import MIGRATIONS
+    assert s.schema_version() == len(MIGRATIONS) >= 2
     s.close()
     State().close()  # reopening applies nothing twice
     db = sqlite3.connect(hyper_home / "state.db")
-    assert db.execute("SELECT COUNT(*) FROM schema_migrations").fetchone()[0] == 1
+    assert db.execute("SELECT COUNT(*) FROM schema_migrations").fetchone()[0] == len(MIGRATIONS)
     db.execute("INSERT INTO schema_migrations VALUES (99, 'future', 0)")
     db.commit()
     db.close()
@@ -121,3 +122,22 @@ def test_corrupt_state_file_is_an_infrastructure_error(hyper, hyper_home):
     (hyper_home / "state.db").write_bytes(b"this is not sqlite" * 100)
     r = hyper("ps")
     assert r.returncode == 3 and "state file" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_old_state_file_is_migrated_keeping_its_rows(hyper_home):
+    from hypercli import state as S
+    hyper_home.mkdir(parents=True)
+    db = sqlite3.connect(hyper_home / "state.db")
+    db.execute("CREATE TABLE schema_migrations (version INTEGER PRIMARY KEY, name TEXT, "
+               "applied_at REAL)")
+    S.m001_initial(db)
+    db.execute("INSERT INTO schema_migrations VALUES (1, 'm001_initial', 0)")
+    db.execute("INSERT INTO workflows (id, name, seq, cluster, digest, storage, workdir, status,"
+               " created_at) VALUES ('old-1', 'old', 1, 'c', 'd', 'file:///x', '/w', 'succeeded',"
+               " 1.0)")
+    db.commit()
+    db.close()
+    s = State()
+    assert s.schema_version() == len(S.MIGRATIONS)
+    wf = s.workflow("old")
+    assert wf["id"] == "old-1" and wf["status"] == "succeeded" and wf["spec"] == {}
