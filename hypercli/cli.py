@@ -384,6 +384,11 @@ def cancel(target):
     click.echo(f"cancelled {what} ({n} task{'s' if n != 1 else ''})")
 
 
+from hypercli.cli_data import data  # noqa: E402  (hyper data push/ls/pull/verify/mount)
+
+cli.add_command(data)
+
+
 def main() -> None:
     """Entry point of the ``hyper`` console script."""
     cli(prog_name="hyper")

@@ -88,15 +88,19 @@ def down(state: State, name: str) -> list[str]:
     if c is None:
         known = ", ".join(x["name"] for x in state.clusters()) or "none"
         raise UsageError(f"no cluster named {name!r}", f"known clusters: {known}")
+    from hypercli.scheduler import cancel_workflow
     provider = get_provider(c["provider"])
     nodes = state.nodes(name)
-    node_names = {n["name"] for n in nodes}
-    live = [a for a in state.live_attempts() if a["node"] in node_names]
-    cancel_on_nodes(state, live, provider)
-    for wf in state.workflows(limit=1000):
-        if wf["cluster"] == name and wf["status"] == "running":
-            state.set_workflow(wf["id"], status="cancelling")
-    removed = provider.terminate(name, [n for n in nodes if n["status"] != "down"])
+    workflows = [wf for wf in state.workflows(limit=10000) if wf["cluster"] == name]
+    for wf in workflows:
+        if wf["status"] in ("running", "cancelling"):
+            cancel_workflow(state, wf["id"], provider)
+    live_nodes = [n for n in nodes if n["status"] != "down"]
+    paths = sorted({p for wf in workflows for p in (wf.get("spec") or {}).get("mounts", {})})
+    removed = []
+    if paths and hasattr(provider, "unmount"):
+        removed += provider.unmount(live_nodes, paths)
+    removed += provider.terminate(name, live_nodes)
     for n in nodes:
         state.set_node_status(n["name"], "down")
     state.set_cluster_status(name, "down")

@@ -94,7 +94,15 @@ class NodeWorker(threading.Thread):
     def _handle(self, op: str, payload) -> None:
         if op == "launch":
             if self.session is not None:
-                self.session.before_launch(payload)
+                try:
+                    self.session.before_launch(payload)
+                except NodeError:
+                    raise
+                except (HyperError, OSError) as e:  # the node is fine; these attempts are not
+                    self.events.put(("states", self.node, {
+                        s["id"]: {"state": "failed", "error": f"preparing the node: {e}"}
+                        for s in payload}))
+                    return
             r = self.client.call("launch", attempts=payload)
             self.watch.update(r["states"])
             self._report(r["states"])
@@ -130,6 +138,14 @@ class NodeWorker(threading.Thread):
                 self._report(done)
 
     def run(self) -> None:
+        try:
+            self._run()
+        except Exception as e:  # a bug must not leave the run waiting for this node forever
+            self.events.put(("crash", self.node, f"{type(e).__name__}: {e}"))
+            if self.client is not None:
+                self.client.close()
+
+    def _run(self) -> None:
         down_since = None
         while not self.stopping:
             try:
@@ -325,7 +341,7 @@ class Scheduler:
             status = "cancelled" if st.get("cancelled") else (
                 "succeeded" if code == 0 else "failed")
         else:
-            status = "lost"
+            status = "lost" if st["state"] != "failed" else "failed"
         if task["status"] == "succeeded" and status == "succeeded":
             status = "superseded"
         upd = {"id": a["id"], "status": status, "exit_code": code,
@@ -335,6 +351,9 @@ class Scheduler:
         self.live.pop(a["id"], None)
         if a["node"] in self.free:
             self.free[a["node"]] += 1
+        if st["state"] == "failed":  # never launched: the node could not be prepared
+            status = "failed"
+            upd.update(status="failed", error=st.get("error"))
         if status == "superseded" or task["status"] in TERMINAL_TASK:
             return upd, None
         if status == "succeeded":
@@ -358,8 +377,9 @@ class Scheduler:
         if kind == "error":
             self.state.event("node", f"unreachable: {payload}", workflow=self.wid, node=node)
             return
-        if kind == "lost":
-            self.state.event("node", f"lost: {payload}", workflow=self.wid, node=node)
+        payload_text = payload if isinstance(payload, str) else ""
+        if kind in ("lost", "crash"):
+            self.state.event("node", f"{kind}: {payload}", workflow=self.wid, node=node)
             self.state.set_node_status(node, "lost")
             self.free.pop(node, None)
             payload = {a["id"]: {"state": "lost"} for a in self.live.values()
@@ -389,7 +409,8 @@ class Scheduler:
                     att_upd.append({"id": aid, "status": "running",
                                     "started_at": st.get("started") or time.time()})
                 continue
-            u, t = self._ended(a, st, "node lost" if kind == "lost" else None)
+            u, t = self._ended(a, st, {"lost": "node lost", "crash": f"node thread failed: "
+                                       f"{payload_text}"}.get(kind))
             att_upd.append(u)
             if t:
                 task_upd.append(t)

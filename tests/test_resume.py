@@ -203,3 +203,18 @@ def test_cancel_one_task(hyper_home, write_recipe, hyper):
         (hyper_home / "local" / "tasks" / a["id"] / "stderr").read_text()
         for a in state.attempts("slow-1") if a["status"] == "failed"])
     assert state.attempts("slow-1", "work-0004") == []
+
+
+def test_down_cancels_a_detached_workflow(hyper_home, write_recipe, hyper):
+    path = write_recipe(RECIPE)
+    p = start_run(path, "--on-interrupt", "leave")
+    running = wait_for(lambda: len(live_attempts()) == 2 and live_attempts(), what="running")
+    p.send_signal(signal.SIGINT)
+    assert p.wait(timeout=30) == 130
+    r = hyper("down", "slow")
+    assert r.returncode == 0, r.stderr
+    assert not any(alive(pid) for pid in task_pids(hyper_home, running))
+    state = State()
+    assert state.workflow("slow-1")["status"] == "cancelled"
+    assert {t["status"] for t in state.tasks("slow-1")} == {"cancelled"}
+    assert state.cluster("slow")["status"] == "down"

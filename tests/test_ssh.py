@@ -293,3 +293,17 @@ def test_host_keys_wrong_and_unreachable_hosts(ssh_hosts, tmp_path, hyper_home, 
                                      "experiments": {"x": {"command": "true"}}}))
     r = hyper("up", path3, "--trust-new-hosts")
     assert r.returncode == 3 and "refused the key" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_missing_image_fails_its_tasks_not_the_node(ssh_hosts, tmp_path, hyper_home):
+    hosts = ssh_hosts.start(1)
+    path = ssh_recipe(tmp_path, ssh_hosts, hosts, {
+        "boxed": {"image": "localhost/no-such-image:1", "command": "true"},
+        "plain": {"parameters": {"i": [1, 2]}, "command": "echo fine"}})
+    state, summary = run_in_process(path)
+    assert summary.exit_code == 1
+    [boxed] = state.attempts("lab-1", "boxed-0000")
+    assert boxed["status"] == "failed" and "no-such-image" in boxed["error"]
+    assert {t["status"] for t in state.tasks("lab-1") if t["experiment"] == "plain"} == \
+        {"succeeded"}
+    assert state.nodes("lab")[0]["status"] == "up"  # the node was not declared lost

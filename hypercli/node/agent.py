@@ -10,7 +10,8 @@ sees exactly what the old one saw.
 Attempt folder ``ROOT/tasks/<attempt id>/``::
 
     script.sh      the task's command (run with bash when present, else sh; ``set -e``)
-    spec.json      the launch request (env, cwd, image)
+    spec.json      the launch request (env, cwd, image, finish: a command run after a successful
+                   task, e.g. pushing its outputs to object storage)
     pid            JSON {"pid": <command pid = its process group>, "started": <unix s>}
     stdout,stderr  the command's output
     metrics.jsonl  JSON objects, one per line, written by the task through $HYPER_METRICS
@@ -56,6 +57,7 @@ import time
 
 VERSION = 1
 POLL_TICK = 0.005  # s between exit-file checks inside a poll wait
+FULL_EVERY = 0.25  # s between full state looks (lock, pid) inside a poll wait
 METRICS_MAX = 4 << 20  # bytes of metrics.jsonl read at most (the last 4 MiB)
 
 
@@ -149,13 +151,19 @@ class Agent:
         ids = req.get("ids", [])
         deadline = time.time() + float(req.get("wait", 0) or 0)
         states = {i: self.state(i, with_metrics=False) for i in ids}
+        last_full = time.time()
         while (all(s["state"] == "running" for s in states.values()) and ids
                and not self.woken and time.time() < deadline):
             if not self._fill(min(POLL_TICK, max(0.0, deadline - time.time()))):
                 break
             if self._pending_request() or self.woken:
                 break
-            states = {i: self.state(i, with_metrics=False) for i in ids}
+            # between full looks (every FULL_EVERY s, to see supervisors that died), an
+            # ``exit`` file appearing is all that can change
+            if time.time() - last_full >= FULL_EVERY or any(
+                    os.path.exists(os.path.join(self.tasks, i, "exit")) for i in ids):
+                states = {i: self.state(i, with_metrics=False) for i in ids}
+                last_full = time.time()
         self.woken = False
         for i, s in states.items():
             if s["state"] != "running":
@@ -206,6 +214,9 @@ class Agent:
 
     def state(self, attempt_id, with_metrics=True):
         d = self.dir(attempt_id)
+        # the lock is looked at BEFORE the exit file: the supervisor writes ``exit`` and only
+        # then releases the lock, so "no exit, lock free" seen in this order means it died
+        locked = _locked(os.path.join(d, "lock"))
         s = {"state": "unknown", "cancelled": os.path.exists(os.path.join(d, "cancelled"))}
         pid = _read_json(os.path.join(d, "pid"))
         if pid:
@@ -215,7 +226,7 @@ class Agent:
             s.update(state="exited", code=ex.get("code"), ended=ex.get("ended"))
         elif not os.path.isdir(d):
             return s
-        elif _locked(os.path.join(d, "lock")):
+        elif locked:
             s["state"] = "running"
         else:
             s["state"] = "lost"
@@ -376,7 +387,7 @@ def _supervise(d, spec, ready):
                 open(os.path.join(d, "stderr"), "ab") as err:
             proc = subprocess.Popen(_command(d, spec, env), cwd=cwd or None, env=env, stdout=out,
                                     stderr=err, stdin=subprocess.DEVNULL,
-                                    preexec_fn=os.setpgrp)
+                                    start_new_session=True)  # its own group, for killpg
         _write_json(os.path.join(d, "pid"), {"pid": proc.pid, "started": time.time()})
         while True:
             try:
@@ -385,6 +396,8 @@ def _supervise(d, spec, ready):
             except InterruptedError:
                 continue
         code = rc if rc >= 0 else 128 - rc
+        if code == 0 and spec.get("finish") and not os.path.exists(os.path.join(d, "cancelled")):
+            code = _finish(d, spec, env)
     except Exception as e:
         with open(os.path.join(d, "stderr"), "a") as f:
             f.write("hyper: cannot start the task: %s\n" % e)
@@ -392,6 +405,20 @@ def _supervise(d, spec, ready):
             _write_json(os.path.join(d, "pid"), {"pid": None, "started": time.time()})
     _write_json(os.path.join(d, "exit"), {"code": code, "ended": time.time()})
     os._exit(0)
+
+
+def _finish(d, spec, env):
+    """Run the attempt's ``finish`` command (e.g. push HYPER_OUTPUT to object storage) after a
+    successful task; its failure fails the attempt (exit code 70, reason in stderr)."""
+    with open(os.path.join(d, "stdout"), "ab") as out, \
+            open(os.path.join(d, "stderr"), "ab") as err:
+        rc = subprocess.call(["/bin/sh", "-c", spec["finish"]], env=env, stdout=out, stderr=err,
+                             stdin=subprocess.DEVNULL)
+    if rc == 0:
+        return 0
+    with open(os.path.join(d, "stderr"), "a") as f:
+        f.write("hyper: the task succeeded but saving its outputs failed (exit %d)\n" % rc)
+    return 70
 
 
 def main(argv):

@@ -4,19 +4,25 @@ Its nodes are worker slots on this machine: ``workers: N`` (default: the CPU cou
 ``<cluster>-0`` … ``<cluster>-<N-1>``, each running one task at a time. They share one node
 folder, ``$HYPER_HOME/local``, where the agent keeps its attempt folders. Tasks run in the
 recipe's ``workdir`` with this Python environment's ``bin`` folder first on ``PATH``, so a task
-can use the packages installed beside hypercli. Storage is a plain folder (``file://``).
+can use the packages installed beside hypercli. ``file://`` storage is used as a plain folder;
+with object storage (``s3://``) outputs are written here and pushed when an attempt succeeds.
 """
 
 from __future__ import annotations
 
 import os
+import shlex
+import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from hypercli import state as S
 from hypercli.errors import UsageError
 from hypercli.node.client import AgentClient, local_agent
 from hypercli.providers.base import Instance, LaunchResult
+from hypercli.providers.runtime import (NodeRuntime, NodeSetupError, forwarded_env,
+                                        unmount_command)
 from hypercli.recipe import ClusterSpec
 
 
@@ -24,11 +30,10 @@ def storage_path(storage: str) -> Path:
     """The folder of a ``file://`` storage URL.
 
     Raises:
-        UsageError: another scheme (object stores come with ``hyper data``).
+        UsageError: another scheme.
     """
     if not storage.startswith("file://"):
-        raise UsageError(f"the local provider keeps outputs in a folder, not in {storage}",
-                         "set storage: file://PATH in the recipe")
+        raise UsageError(f"{storage} is not a folder", "use a file:// storage URL here")
     return Path(storage[len("file://"):])
 
 
@@ -56,11 +61,55 @@ class LocalProvider:
         return [f"worker slot {n['name']}" for n in nodes]
 
     def task_paths(self, node: dict, wf: dict, task: str) -> tuple[str, str, str]:
-        outputs = storage_path(wf["storage"]) / wf["id"]
+        if wf["storage"].startswith("file://"):
+            outputs = storage_path(wf["storage"]) / wf["id"]
+        else:  # object storage: a folder here, pushed when the attempt succeeds
+            outputs = self.root() / "outputs" / wf["id"]
         return wf["workdir"], str(outputs / task), str(outputs)
 
-    def session(self, node: dict, wf: dict) -> None:
-        return None
+    def session(self, node: dict, wf: dict) -> "LocalSession | None":
+        if wf["storage"].startswith("file://") and not (wf.get("spec") or {}).get("mounts"):
+            return None
+        return LocalSession(self, node, wf)
+
+    def unmount(self, nodes: list[dict], paths: list[str]) -> list[str]:
+        """Unmount the workflows' mounts on this machine; returns what was unmounted."""
+        done = []
+        for path in paths:
+            if subprocess.run(["/bin/sh", "-c", unmount_command(path)]).returncode == 0:
+                done.append(f"mount {path}")
+        return done
+
+
+_MOUNT_LOCK = threading.Lock()  # the local nodes share this machine's mount points
+
+
+class LocalSession:
+    """Mounts and object-store outputs for the local nodes (see providers/runtime.py)."""
+
+    def __init__(self, provider: LocalProvider, node: dict, wf: dict):
+        self.wf = wf
+        self.rt = NodeRuntime(node["name"], wf, str(provider.root()),
+                              f"{shlex.quote(sys.executable)} -m hypercli.mount.node", self._sh)
+        self.name = node["name"]
+
+    def _sh(self, command: str) -> None:
+        p = subprocess.run(["/bin/sh", "-c", command], capture_output=True, text=True)
+        if p.returncode != 0:
+            raise NodeSetupError(f"`{command[:200]}` exited {p.returncode}: "
+                                 f"{p.stderr.strip()[-500:]}")
+
+    def before_launch(self, specs: list[dict]) -> None:
+        with _MOUNT_LOCK:
+            self.rt.ensure_mounts()
+        for s in specs:
+            self.rt.stage(set(s.get("after", [])), s["outputs"])
+            s["finish"] = self.rt.finish_command(s["output"], s["env"]["HYPER_TASK_ID"])
+            s["binds"] = self.rt.binds()
+            s["env"].update(forwarded_env())
+
+    def after_end(self, states: dict) -> None:
+        pass
 
 
 def make_provider(**_) -> LocalProvider:

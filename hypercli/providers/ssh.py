@@ -30,8 +30,10 @@ from pathlib import Path
 
 from hypercli import state as S
 from hypercli.errors import HyperError, InfraError, NodeError, UsageError
+from hypercli.node.bundle import bundle, remote_python
 from hypercli.node.client import AgentClient, agent_source
 from hypercli.providers.base import Instance, LaunchResult
+from hypercli.providers.runtime import NodeRuntime, forwarded_env, unmount_command
 from hypercli.recipe import ClusterSpec
 from hypercli.ssh import images
 from hypercli.ssh.conn import CONNECT_TIMEOUT, Connection, Target
@@ -62,21 +64,35 @@ def _target_of(node: dict) -> Target:
 
 
 def _tar_dir(src: Path, arcname: str) -> bytes:
-    """A tar of a folder, skipping caches and VCS folders. Raises UsageError when too big."""
+    """A tar of a folder, skipping caches, VCS folders and files that vanish while it is read.
+
+    Raises:
+        UsageError: the folder holds over WORKDIR_MAX bytes.
+    """
     buf = io.BytesIO()
     total = 0
-
-    def keep(ti: tarfile.TarInfo):
-        nonlocal total
-        if set(Path(ti.name).parts) & WORKDIR_EXCLUDE:
-            return None
-        total += ti.size
-        if total > WORKDIR_MAX:
-            raise UsageError(f"workdir {src} is over {WORKDIR_MAX >> 20} MiB",
-                             "keep data in storage or mounts, not in the workdir")
-        return ti
     with tarfile.open(fileobj=buf, mode="w") as tar:
-        tar.add(str(src), arcname=arcname, filter=keep)
+        tar.add(str(src), arcname=arcname, recursive=False)
+        for dirpath, dirs, files in os.walk(src):
+            dirs[:] = sorted(d for d in dirs if d not in WORKDIR_EXCLUDE)
+            rel = Path(dirpath).relative_to(src)
+            for name in sorted(dirs) + sorted(files):
+                path = Path(dirpath) / name
+                try:
+                    ti = tar.gettarinfo(str(path), f"{arcname}/{(rel / name).as_posix()}")
+                    if ti is None:  # sockets and the like
+                        continue
+                    total += ti.size
+                    if total > WORKDIR_MAX:
+                        raise UsageError(f"workdir {src} is over {WORKDIR_MAX >> 20} MiB",
+                                         "keep data in storage or mounts, not in the workdir")
+                    if ti.isreg():
+                        with open(path, "rb") as f:
+                            tar.addfile(ti, f)
+                    else:
+                        tar.addfile(ti)
+                except FileNotFoundError:
+                    continue
     return buf.getvalue()
 
 
@@ -199,6 +215,17 @@ class SSHProvider:
     def session(self, node: dict, wf: dict) -> "SSHSession":
         return SSHSession(self, node, wf)
 
+    def unmount(self, nodes: list[dict], paths: list[str]) -> list[str]:
+        """Unmount the workflows' mounts on the nodes it can reach; returns what it did."""
+        def one(node: dict) -> list[str]:
+            conn = self.connection(node["name"], _target_of(node), node["cluster"])
+            for path in paths:
+                conn.run(unmount_command(path), check=False)
+            return [f"mount {p} on {node['name']}" for p in paths]
+        res = fan_out([n["name"] for n in nodes],
+                      lambda name: one(next(n for n in nodes if n["name"] == name)))
+        return [line for lines in res.ok.values() for line in lines]
+
 
 class SSHSession:
     """One node's side work for one workflow (module docstring); runs in the node's thread."""
@@ -210,6 +237,19 @@ class SSHSession:
         self.images: set[str] = set()
         self.root = node["info"].get("root") or "/root/.hyper"
         self.storage = Path(wf["storage"][7:]) if wf["storage"].startswith("file://") else None
+        self.rt = NodeRuntime(node["name"], wf, self.root, remote_python(self.root), self._sh)
+        self.needs_runtime = self.storage is None or bool((wf.get("spec") or {}).get("mounts"))
+        self.bundled = False
+
+    def _sh(self, command: str) -> None:
+        self.conn().run(command, timeout=600)
+
+    def _ensure_bundle(self, conn: Connection) -> None:
+        digest, data = bundle()
+        lib = f"{self.root}/lib/{digest}"
+        conn.run(f"test -d {lib} || {{ mkdir -p {lib}.tmp && tar -C {lib}.tmp -xf - && "
+                 f"mv {lib}.tmp {lib}; }}", stdin=data, timeout=120)
+        self.bundled = True
 
     def conn(self) -> Connection:
         return self.p.connection(self.node["name"], _target_of(self.node), self.node["cluster"])
@@ -222,9 +262,19 @@ class SSHSession:
             conn.run(f"mkdir -p {work} && rm -rf {work}/{wid} && tar -C {work} -xf -",
                      stdin=_tar_dir(Path(self.wf["workdir"]), wid), timeout=600)
             self.synced = True
-        for exp in {e for s in specs for e in s.get("after", [])} - self.staged:
-            self._stage(conn, exp)
-            self.staged.add(exp)
+        if self.needs_runtime and not self.bundled:
+            self._ensure_bundle(conn)
+        self.rt.ensure_mounts()
+        for s in specs:
+            if self.storage is None:
+                self.rt.stage(set(s.get("after", [])), s["outputs"])
+            s["finish"] = self.rt.finish_command(s["output"], s["env"]["HYPER_TASK_ID"])
+            s["binds"] = self.rt.binds()
+            s["env"].update(forwarded_env())
+        if self.storage is not None:
+            for exp in {e for s in specs for e in s.get("after", [])} - self.staged:
+                self._stage(conn, exp)
+                self.staged.add(exp)
         for image in {s["image"] for s in specs if s.get("image")} - self.images:
             images.ensure(conn, image)
             self.images.add(image)

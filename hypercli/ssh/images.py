@@ -19,8 +19,13 @@ import shlex
 import shutil
 import subprocess
 
-from hypercli.errors import NodeError
+from hypercli.errors import InfraError
 from hypercli.ssh.conn import Connection, HostUnreachable
+
+
+class ImageError(InfraError):
+    """An image cannot be made present on a node; the node itself is fine (its tasks that
+    need the image fail, the node keeps working)."""
 
 
 @functools.lru_cache(maxsize=1)
@@ -47,11 +52,12 @@ def push(conn: Connection, image: str, chunk: int = 1 << 20) -> int:
     Returns:
         bytes sent.
     Raises:
-        NodeError: the save or the load failed (with the load's stderr).
+        ImageError: the save or the load failed (with the load's stderr).
+        HostUnreachable: the connection failed.
     """
     cli = local_docker()
     if cli is None:
-        raise NodeError(conn.name, f"cannot push {image}: no docker or podman here")
+        raise ImageError(f"cannot push {image} to {conn.name}: no docker or podman here")
     save = subprocess.Popen([cli, "save", image], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
     ch = conn.channel()
@@ -78,10 +84,10 @@ def push(conn: Connection, image: str, chunk: int = 1 << 20) -> int:
         save.wait()
         ch.close()
     if save.returncode != 0:
-        raise NodeError(conn.name, f"`{cli} save {image}` failed: {save_err.strip()}")
+        raise ImageError(f"`{cli} save {image}` failed: {save_err.strip()}")
     if code != 0:
-        raise NodeError(conn.name, f"`docker load` of {image} failed: "
-                        f"{err.decode(errors='replace').strip()[-500:]}")
+        raise ImageError(f"`docker load` of {image} on {conn.name} failed: "
+                         f"{err.decode(errors='replace').strip()[-500:]}")
     return sent
 
 
@@ -91,15 +97,14 @@ def ensure(conn: Connection, image: str) -> str:
     Returns:
         "present", "pushed" or "pulled".
     Raises:
-        NodeError: the node has no docker, or neither pull nor push worked.
+        ImageError: the node has no docker, or neither pull nor push worked.
     """
     q = shlex.quote(image)
     r = conn.run(f"command -v docker >/dev/null || exit 127; docker image inspect {q} "
                  ">/dev/null 2>&1", check=False)
     if r.exit_code == 127:
-        raise NodeError(conn.name, f"experiment image {image}: the node has no docker",
-                        "install a container runtime, or bake the node image "
-                        "(`hyper image build`)")
+        raise ImageError(f"experiment image {image}: node {conn.name} has no docker",
+                         "install a container runtime on the node")
     if r.exit_code == 0:
         return "present"
     if image.startswith("localhost/") and local_has(image):
@@ -111,6 +116,6 @@ def ensure(conn: Connection, image: str) -> str:
     if local_has(image):
         push(conn, image)
         return "pushed"
-    raise NodeError(conn.name, f"cannot get image {image}: the node's pull failed "
-                    f"({pull.stderr.decode(errors='replace').strip()[-300:]}) and this "
-                    "machine does not have it")
+    raise ImageError(f"cannot get image {image} onto {conn.name}: the node's pull failed "
+                     f"({pull.stderr.decode(errors='replace').strip()[-300:]}) and this "
+                     "machine does not have it")

@@ -1,0 +1,550 @@
+"""A dataset in object storage as a read-only local folder: FUSE over the chunk cache.
+
+Source: the Hyper paper (Snark AI, 2019), section III-A — a dataset packed into large chunks
+in object storage is mounted on every node as a file system, so that programs that know
+nothing about it read its small files at near local-disk speed, each chunk fetched once.
+
+    mount(url, mountpoint, cache_dir=..., cache_bytes=...)   serve it (foreground or daemon)
+    unmount(mountpoint)                                       ``fusermount3 -u``
+    mount_stats(mountpoint)                                   the chunk cache's counters
+
+The file system answers from the dataset's index (names, sizes, modes, mtimes, symlinks) and
+reads bytes from whole chunks in :class:`~hypercli.mount.cache.ChunkCache`. It is served with
+mfusepy over libfuse 3 (``FUSE_LIBRARY_NAME=fuse3``), multithreaded, mounted ``ro`` with the
+kernel's page cache kept across opens (``kernel_cache``) and attribute, entry and negative
+lookups cached for an hour: the data is immutable, so nothing the kernel caches goes stale.
+
+Errors a program sees: ENOENT for a path not in the dataset; EROFS for every kind of write
+(open for writing, create, mkdir, unlink, rmdir, rename, link, symlink, chmod, chown,
+truncate, utimes, setxattr); EIO when a chunk cannot be served (the store is unreachable, or
+its bytes are wrong) — the reason goes to the ``hypercli.mount`` logger, wrong bytes are never
+returned, and the next read tries the store again. libfuse 3 runs the daemon with ``/`` as its
+working folder, so every path here is made absolute first.
+
+A daemon (``foreground=False``) is this module run as a program (``python -m
+hypercli.mount.fusefs``) in a session of its own, logging to ``cache_dir/mount.log``.
+
+The cache folder holds ``chunks/<sha256>`` (the chunk cache), ``index/<sha256>.sqlite`` (the
+dataset's index, see :func:`hypercli.mount.pack.fetch_index`) and ``mount.log``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import errno
+import functools
+import itertools
+import json
+import logging
+import os
+import re
+import stat
+import subprocess
+import sys
+import threading
+import time
+from bisect import bisect_right
+from pathlib import Path
+
+from hypercli.errors import InfraError, UsageError
+from hypercli.mount.cache import GiB, ChunkCache
+from hypercli.mount.index import Index
+from hypercli.mount.store import StoreError, open_store
+
+log = logging.getLogger("hypercli.mount")
+
+STATS_XATTR = "user.hypercli.stats"  # on the mount's root: the cache counters, as JSON
+CACHE_TIMEOUT = 3600.0  # s the kernel keeps attributes, entries and misses (data is immutable)
+MAX_THREADS = 64       # libfuse worker threads: concurrent requests (most wait on downloads)
+MAX_IDLE_THREADS = 64  # kept when idle, with their Python thread states (_keep_thread_state)
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
+
+
+class _Errno(OSError):
+    """An answer chosen on purpose (ENOENT, EROFS, ...), passed to the kernel as is."""
+
+    def __init__(self, code: int, path: str = ""):
+        super().__init__(code, os.strerror(code), path)
+
+
+_KEPT: set[int] = set()
+
+
+def _keep_thread_state() -> None:
+    """Keep this libfuse thread's Python thread state from one callback to the next.
+
+    ctypes gives a thread that Python did not start a fresh thread state for every callback
+    (``PyGILState_Ensure``/``Release`` around it), which costs time on each of the 4-5
+    callbacks a small file needs. One extra ``PyGILState_Ensure`` per thread, never released,
+    keeps the state (documented C API: calls nest); libfuse keeps its idle threads
+    (``max_idle_threads``), so the states kept are bounded by the threads it ever ran.
+    """
+    t = threading.get_ident()
+    if t not in _KEPT:
+        _KEPT.add(t)
+        ctypes.pythonapi.PyGILState_Ensure()
+
+
+def _op(fn):
+    """Run a FUSE handler: chosen errnos pass; a store or chunk failure is logged and becomes
+    EIO; anything unexpected is logged with its traceback and becomes EIO (never the silent
+    ENOENT or EINVAL of the binding)."""
+    @functools.wraps(fn)
+    def handler(self, path, *args):
+        _keep_thread_state()
+        try:
+            return fn(self, path, *args)
+        except _Errno:
+            raise
+        except StoreError as e:
+            log.warning("%s %s: %s", fn.__name__, path, e)
+            raise _Errno(errno.EIO, path) from None
+        except Exception:
+            log.exception("%s %s failed", fn.__name__, path)
+            raise _Errno(errno.EIO, path) from None
+    return handler
+
+
+def _read_only(fn):
+    @functools.wraps(fn)
+    def handler(self, path, *args, **kwargs):
+        raise _Errno(errno.EROFS, path)
+    return handler
+
+
+class _Handle:
+    """An open file: its segments as parallel lists, and the one chunk it holds."""
+
+    __slots__ = ("path", "size", "starts", "segs", "pinned", "lock")
+
+    def __init__(self, path: str, size: int, segments: list[tuple[int, int, int]]):
+        self.path, self.size = path, size
+        self.starts: list[int] = []
+        self.segs = segments
+        pos = 0
+        for _, _, length in segments:
+            self.starts.append(pos)
+            pos += length
+        self.pinned: int | None = None
+        self.lock = threading.Lock()
+
+
+class ChunkFS:
+    """The FUSE operations (mfusepy's interface, paths as str, times in ns) of one dataset.
+
+    Args:
+        index: the dataset's :class:`~hypercli.mount.index.Index`.
+        cache: a :class:`~hypercli.mount.cache.ChunkCache` over the index's chunks.
+        uid, gid: owner reported for every entry (default: this process's).
+    An open file holds the chunk it last read (never evicted while the file is open); each
+    read also holds the chunks it reads for its duration.
+    """
+
+    use_ns = True
+
+    def __init__(self, index: Index, cache: ChunkCache, *, uid: int | None = None,
+                 gid: int | None = None):
+        self.index, self.cache = index, cache
+        self.uid = os.getuid() if uid is None else uid
+        self.gid = os.getgid() if gid is None else gid
+        self.files, self.dirs, self.bytes = index.count()
+        self._handles: dict[int, _Handle] = {}
+        self._ids = itertools.count(1)
+        self.started = False
+
+    # -- helpers ------------------------------------------------------------------------
+    def _entry(self, path: str):
+        rel = path.strip("/")
+        try:
+            rel.encode("utf-8")
+        except UnicodeEncodeError:  # a name the dataset cannot hold
+            raise _Errno(errno.ENOENT, path) from None
+        e = self.index.stat(rel)
+        if e is None:
+            raise _Errno(errno.ENOENT, path)
+        return e
+
+    def _attrs(self, e) -> dict:
+        ns = int(round(e.mtime * 1e9))
+        return {"st_mode": e.mode, "st_nlink": 2 if e.kind == "d" else 1, "st_size": e.size,
+                "st_uid": self.uid, "st_gid": self.gid, "st_blocks": (e.size + 511) // 512,
+                "st_atime": ns, "st_mtime": ns, "st_ctime": ns}
+
+    # -- reading ------------------------------------------------------------------------
+    @_op
+    def getattr(self, path: str, fh=None) -> dict:
+        return self._attrs(self._entry(path))
+
+    @_op
+    def readlink(self, path: str) -> str:
+        e = self._entry(path)
+        if e.kind != "l":
+            raise _Errno(errno.EINVAL, path)
+        return e.target
+
+    @_op
+    def readdir(self, path: str, fh) -> list:
+        e = self._entry(path)
+        if e.kind != "d":
+            raise _Errno(errno.ENOTDIR, path)
+        out = [(".", {"st_mode": stat.S_IFDIR}, 0), ("..", {"st_mode": stat.S_IFDIR}, 0)]
+        for c in self.index.listdir(e.path):
+            out.append((c.path.rsplit("/", 1)[-1], {"st_mode": c.mode}, 0))
+        return out
+
+    @_op
+    def access(self, path: str, amode: int) -> int:
+        self._entry(path)
+        if amode & os.W_OK:
+            raise _Errno(errno.EROFS, path)
+        return 0
+
+    @_op
+    def open(self, path: str, flags: int) -> int:
+        if flags & _WRITE_FLAGS:
+            raise _Errno(errno.EROFS, path)
+        e = self._entry(path)
+        if e.kind == "d":
+            raise _Errno(errno.EISDIR, path)
+        if e.kind != "f":
+            raise _Errno(errno.ELOOP, path)
+        h = _Handle(path, e.size, self.index.segments(e.path))
+        fh = next(self._ids)
+        self._handles[fh] = h
+        return fh
+
+    @_op
+    def read(self, path: str, size: int, offset: int, fh: int) -> bytes:
+        h = self._handles.get(fh)
+        if h is None:
+            raise _Errno(errno.EBADF, path)
+        end = min(offset + size, h.size)
+        out = []
+        i = max(0, bisect_right(h.starts, offset) - 1)
+        while offset < end and i < len(h.segs):
+            seq, coff, length = h.segs[i]
+            start = h.starts[i]
+            n = min(end, start + length) - offset
+            if n > 0:
+                self._hold(h, seq)
+                data = self.cache.pread(seq, coff + offset - start, n)
+                if len(data) != n:
+                    raise StoreError(f"chunk {seq} ends before {h.path}")
+                out.append(data)
+                offset += n
+            i += 1
+        return b"".join(out)
+
+    def _hold(self, h: _Handle, seq: int) -> None:
+        """Make seq the chunk h holds (acquire it, then release the previous one)."""
+        with h.lock:
+            if h.pinned == seq:
+                return
+            self.cache.acquire(seq)
+            old, h.pinned = h.pinned, seq
+            if old is not None:
+                self.cache.release(old)
+
+    @_op
+    def release(self, path: str, fh: int) -> int:
+        h = self._handles.pop(fh, None)
+        if h is not None and h.pinned is not None:
+            with h.lock:
+                self.cache.release(h.pinned)
+                h.pinned = None
+        return 0
+
+    @_op
+    def statfs(self, path: str) -> dict:
+        return {"f_bsize": 4096, "f_frsize": 4096, "f_blocks": (self.bytes + 4095) // 4096,
+                "f_bfree": 0, "f_bavail": 0, "f_files": self.files + self.dirs,
+                "f_ffree": 0, "f_favail": 0, "f_namemax": 255}
+
+    @_op
+    def getxattr(self, path: str, name: str, position: int = 0) -> bytes:
+        if name == STATS_XATTR and path == "/":
+            return json.dumps(self.cache.stats(), separators=(",", ":")).encode()
+        self._entry(path)
+        raise _Errno(errno.ENODATA, path)
+
+    @_op
+    def listxattr(self, path: str) -> list:
+        self._entry(path)
+        return []
+
+    def init(self, path: str) -> None:
+        self.started = True  # mounted and serving: a later non-zero exit is a signal's
+
+    def destroy(self, path: str) -> None:
+        self.cache.close()
+
+    # -- writing: never ---------------------------------------------------------------
+    @_read_only
+    def create(self, path, mode, fi=None): ...
+    @_read_only
+    def write(self, path, data, offset, fh): ...
+    @_read_only
+    def truncate(self, path, length, fh=None): ...
+    @_read_only
+    def mkdir(self, path, mode): ...
+    @_read_only
+    def mknod(self, path, mode, dev): ...
+    @_read_only
+    def rmdir(self, path): ...
+    @_read_only
+    def unlink(self, path): ...
+    @_read_only
+    def rename(self, old, new): ...
+    @_read_only
+    def link(self, target, source): ...
+    @_read_only
+    def symlink(self, target, source): ...
+    @_read_only
+    def chmod(self, path, mode): ...
+    @_read_only
+    def chown(self, path, uid, gid): ...
+    @_read_only
+    def utimens(self, path, times=None): ...
+    @_read_only
+    def setxattr(self, path, name, value, options, position=0): ...
+    @_read_only
+    def removexattr(self, path, name): ...
+    @_read_only
+    def fallocate(self, path, mode, offset, size, fh): ...
+
+
+# -- mounting -----------------------------------------------------------------------------
+def _mounted(mountpoint: str) -> bool:
+    """Whether mountpoint is in /proc/mounts (read without touching the mount itself)."""
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                mp = line.split(" ")[1]
+                mp = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), mp)
+                if mp == mountpoint:
+                    return True
+    except OSError:
+        pass
+    return False
+
+
+def open_dataset(url: str, cache_dir: str | os.PathLike, *, endpoint_url: str | None = None
+                 ) -> tuple:
+    """(store, manifest, index) of the dataset at url, its index cached in
+    ``cache_dir/index``.
+
+    Raises:
+        UsageError: a bad URL, or no dataset there.
+        DatasetError: a corrupt manifest or index.
+        StoreError: the store cannot be read.
+    """
+    import sqlite3
+
+    from hypercli.mount.pack import DatasetError, fetch_index, load_manifest
+    store = open_store(url, endpoint_url=endpoint_url)
+    manifest = load_manifest(store)
+    path = fetch_index(store, manifest, Path(cache_dir) / "index")
+    try:
+        index = Index(path)
+    except (ValueError, sqlite3.DatabaseError) as e:
+        raise DatasetError(f"{store.url}/{manifest['index']}: {e}") from None
+    if [[sha, size] for _, sha, size in index.chunk_list] != \
+            [list(c) for c in manifest["chunks"]]:
+        raise DatasetError(f"{store.url}: the index names other chunks than the manifest")
+    return store, manifest, index
+
+
+def _check_mountpoint(mountpoint: str) -> None:
+    if _mounted(mountpoint):
+        raise UsageError(f"{mountpoint}: already a mount point",
+                         f"`hyper data unmount {mountpoint}` first")
+    if not os.path.isdir(mountpoint):
+        raise UsageError(f"{mountpoint}: no such folder", "create the mount point first")
+
+
+def mount(url: str, mountpoint: str | os.PathLike, *, cache_dir: str | os.PathLike,
+          cache_bytes: int, endpoint_url: str | None = None, foreground: bool = True,
+          min_free_bytes: int = GiB, prefetch: int = 2, jobs: int = 4,
+          allow_other: bool = False, log_file: str | os.PathLike | None = None,
+          timeout: float = 60.0) -> int:
+    """Mount the dataset at ``url`` read-only at ``mountpoint``.
+
+    Args:
+        url: ``s3://bucket/prefix`` or ``file:///path`` of a pushed dataset.
+        mountpoint: an existing folder (made absolute).
+        cache_dir: folder for chunks, index and log (created; reused across mounts).
+        cache_bytes: cap on cached chunk bytes; more are used only while every cached chunk
+            is in use (see :class:`~hypercli.mount.cache.ChunkCache`).
+        endpoint_url: S3-compatible endpoint (default ``$HYPER_S3_ENDPOINT_URL``).
+        foreground: serve in this process until unmounted (SIGINT/SIGTERM unmount);
+            False: start a daemon and return once the mount is up.
+        min_free_bytes: free space to keep on cache_dir's disk (default 1 GiB).
+        prefetch: chunks read ahead, in pack order, of a chunk's first read (0: off).
+        jobs: background download threads.
+        allow_other: let other users (containers) read the mount (kernel-checked modes).
+        log_file: the daemon's log (default ``cache_dir/mount.log``).
+        timeout: seconds to wait for the daemon's mount.
+    Returns:
+        0 after a foreground mount ends; the daemon's pid otherwise.
+    Raises:
+        UsageError: bad URL, no dataset, mount point missing or already mounted.
+        DatasetError: a corrupt manifest or index.
+        StoreError: the store cannot be read.
+        InfraError: FUSE could not mount (the daemon's last log lines in the message).
+    """
+    mp = os.path.abspath(mountpoint)
+    cache = Path(cache_dir).absolute()
+    _check_mountpoint(mp)
+    store, _, index = open_dataset(url, cache, endpoint_url=endpoint_url)
+    if foreground:
+        if not logging.getLogger().handlers and not log.handlers:
+            _log_to(sys.stderr)  # a foreground mount's reasons for EIO go to the terminal
+        serve(store, index, mp, cache_dir=cache, cache_bytes=cache_bytes,
+              min_free_bytes=min_free_bytes, prefetch=prefetch, jobs=jobs,
+              allow_other=allow_other)
+        return 0
+    log_path = Path(log_file).absolute() if log_file else cache / "mount.log"
+    cmd = [sys.executable, "-m", "hypercli.mount.fusefs", url, mp, "--cache-dir", str(cache),
+           "--cache-bytes", str(int(cache_bytes)), "--min-free-bytes", str(int(min_free_bytes)),
+           "--prefetch", str(prefetch), "--jobs", str(jobs)]
+    if endpoint_url:
+        cmd += ["--endpoint-url", endpoint_url]
+    if allow_other:
+        cmd.append("--allow-other")
+    pkg_root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, FUSE_LIBRARY_NAME=os.environ.get("FUSE_LIBRARY_NAME", "fuse3"),
+               PYTHONPATH=os.pathsep.join(filter(None, [pkg_root,
+                                                        os.environ.get("PYTHONPATH")])))
+    start = log_path.stat().st_size if log_path.exists() else 0
+    with open(log_path, "ab") as out:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env,
+                                cwd="/", start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while not _mounted(mp):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            tail = _tail(log_path, start)
+            raise InfraError(f"mounting {url} at {mp} failed: {tail or 'no reason logged'}",
+                             f"the daemon's log is {log_path}")
+        time.sleep(0.02)
+    return proc.pid
+
+
+def _tail(path: Path, start: int, lines: int = 5) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(start)
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    return " | ".join(text.strip().splitlines()[-lines:])
+
+
+def serve(store, index: Index, mountpoint: str, *, cache_dir: str | os.PathLike,
+          cache_bytes: int, min_free_bytes: int = GiB, prefetch: int = 2, jobs: int = 4,
+          allow_other: bool = False) -> None:
+    """Serve an opened dataset at mountpoint in this process until it is unmounted.
+
+    Chunks go to ``cache_dir/chunks``. Raises InfraError when libfuse fails to mount.
+    """
+    os.environ.setdefault("FUSE_LIBRARY_NAME", "fuse3")
+    import mfusepy
+
+    cache = ChunkCache(store, index.chunk_list, Path(cache_dir) / "chunks",
+                       max_bytes=cache_bytes, min_free_bytes=min_free_bytes,
+                       prefetch=prefetch, jobs=jobs)
+    ops = ChunkFS(index, cache)
+    opts = dict(foreground=True, ro=True, default_permissions=True, kernel_cache=True,
+                entry_timeout=CACHE_TIMEOUT, attr_timeout=CACHE_TIMEOUT,
+                negative_timeout=CACHE_TIMEOUT, max_idle_threads=MAX_IDLE_THREADS,
+                max_threads=MAX_THREADS, subtype="hyper",
+                fsname="hyper:" + store.url.replace(",", "_").replace(" ", "_"))
+    if allow_other:
+        opts["allow_other"] = True
+    log.info("serving %s at %s (cache %s, cap %d bytes)", store.url, mountpoint, cache_dir,
+             cache_bytes)
+    try:
+        mfusepy.FUSE(ops, os.path.abspath(mountpoint), **opts)
+    except RuntimeError as e:  # libfuse's non-zero exit: failed to mount, or a signal ended it
+        if not ops.started:
+            raise InfraError(f"{mountpoint}: FUSE failed to mount {store.url} (libfuse "
+                             f"exit {e})", "is /dev/fuse there, and fusermount3 installed?"
+                             ) from None
+        log.info("stopped by a signal")
+    finally:
+        cache.close()
+    log.info("unmounted %s", mountpoint)
+
+
+def unmount(mountpoint: str | os.PathLike, *, lazy: bool = False, timeout: float = 30) -> None:
+    """Unmount a mount made by :func:`mount` (``fusermount3 -u``; ``-uz`` when lazy, which
+    detaches it now and lets programs still using it finish). Its daemon then exits.
+
+    Raises:
+        UsageError: mountpoint is not mounted.
+        InfraError: fusermount3 failed (busy: a program still uses the mount).
+    """
+    mp = os.path.abspath(mountpoint)
+    if not _mounted(mp):
+        raise UsageError(f"{mp}: not mounted")
+    try:
+        r = subprocess.run(["fusermount3", "-uz" if lazy else "-u", mp], capture_output=True,
+                           text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise InfraError(f"{mp}: fusermount3 failed: {e}") from None
+    if r.returncode != 0:
+        raise InfraError(f"{mp}: cannot unmount: {r.stderr.strip()}",
+                         "close the programs using it, or unmount lazily")
+
+
+def mount_stats(mountpoint: str | os.PathLike) -> dict:
+    """The counters of a mount's chunk cache (:meth:`ChunkCache.stats`), read from the
+    ``user.hypercli.stats`` extended attribute of its root.
+
+    Raises:
+        OSError: not a hypercli mount (ENODATA), or not reachable.
+    """
+    return json.loads(os.getxattr(os.path.abspath(mountpoint), STATS_XATTR))
+
+
+def _log_to(stream, level: str | int = "INFO") -> None:
+    logging.basicConfig(stream=stream, level=level,
+                        format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("mfusepy").setLevel(logging.WARNING)
+    logging.getLogger("botocore").setLevel(logging.WARNING)
+
+
+def _main(argv: list[str] | None = None) -> int:
+    """The daemon: ``python -m hypercli.mount.fusefs URL MOUNTPOINT --cache-dir D
+    --cache-bytes N [...]``; logs to stderr; exit 0 after unmount, 1 on error."""
+    p = argparse.ArgumentParser(prog="python -m hypercli.mount.fusefs")
+    p.add_argument("url")
+    p.add_argument("mountpoint")
+    p.add_argument("--cache-dir", required=True)
+    p.add_argument("--cache-bytes", type=int, required=True)
+    p.add_argument("--min-free-bytes", type=int, default=GiB)
+    p.add_argument("--prefetch", type=int, default=2)
+    p.add_argument("--jobs", type=int, default=4)
+    p.add_argument("--endpoint-url")
+    p.add_argument("--allow-other", action="store_true")
+    p.add_argument("--log-level", default="INFO")
+    a = p.parse_args(argv)
+    _log_to(sys.stderr, a.log_level)
+    try:
+        mp = os.path.abspath(a.mountpoint)
+        _check_mountpoint(mp)
+        store, _, index = open_dataset(a.url, a.cache_dir, endpoint_url=a.endpoint_url)
+        serve(store, index, mp, cache_dir=a.cache_dir, cache_bytes=a.cache_bytes,
+              min_free_bytes=a.min_free_bytes, prefetch=a.prefetch, jobs=a.jobs,
+              allow_other=a.allow_other)
+    except Exception as e:  # HyperError or not: the parent shows the last log lines
+        log.error("%s", e, exc_info=not hasattr(e, "exit_code"))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

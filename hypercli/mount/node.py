@@ -1,0 +1,57 @@
+"""Storage commands run *on* nodes, with no dependency beyond the standard library, boto3 and
+mfusepy (a node may have hypercli's bundled runtime only, without click or rich):
+
+    python3 -m hypercli.mount.node mount URL MOUNTPOINT --cache-dir D [--cache-mib N]
+    python3 -m hypercli.mount.node push-output DIR URL
+    python3 -m hypercli.mount.node pull-outputs STORAGE WORKFLOW DEST EXPERIMENT...
+
+Exit 0 on success; otherwise 1 with the reason on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from hypercli.errors import HyperError
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python3 -m hypercli.mount.node")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("mount")
+    m.add_argument("url")
+    m.add_argument("mountpoint")
+    m.add_argument("--cache-dir", required=True)
+    m.add_argument("--cache-mib", type=int, default=10240)
+    p = sub.add_parser("push-output")
+    p.add_argument("src")
+    p.add_argument("url")
+    q = sub.add_parser("pull-outputs")
+    q.add_argument("storage")
+    q.add_argument("workflow")
+    q.add_argument("dest")
+    q.add_argument("experiments", nargs="+")
+    a = ap.parse_args(argv)
+    try:
+        if a.cmd == "mount":
+            from hypercli.mount.fusefs import mount
+            pid = mount(a.url, a.mountpoint, cache_dir=a.cache_dir, cache_bytes=a.cache_mib << 20,
+                        foreground=False, allow_other=True)
+            print(f"mounted {a.url} at {a.mountpoint} (pid {pid})")
+        elif a.cmd == "push-output":
+            from hypercli.mount.outputs import push_output
+            r = push_output(a.src, a.url)
+            print(f"outputs saved to {a.url}: {r.files} files, {r.bytes} bytes")
+        else:
+            from hypercli.mount.outputs import pull_outputs
+            tasks = pull_outputs(a.storage, a.workflow, a.experiments, a.dest)
+            print(f"pulled the outputs of {len(tasks)} tasks into {a.dest}")
+    except HyperError as e:
+        print(f"error: {e}" + (f" ({e.hint})" if e.hint else ""), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

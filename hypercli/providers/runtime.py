@@ -1,0 +1,132 @@
+"""What a node does for a workflow besides running tasks, written once for every provider:
+the recipe's ``mounts:`` (mounted before the first task, unmounted on ``hyper down``) and task
+outputs kept in object storage (:mod:`hypercli.mount.outputs`).
+
+A provider's session gives :class:`NodeRuntime` two things: ``sh`` (run a shell command on
+the node) and ``hyper`` (the shell words that run hypercli there: this Python for the local
+provider, the copied runtime of :mod:`hypercli.node.bundle` over SSH), used as
+``<python> -m hypercli.mount.node ...``, which needs no package beyond boto3 and mfusepy.
+
+Mount kinds (recipe ``mounts: {PATH: URL}``):
+* ``chunks+s3://...``, ``chunks+file://...``: hypercli's chunked FUSE mount
+  (``hyper data mount``), its chunk cache in ``<node root>/cache``;
+* ``s3://bucket/prefix``: the bucket itself, with goofys, else s3fs, whichever the node has.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from typing import Callable
+
+from hypercli.errors import InfraError
+from hypercli.mount.outputs import output_url
+from hypercli.ssh.conn import CommandFailed
+
+
+class NodeSetupError(InfraError):
+    """Preparing a node for a workflow failed (a mount, pulling inputs): the attempts that
+    needed it fail with this reason; the node itself is not lost."""
+
+#: environment passed to node-side hypercli commands when set here (an S3-compatible
+#: endpoint is not a secret; credentials come from the node's own configuration)
+FORWARD_ENV = ("HYPER_S3_ENDPOINT_URL", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION")
+
+
+def forwarded_env() -> dict:
+    return {k: os.environ[k] for k in FORWARD_ENV if os.environ.get(k)}
+
+
+def env_prefix() -> str:
+    return "".join(f"{k}={shlex.quote(v)} " for k, v in forwarded_env().items())
+
+
+def mount_command(hyper: str, url: str, path: str, cache: str) -> str:
+    """Shell text that mounts ``url`` at ``path`` on a node (idempotent: nothing when a FUSE
+    file system is already mounted there)."""
+    p = shlex.quote(path)
+    check = f"awk '$2 == \"{path}\" {{f=1}} END {{exit !f}}' /proc/mounts"
+    if url.startswith("chunks+"):
+        cmd = (f"{env_prefix()}{hyper} mount {shlex.quote(url[len('chunks+'):])} {p} "
+               f"--cache-dir {shlex.quote(cache)}")
+    else:
+        bucket_path = url[len("s3://"):]
+        bucket, _, prefix = bucket_path.partition("/")
+        endpoint = forwarded_env().get("HYPER_S3_ENDPOINT_URL")
+        goofys = "goofys " + (f"--endpoint {shlex.quote(endpoint)} " if endpoint else "") + \
+            f"{shlex.quote(bucket + (':' + prefix if prefix else ''))} {p}"
+        s3fs = (f"s3fs {shlex.quote(bucket + (':/' + prefix if prefix else ''))} {p} -o ro"
+                + (f",url={shlex.quote(endpoint)},use_path_request_style" if endpoint else ""))
+        cmd = (f"if command -v goofys >/dev/null; then {goofys}; elif command -v s3fs "
+               f">/dev/null; then {s3fs}; else echo 'neither goofys nor s3fs is installed' >&2; "
+               "exit 127; fi")
+    return f"{check} || {{ mkdir -p {p} && {cmd}; }}"
+
+
+def unmount_command(path: str) -> str:
+    """Shell text that unmounts a FUSE mount at ``path`` when one is there."""
+    p = shlex.quote(path)
+    return (f"awk '$2 == \"{path}\" {{f=1}} END {{exit !f}}' /proc/mounts && "
+            f"{{ fusermount3 -u {p} 2>/dev/null || fusermount -u {p} 2>/dev/null || "
+            f"umount {p}; }} || true")
+
+
+class NodeRuntime:
+    """Mounts and object-store outputs for one workflow on one node.
+
+    Args:
+        node: node name (errors).
+        wf: the ``workflows`` row (storage, spec with mounts).
+        root: the node's hypercli folder (``~/.hyper`` there).
+        hyper: shell words running ``hypercli.mount.node`` on the node.
+        sh: ``sh(command) -> None``, raising CommandFailed/NodeSetupError when the command
+            fails and NodeError when the node cannot be reached.
+    """
+
+    def __init__(self, node: str, wf: dict, root: str, hyper: str,
+                 sh: Callable[[str], None]):
+        self.node, self.wf, self.root, self.hyper, self.sh = node, wf, root, hyper, sh
+        self.mounted = False
+        self.staged: set[str] = set()
+
+    @property
+    def object_storage(self) -> bool:
+        return not self.wf["storage"].startswith("file://")
+
+    def ensure_mounts(self) -> None:
+        """Mount every ``mounts:`` entry once per workflow. Raises NodeError."""
+        if self.mounted:
+            return
+        for path, url in sorted((self.wf.get("spec") or {}).get("mounts", {}).items()):
+            try:
+                self.sh(mount_command(self.hyper, url, path, f"{self.root}/cache"))
+            except (CommandFailed, NodeSetupError) as e:
+                raise NodeSetupError(f"mounting {url} at {path} on {self.node} failed: "
+                                     f"{e}") from None
+        self.mounted = True
+
+    def stage(self, experiments: set[str], outputs: str) -> None:
+        """Pull the outputs of ``experiments`` into ``outputs`` (object storage only)."""
+        todo = sorted(experiments - self.staged)
+        if not todo or not self.object_storage:
+            return
+        try:
+            self.sh(f"{env_prefix()}{self.hyper} pull-outputs "
+                    f"{shlex.quote(self.wf['storage'])} {shlex.quote(self.wf['id'])} "
+                    f"{shlex.quote(outputs)} " + " ".join(map(shlex.quote, todo)))
+        except (CommandFailed, NodeSetupError) as e:
+            raise NodeSetupError(f"pulling the outputs of {', '.join(todo)} onto {self.node} "
+                                 f"failed: {e}") from None
+        self.staged.update(todo)
+
+    def finish_command(self, output: str, task: str) -> str | None:
+        """The command the supervisor runs after a successful task: push its outputs."""
+        if not self.object_storage:
+            return None
+        url = output_url(self.wf["storage"], self.wf["id"], task)
+        return (f"{env_prefix()}{self.hyper} push-output {shlex.quote(output)} "
+                f"{shlex.quote(url)}")
+
+    def binds(self) -> dict:
+        """Mount paths to bind into containers at the same path."""
+        return {p: p for p in (self.wf.get("spec") or {}).get("mounts", {})}

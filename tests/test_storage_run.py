@@ -1,0 +1,114 @@
+"""Recipes with `mounts:` and object storage, run end to end: the chunked dataset is mounted on
+every node before its tasks start, task outputs are pushed to S3 when attempts succeed, a later
+experiment reads them through HYPER_OUTPUTS, the user pulls them, and `hyper down` unmounts.
+Real moto S3 server, real FUSE mounts, real sshd test hosts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hypercli.mount import pack
+from s3server import CREDENTIALS, S3Server
+
+pytestmark = pytest.mark.slow
+
+
+def make_dataset(root: Path, n: int = 40) -> dict[str, str]:
+    files = {}
+    for i in range(n):
+        rel = f"shard-{i % 4}/item-{i:03d}.txt"
+        files[rel] = f"item {i} " + "x" * (i * 37)
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(files[rel])
+    return files
+
+
+def mounted(path: Path) -> bool:
+    return any(line.split()[1] == str(path) for line in open("/proc/mounts"))
+
+
+def experiments(mnt: Path) -> dict:
+    return {
+        "read": {"parameters": {"i": [0, 5, 10, 39]},
+                 "command": f'cp "{mnt}/shard-$(({{{{i}}}} % 4))/item-$(printf %03d {{{{i}}}}).txt" '
+                            '"$HYPER_OUTPUT/copy"\n'
+                            f'ls "{mnt}" > "$HYPER_OUTPUT/listing"'},
+        "total": {"after": ["read"],
+                  "command": 'cat "$HYPER_OUTPUTS"/read-*/copy | wc -c > "$HYPER_OUTPUT/bytes"\n'
+                             'ls "$HYPER_OUTPUTS" > "$HYPER_OUTPUT/seen"'},
+    }
+
+
+def check_outputs(tmp_path: Path, wid: str, files: dict) -> None:
+    out = tmp_path / "pulled"
+    pack.pull(f"s3://bkt/out/{wid}/total-0000", out)
+    expected = sum(len(files[f"shard-{i % 4}/item-{i:03d}.txt"]) for i in (0, 5, 10, 39))
+    assert int((out / "bytes").read_text()) == expected
+    seen = (out / "seen").read_text().split()  # HYPER_OUTPUTS: the inputs and its own folder
+    assert [t for t in seen if t.startswith("read-")] == [f"read-000{i}" for i in range(4)]
+    one = tmp_path / "one"
+    pack.pull(f"s3://bkt/out/{wid}/read-0003", one)
+    assert (one / "copy").read_text() == files["shard-3/item-039.txt"]
+    assert (one / "listing").read_text().split() == ["shard-0", "shard-1", "shard-2", "shard-3"]
+
+
+def test_local_run_with_mount_and_s3_outputs(s3, hyper, hyper_home, tmp_path):
+    s3.make_bucket("bkt")
+    files = make_dataset(tmp_path / "src")
+    pack.push(tmp_path / "src", "s3://bkt/ds", chunk_size=1 << 20)
+    mnt = tmp_path / "mnt"
+    recipe = {"name": "mounted", "cluster": {"workers": 2}, "storage": "s3://bkt/out",
+              "mounts": {str(mnt): "chunks+s3://bkt/ds"}, "experiments": experiments(mnt)}
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    try:
+        r = hyper("run", path)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert mounted(mnt)
+        check_outputs(tmp_path, "mounted-1", files)
+        r = hyper("down", "mounted")
+        assert r.returncode == 0 and f"mount {mnt}" in r.stdout
+        assert not mounted(mnt)
+    finally:
+        subprocess.run(["fusermount3", "-uz", str(mnt)], capture_output=True)
+
+
+def test_ssh_run_with_mount_and_s3_outputs(ssh_hosts, hyper, hyper_home, tmp_path,
+                                           monkeypatch):
+    hosts = ssh_hosts.start(2)
+    if hosts[0].run("python3 -c 'import boto3'").returncode != 0:
+        pytest.skip("the hosts' python3 has no boto3 (Debian: python3-boto3)")
+    with S3Server(host="10.213.0.1") as s3:  # the bridge address: reachable from the hosts
+        for k, v in CREDENTIALS.items():
+            monkeypatch.setenv(k, v)
+        monkeypatch.setenv("HYPER_S3_ENDPOINT_URL", s3.endpoint)
+        for h in hosts:  # the nodes' own credentials, as an instance would have them
+            h.run("mkdir -p ~/.aws && printf '[default]\\naws_access_key_id = testing\\n"
+                  "aws_secret_access_key = testing\\n' > ~/.aws/credentials", check=True)
+        s3.make_bucket("bkt")
+        files = make_dataset(tmp_path / "src")
+        pack.push(tmp_path / "src", "s3://bkt/ds", chunk_size=1 << 20)
+        recipe = {"name": "sshmount", "storage": "s3://bkt/out",
+                  "cluster": {"provider": "ssh", "hosts": [h.address() for h in hosts],
+                              "identity_file": str(ssh_hosts.client_key)},
+                  "mounts": {"/data": "chunks+s3://bkt/ds"}, "experiments": experiments(
+                      Path("/data"))}
+        path = tmp_path / "r.yaml"
+        path.write_text(yaml.safe_dump(recipe))
+        r = hyper("run", path, "--trust-new-hosts")
+        assert r.returncode == 0, r.stdout + r.stderr + hyper("logs", "sshmount-1/read-0000").stderr
+        used = {a["node"] for a in json.loads(hyper("ps", "sshmount", "--json").stdout)
+                if a["node"]}
+        for i, h in enumerate(hosts):
+            is_mounted = h.run("awk '$2 == \"/data\"' /proc/mounts").stdout.strip() != ""
+            assert is_mounted == (f"sshmount-{i}" in used)
+        check_outputs(tmp_path, "sshmount-1", files)
+        r = hyper("down", "sshmount")
+        assert r.returncode == 0, r.stderr
+        for h in hosts:
+            assert h.run("awk '$2 == \"/data\"' /proc/mounts").stdout.strip() == ""
