@@ -112,3 +112,26 @@ def test_ssh_run_with_mount_and_s3_outputs(ssh_hosts, hyper, hyper_home, tmp_pat
         assert r.returncode == 0, r.stderr
         for h in hosts:
             assert h.run("awk '$2 == \"/data\"' /proc/mounts").stdout.strip() == ""
+
+
+def test_plain_bucket_mount_in_a_recipe(s3, hyper, hyper_home, tmp_path):
+    import shutil
+    if not (shutil.which("goofys") or shutil.which("s3fs")):
+        pytest.skip("neither goofys nor s3fs is installed (Debian: s3fs)")
+    s3.make_bucket("raw1")
+    s3.client().put_object(Bucket="raw1", Key="pre/a/b.txt", Body=b"per-object file")
+    mnt = tmp_path / "raw"
+    recipe = {"name": "bucket", "cluster": {"workers": 1},
+              "mounts": {str(mnt): "s3://raw1/pre"},
+              "experiments": {"cat": {"command": f'cat "{mnt}/a/b.txt" > "$HYPER_OUTPUT/got"'}}}
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    try:
+        r = hyper("run", path)
+        assert r.returncode == 0, r.stdout + r.stderr
+        got = hyper_home / "storage" / "bucket-1" / "cat-0000" / "got"
+        assert got.read_text() == "per-object file"
+        assert hyper("down", "bucket").returncode == 0
+        assert not mounted(mnt)
+    finally:
+        subprocess.run(["fusermount", "-uz", str(mnt)], capture_output=True)
