@@ -29,6 +29,7 @@ import json
 import os
 import queue
 import signal
+import tarfile
 import threading
 import time
 from collections import deque
@@ -74,20 +75,29 @@ class NodeWorker(threading.Thread):
         """Queue ``launch`` (list of specs), ``watch`` (ids), ``cancel`` (ids) or ``fence``
         (ids: cancel, and bring nothing back); wake the poll in progress."""
         self.inbox.put((op, payload))
-        if self.client is not None:
-            self.client.wake()
+        client = self.client  # the node thread may drop it at any moment
+        if client is not None:
+            client.wake()
 
     def stop(self) -> None:
         self.stopping = True
         self.inbox.put(("stop", None))
-        if self.client is not None:
-            self.client.wake()
+        client = self.client
+        if client is not None:
+            client.wake()
 
     def _report(self, states: dict, collect: bool = True) -> None:
         """Post ended/started states; ended ones are collected first (logs, outputs)."""
         ended = {k: v for k, v in states.items() if v["state"] != "running"}
         if ended and collect and self.session is not None:
-            self.session.after_end(ended)
+            try:
+                self.session.after_end(ended)
+            except NodeError:
+                raise
+            except (HyperError, OSError, tarfile.TarError) as e:  # node fine, results not
+                for k, v in ended.items():
+                    if v["state"] == "exited" and v.get("code") == 0 and not v.get("cancelled"):
+                        states[k] = {"state": "failed", "error": f"collecting its results: {e}"}
         self.watch.difference_update(ended)
         self.events.put(("states", self.node, states))
 
@@ -117,6 +127,7 @@ class NodeWorker(threading.Thread):
             self.client = self.connect()
             if self.lost:
                 self.lost = False
+                self._drop_inbox()  # launches sent while it was lost belong to no one now
                 self.events.put(("back", self.node, None))
         while True:
             try:
@@ -240,7 +251,8 @@ class Scheduler:
         lost = []
         for a in self.state.attempts(self.wid, status=LIVE_ATTEMPT):
             w = self.workers.get(a["node"])
-            if w is None:
+            if w is None:  # its node left the cluster: the attempt is lost, the task re-queued
+                self.live[a["id"]] = a
                 lost.append(a)
                 continue
             self.live[a["id"]] = a
@@ -250,14 +262,25 @@ class Scheduler:
                                                a["node"])])
             else:
                 w.submit("watch", [a["id"]])
+        att_upd, task_upd = [], []
+        for a in lost:
+            u, t = self._ended(a, {"state": "lost"}, "its node is no longer in the cluster")
+            att_upd.append(u)
+            if t:
+                task_upd.append(t)
+        if att_upd:
+            with self.state.tx():
+                self.state.update_attempts(att_upd)
+                self.state.set_tasks(self.wid, task_upd)
+        queued = {tid for q in self.queue.values() for tid in q}
         live_tasks = {a["task"] for a in self.live.values()}
         for t in self.tasks.values():
+            if t["id"] in queued:
+                continue
             if t["status"] == "pending" or (t["status"] == "running"
                                             and t["id"] not in live_tasks):
                 self._set(t, "pending")
                 self.queue[t["experiment"]].append(t["id"])
-        for a in lost:
-            self._ended(a, {"state": "lost"}, "its node is no longer in the cluster")
 
     def _spec(self, task: dict, attempt_id: str, number: int, node: str) -> dict:
         row = self.nodes[node]
@@ -451,6 +474,9 @@ class Scheduler:
                 if mine["status"] == "pending":
                     self.queue[mine["experiment"]].remove(mine["id"])
                 self._set(mine, "cancelled")
+                for a in self.live.values():  # launched just before the cancel was seen
+                    if a["task"] == t["id"] and a["node"] in self.workers:
+                        self.workers[a["node"]].submit("cancel", [a["id"]])
         return False
 
     def cancel(self) -> None:

@@ -126,15 +126,35 @@ class State:
             self.db = sqlite3.connect(self.path, timeout=10.0, isolation_level=None,
                                       check_same_thread=False)
             self.db.row_factory = sqlite3.Row
-            self.db.execute("PRAGMA journal_mode=WAL")
-            self.db.execute("PRAGMA synchronous=NORMAL")
-            self.db.execute("PRAGMA foreign_keys=ON")
-            self._migrate()
+            self._open()
         except sqlite3.DatabaseError as e:
             raise StateError(f"state file {self.path}: {e}",
                              "move it aside or set HYPER_HOME to another folder") from None
 
+    def _open(self, tries: int = 50) -> None:
+        """Pragmas and migrations. Switching a new file to WAL takes an exclusive lock that
+        SQLite does not wait for, so two processes opening a new state file at once may see
+        "database is locked": retried for up to ~5 s."""
+        for attempt in range(tries):
+            try:
+                if self.db.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+                    self.db.execute("PRAGMA journal_mode=WAL")
+                self.db.execute("PRAGMA synchronous=NORMAL")
+                self.db.execute("PRAGMA foreign_keys=ON")
+                self._migrate()
+                return
+            except sqlite3.OperationalError as e:
+                if "locked" not in str(e) or attempt == tries - 1:
+                    raise
+                time.sleep(0.1)
+
     def _migrate(self) -> None:
+        try:  # the common case, read-only: everything applied (no write lock taken)
+            have = self.db.execute("SELECT MAX(version) FROM schema_migrations").fetchone()[0]
+            if have == len(MIGRATIONS):
+                return
+        except sqlite3.OperationalError:  # a new file: no table yet
+            pass
         with self.tx():
             self.db.execute("CREATE TABLE IF NOT EXISTS schema_migrations ("
                             "version INTEGER PRIMARY KEY, name TEXT, applied_at REAL)")

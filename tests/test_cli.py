@@ -141,3 +141,22 @@ def test_old_state_file_is_migrated_keeping_its_rows(hyper_home):
     assert s.schema_version() == len(S.MIGRATIONS)
     wf = s.workflow("old")
     assert wf["id"] == "old-1" and wf["status"] == "succeeded" and wf["spec"] == {}
+
+
+def test_new_state_file_opened_by_many_at_once(tmp_path):
+    import threading
+    errors = []
+    for n in range(20):
+        path = tmp_path / f"s{n}.db"
+
+        def open_():
+            try:
+                State(path).close()
+            except Exception as e:  # collected: any error fails the test
+                errors.append(e)
+        threads = [threading.Thread(target=open_) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert errors == []

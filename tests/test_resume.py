@@ -218,3 +218,20 @@ def test_down_cancels_a_detached_workflow(hyper_home, write_recipe, hyper):
     assert state.workflow("slow-1")["status"] == "cancelled"
     assert {t["status"] for t in state.tasks("slow-1")} == {"cancelled"}
     assert state.cluster("slow")["status"] == "down"
+
+
+def test_resume_after_a_node_left_the_cluster(hyper_home, write_recipe):
+    path = write_recipe(RECIPE.replace("experiments:", "experiments:\n  # retries 1\n")
+                        .replace("command: |", "retries: 1\n        command: |"))
+    state = State()
+    wid, _, provider, nodes, lock = prepare_run(state, str(path))
+    # a previous run had work-0000 on a node that the cluster no longer has (workers 3 → 2)
+    state.start_attempts([(f"{wid}.work-0000.1", wid, "work-0000", 1, "slow-2")])
+    try:
+        summary = Scheduler(state, wid, provider, nodes).run()
+    finally:
+        lock.release()
+    assert summary.exit_code == 0
+    attempts = state.attempts(wid, "work-0000")
+    assert [(a["number"], a["status"]) for a in attempts] == [(1, "lost"), (2, "succeeded")]
+    assert_each_task_ran_once(hyper_home, wid)

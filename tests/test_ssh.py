@@ -307,3 +307,30 @@ def test_missing_image_fails_its_tasks_not_the_node(ssh_hosts, tmp_path, hyper_h
     assert {t["status"] for t in state.tasks("lab-1") if t["experiment"] == "plain"} == \
         {"succeeded"}
     assert state.nodes("lab")[0]["status"] == "up"  # the node was not declared lost
+
+
+def test_cancel_stops_the_container(ssh_hosts, tiny_image, tmp_path, hyper_home):
+    from sshhosts import TINY_IMAGE, load_image
+    hosts = ssh_hosts.start(1)
+    load_image(hosts[0], tiny_image)
+    path = ssh_recipe(tmp_path, ssh_hosts, hosts, {"box": {
+        "image": TINY_IMAGE, "command": "echo started; sleep 60"}})
+    state = State()
+    wid, _, provider, nodes, lock = prepare_run(state, str(path), trust_new_hosts=True)
+    sched = Scheduler(state, wid, provider, nodes)
+
+    def cancel_when_running():
+        wait_for(lambda: hosts[0].run("docker ps -q").stdout.strip(), timeout=60,
+                 what="the container")
+        from hypercli.workflows import cancel
+        cancel(State(), wid)
+    t = threading.Thread(target=cancel_when_running)
+    t.start()
+    try:
+        summary = sched.run()
+    finally:
+        t.join()
+        lock.release()
+    assert summary.exit_code == 1
+    assert state.tasks(wid)[0]["status"] == "cancelled", state.attempts(wid)
+    assert hosts[0].run("docker ps -q").stdout.strip() == ""  # the container is gone too

@@ -42,7 +42,8 @@ def pull_outputs(storage: str, workflow: str, experiments: list[str],
     """
     store = open_store(f"{storage.rstrip('/')}/{workflow}")
     tasks = sorted({key.split("/", 1)[0] for exp in experiments
-                    for key, _ in store.list(f"{exp}-") if key.endswith("/manifest.json")})
+                    for key, _ in store.list(f"{exp}-") if key.endswith("/manifest.json")
+                    and key.split("/", 1)[0][len(exp) + 1:].isdigit()})
 
     def one(task: str) -> None:
         pack.pull(output_url(storage, workflow, task), Path(dest) / task, jobs=4)

@@ -173,11 +173,22 @@ class Agent:
     def op_cancel(self, req):
         grace = float(req.get("grace", 5))
         ids = req.get("ids", [])
+        stops = []
         for i in ids:
             d = self.dir(i)
             if os.path.isdir(d) and not os.path.exists(os.path.join(d, "exit")):
                 open(os.path.join(d, "cancelled"), "w").close()
                 self._signal(i, signal.SIGTERM)
+                if (_read_json(os.path.join(d, "spec.json")) or {}).get("image"):
+                    # the container's init ignores the docker CLI's signals: stop it by name
+                    stops.append(subprocess.Popen(
+                        [shutil.which("docker") or "docker", "stop", "-t", str(int(grace)),
+                         "hyper-" + i], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        for p in stops:
+            try:
+                p.wait(timeout=grace + 30)
+            except subprocess.TimeoutExpired:
+                p.kill()
         deadline = time.time() + grace
         while time.time() < deadline and any(
                 self.state(i, with_metrics=False)["state"] == "running" for i in ids):

@@ -77,7 +77,13 @@ class AgentClient:
             if not line:
                 self.closed = True
                 raise NodeError(self.node, "agent connection closed")
-            resp = json.loads(line)
+            try:
+                resp = json.loads(line)
+            except ValueError:  # e.g. a login script printing to stdout
+                self.closed = True
+                raise NodeError(self.node, f"the agent answered with something that is not "
+                                f"JSON: {line[:200]!r}", "does the node's shell print on "
+                                "login (~/.bashrc)?") from None
             if not resp.pop("ok", False):
                 raise NodeError(self.node, f"agent: {resp.get('error')}")
             resp.pop("id", None)

@@ -45,7 +45,7 @@ def mount_command(hyper: str, url: str, path: str, cache: str) -> str:
     """Shell text that mounts ``url`` at ``path`` on a node (idempotent: nothing when a FUSE
     file system is already mounted there)."""
     p = shlex.quote(path)
-    check = f"awk '$2 == \"{path}\" {{f=1}} END {{exit !f}}' /proc/mounts"
+    check = f"mountpoint -q {p}"
     if url.startswith("chunks+"):
         cmd = (f"{env_prefix()}{hyper} mount {shlex.quote(url[len('chunks+'):])} {p} "
                f"--cache-dir {shlex.quote(cache)}")
@@ -66,7 +66,7 @@ def mount_command(hyper: str, url: str, path: str, cache: str) -> str:
 def unmount_command(path: str) -> str:
     """Shell text that unmounts a FUSE mount at ``path`` when one is there."""
     p = shlex.quote(path)
-    return (f"awk '$2 == \"{path}\" {{f=1}} END {{exit !f}}' /proc/mounts && "
+    return (f"mountpoint -q {p} && "
             f"{{ fusermount3 -u {p} 2>/dev/null || fusermount -u {p} 2>/dev/null || "
             f"umount {p}; }} || true")
 

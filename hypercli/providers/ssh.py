@@ -97,8 +97,15 @@ def _tar_dir(src: Path, arcname: str) -> bytes:
 
 
 def _untar(data: bytes, dest: Path) -> None:
+    """Extract a tar that came from a node, member by member, skipping what ``data_filter``
+    refuses (absolute or escaping paths and links): a task's output can hold anything."""
     with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-        tar.extractall(dest, filter="data")
+        for member in tar:
+            try:
+                member = tarfile.data_filter(member, str(dest))
+            except tarfile.FilterError:
+                continue
+            tar.extract(member, dest, filter="fully_trusted")
 
 
 class SSHProvider:
@@ -155,8 +162,7 @@ class SSHProvider:
                      f"mkdir -p ~/.hyper/bin && test -s ~/{AGENT_REL} && echo present; "
                      "echo $HOME", check=False)
         if r.exit_code == 127:
-            raise NodeError(name, f"{target} has no python3", "install python3 on the host "
-                            "(or use `hyper up --bootstrap`)")
+            raise NodeError(name, f"{target} has no python3", "install python3 on the host")
         lines = r.stdout.decode().split()
         if "present" not in lines:
             conn.run(f"cat > ~/{AGENT_REL}.tmp && mv ~/{AGENT_REL}.tmp ~/{AGENT_REL}",
@@ -258,9 +264,7 @@ class SSHSession:
         conn = self.conn()
         wid = self.wf["id"]
         if not self.synced:
-            work = f"{self.root}/work"
-            conn.run(f"mkdir -p {work} && rm -rf {work}/{wid} && tar -C {work} -xf -",
-                     stdin=_tar_dir(Path(self.wf["workdir"]), wid), timeout=600)
+            self._sync_workdir(conn, wid)
             self.synced = True
         if self.needs_runtime and not self.bundled:
             self._ensure_bundle(conn)
@@ -279,6 +283,20 @@ class SSHSession:
             images.ensure(conn, image)
             self.images.add(image)
 
+    def _sync_workdir(self, conn: Connection, wid: str) -> None:
+        """Copy the workdir to ``<root>/work/<wid>`` unless the same content is there (a
+        resumed run must not pull the folder from under its re-attached attempts); a changed
+        one is unpacked beside it and swapped in (running attempts keep their folder)."""
+        data = _tar_dir(Path(self.wf["workdir"]), wid)
+        digest = hashlib.sha256(data).hexdigest()
+        w = f"{self.root}/work"
+        conn.run(f"mkdir -p {w} && if [ \"$(cat {w}/{wid}/.hyper-digest 2>/dev/null)\" != "
+                 f"{digest} ]; then rm -rf {w}/.{wid}.new && mkdir {w}/.{wid}.new && "
+                 f"tar -C {w}/.{wid}.new -xf - && echo {digest} > {w}/.{wid}.new/{wid}/"
+                 f".hyper-digest && rm -rf {w}/.{wid}.old && {{ mv {w}/{wid} {w}/.{wid}.old "
+                 f"2>/dev/null || true; }} && mv {w}/.{wid}.new/{wid} {w}/{wid}; "
+                 f"else cat > /dev/null; fi", stdin=data, timeout=600)
+
     def _stage(self, conn: Connection, exp: str) -> None:
         if self.storage is None:
             raise InfraError(f"storage {self.wf['storage']} cannot hold outputs yet",
@@ -287,7 +305,8 @@ class SSHSession:
         buf = io.BytesIO()
         with tarfile.open(fileobj=buf, mode="w") as tar:
             for d in sorted(src.glob(f"{exp}-*")) if src.exists() else []:
-                tar.add(str(d), arcname=d.name)
+                if d.name[len(exp) + 1:].isdigit():  # exp "a" must not take "a-b-0000"
+                    tar.add(str(d), arcname=d.name)
         outputs = f"{self.root}/outputs/{self.wf['id']}"
         conn.run(f"mkdir -p {outputs} && tar -C {outputs} -xf -", stdin=buf.getvalue(),
                  timeout=600)
@@ -297,8 +316,8 @@ class SSHSession:
         ids = [a for a, st in states.items() if st["state"] != "unknown"]
         if not ids:
             return
-        tasks = {a: a.split(".")[-2] for a in ids}  # <workflow>.<task>.<n>
         wid = self.wf["id"]
+        tasks = {a: a[len(wid) + 1:].rsplit(".", 1)[0] for a in ids}  # <workflow>.<task>.<n>
         paths = [f"tasks/{a}/{s}" for a in ids for s in ("stdout", "stderr")]
         paths += [f"outputs/{wid}/{t}" for t in tasks.values()]
         cmd = (f"cd {self.root} && tar -cf - --ignore-failed-read "
@@ -321,12 +340,9 @@ class SSHSession:
                     if states[a].get("state") != "exited" or states[a].get("code") != 0:
                         continue
                     src = tmp / "outputs" / wid / t
-                    if src.exists():
-                        dest = self.storage / wid / t
+                    dest = self.storage / wid / t
+                    if src.exists() and not dest.exists():  # the first success wins
                         dest.parent.mkdir(parents=True, exist_ok=True)
-                        if dest.exists():
-                            import shutil
-                            shutil.rmtree(dest)
                         os.replace(src, dest)
         finally:
             import shutil

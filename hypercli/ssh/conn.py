@@ -9,7 +9,8 @@ The TCP socket is built here, not by paramiko, so its options can be set before 
   off the network is noticed in ~4 s instead of ~15 minutes.
 
 Host keys are verified against pinned keys (:mod:`hypercli.ssh.hostkeys`), never accepted
-silently. Every failure is a :class:`hypercli.errors.NodeError` subclass naming the host.
+silently. A node that cannot be reached gives a :class:`hypercli.errors.NodeError` subclass
+naming it; a command that fails on a reachable node gives :class:`CommandFailed`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from hypercli.errors import NodeError
+from hypercli.errors import InfraError, NodeError
 from hypercli.ssh.hostkeys import HostKeyChanged, HostKeyUnknown, KnownHosts
 
 logging.getLogger("paramiko").addHandler(logging.NullHandler())  # errors reach users as ours
@@ -40,15 +41,16 @@ class AuthFailed(NodeError):
     """The host refused the key (wrong key, wrong user)."""
 
 
-class CommandFailed(NodeError):
-    """A command exited non-zero. Carries the :class:`Result`; prints the command, the exit
-    code and the last lines of stderr (after ``invoke.exceptions.Failure``)."""
+class CommandFailed(InfraError):
+    """A command exited non-zero on a node that is fine (not a NodeError: the node is not
+    lost). Carries the :class:`Result`; prints the node, the command, the exit code and the
+    last lines of stderr (after ``invoke.exceptions.Failure``)."""
 
     def __init__(self, node: str, result: "Result"):
         tail = "\n".join(result.stderr.decode(errors="replace").splitlines()[-5:])
-        super().__init__(node, f"`{result.command}` exited {result.exit_code}"
+        super().__init__(f"node {node}: `{result.command[:300]}` exited {result.exit_code}"
                          + (f":\n{tail}" if tail else ""))
-        self.result = result
+        self.node, self.result = node, result
 
 
 @dataclass(frozen=True)
@@ -182,8 +184,10 @@ class Connection:
             ch.shutdown_write()
             out, err = _drain(ch, timeout)
             code = ch.recv_exit_status() if ch.exit_status_ready() else -1
-        except (OSError, EOFError) as e:
-            raise HostUnreachable(self.name, f"`{command}` failed: {e}") from None
+        except (OSError, EOFError, TimeoutError) as e:
+            raise HostUnreachable(self.name, f"`{command[:200]}` failed: {e}") from None
+        except Exception as e:  # paramiko.SSHException and kin: the session broke
+            raise HostUnreachable(self.name, f"`{command[:200]}` failed: {e}") from None
         finally:
             ch.close()
         r = Result(command, code, out, err)
