@@ -22,14 +22,7 @@ def _state():
     return State()
 
 
-def _console(stderr: bool = False):
-    import os
-
-    from rich.console import Console
-    con = Console(stderr=stderr, highlight=False)
-    if not con.is_terminal and "COLUMNS" not in os.environ:
-        con.width = 160  # logs and CI: wide tables rather than folded ones
-    return con
+from hypercli.console import console as _console  # noqa: E402
 
 
 class HyperGroup(click.Group):

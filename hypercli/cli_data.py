@@ -4,7 +4,7 @@ Thin click commands: parse, call one function of :mod:`hypercli.mount.pack`, ren
 rich. HyperErrors are left to the ``hyper`` group in ``hypercli.cli``, which turns them into a
 message and an exit code (2 bad input, 3 the store failed); ``verify`` exits 1 when it finds
 problems. Heavy modules (boto3, rich) are imported inside the commands, so ``hyper --help``
-stays fast. ``hyper data mount`` belongs to the mount module and is registered there.
+stays fast. ``mount``/``unmount`` call :mod:`hypercli.mount.fusefs`.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import time
 
 import click
 
+from hypercli.console import console as _console
+
 _ENDPOINT = click.option("--endpoint-url", metavar="URL",
                          help="S3-compatible endpoint (default $HYPER_S3_ENDPOINT_URL, "
                               "else AWS).")
@@ -24,16 +26,6 @@ _ENDPOINT = click.option("--endpoint-url", metavar="URL",
 @click.group()
 def data():
     """Datasets packed into large chunks in object storage (s3://, file://)."""
-
-
-def _console(stderr: bool = False):
-    import os
-
-    from rich.console import Console
-    con = Console(stderr=stderr, highlight=False)
-    if not con.is_terminal and "COLUMNS" not in os.environ:
-        con.width = 160  # logs and CI: wide tables rather than folded ones
-    return con
 
 
 def _show(name: str) -> str:

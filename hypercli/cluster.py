@@ -55,9 +55,14 @@ def up(state: State, spec: ClusterSpec, provider=None,
     return state.nodes(spec.name, status="up")
 
 
-def cancel_on_nodes(state: State, attempts: list[dict], provider, grace: float = 5.0) -> None:
-    """Cancel live attempts on their nodes, grouped per node; unreachable nodes are skipped
-    (their attempts end as lost when next polled)."""
+def cancel_on_nodes(state: State, attempts: list[dict], provider, grace: float = 5.0) -> set:
+    """Cancel live attempts on their nodes, grouped per node.
+
+    Returns:
+        the names of the nodes that could not be reached: their attempts were not stopped
+        and should stay live (a later poll or cancel finds them).
+    """
+    failed: set = set()
     by_node: dict[str, list[str]] = {}
     for a in attempts:
         by_node.setdefault(a["node"], []).append(a["id"])
@@ -74,6 +79,8 @@ def cancel_on_nodes(state: State, attempts: list[dict], provider, grace: float =
                 client.close()
         except HyperError as e:
             state.event("node", f"cancel failed: {e}", node=node_name)
+            failed.add(node_name)
+    return failed
 
 
 def down(state: State, name: str) -> list[str]:
@@ -94,7 +101,10 @@ def down(state: State, name: str) -> list[str]:
     workflows = [wf for wf in state.workflows(limit=10000) if wf["cluster"] == name]
     for wf in workflows:
         if wf["status"] in ("running", "cancelling"):
-            cancel_workflow(state, wf["id"], provider)
+            try:
+                cancel_workflow(state, wf["id"], provider)
+            except HyperError as e:  # an unreachable node: say so, take the rest down
+                state.event("cluster", f"{name} down: {e}", workflow=wf["id"])
     live_nodes = [n for n in nodes if n["status"] != "down"]
     paths = sorted({p for wf in workflows for p in (wf.get("spec") or {}).get("mounts", {})})
     removed = []

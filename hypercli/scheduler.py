@@ -585,9 +585,13 @@ def cancel_task(state: State, wid: str, tid: str, provider) -> int:
     now = time.time()
     state.set_tasks(wid, [{"id": tid, "status": "cancelled", "ended_at": now}])
     live = state.attempts(wid, tid, status=LIVE_ATTEMPT)
-    cancel_on_nodes(state, live, provider)
+    unreachable = cancel_on_nodes(state, live, provider)
     state.update_attempts([{"id": a["id"], "status": "cancelled", "ended_at": now}
-                           for a in live])
+                           for a in live if a["node"] not in unreachable])
+    if unreachable:
+        raise NodeError(", ".join(sorted(unreachable)), "unreachable: the task is marked "
+                        "cancelled but its attempt may still run there",
+                        "`hyper cancel` again once the node answers, or `hyper down`")
     return 1
 
 
@@ -598,15 +602,16 @@ def cancel_workflow(state: State, wid: str, provider) -> int:
     from hypercli.cluster import cancel_on_nodes
     state.set_workflow(wid, status="cancelling")
     live = state.attempts(wid, status=LIVE_ATTEMPT)
-    try:
-        cancel_on_nodes(state, live, provider)
-    except HyperError:
-        pass
+    unreachable = cancel_on_nodes(state, live, provider)
     now = time.time()
     ids = [t["id"] for t in state.tasks(wid) if t["status"] not in TERMINAL_TASK]
     with state.tx():
         state.update_attempts([{"id": a["id"], "status": "cancelled", "ended_at": now}
-                               for a in live])
+                               for a in live if a["node"] not in unreachable])
         state.set_tasks(wid, [{"id": t, "status": "cancelled", "ended_at": now} for t in ids])
         state.set_workflow(wid, status="cancelled", ended_at=now)
+    if unreachable:
+        raise NodeError(", ".join(sorted(unreachable)), "unreachable: the workflow is marked "
+                        "cancelled but attempts may still run there",
+                        "`hyper cancel` again once the node answers, or `hyper down`")
     return len(ids)

@@ -11,7 +11,7 @@ addresses and commands.
 Statuses:
     task:     pending → running → succeeded | failed ; or skipped / cancelled
     attempt:  launching → running → succeeded | failed | lost | cancelled | superseded
-    workflow: running → succeeded | failed | cancelled
+    workflow: running → succeeded | failed | cancelled (cancelling while a cancel is under way)
     cluster:  up | down ;  node: up | lost | down
 """
 
@@ -96,7 +96,11 @@ def _script(db: sqlite3.Connection, sql: str) -> None:
 def home() -> Path:
     """The state folder: ``$HYPER_HOME``, else ``~/.hyper``. Created 0700 when missing."""
     p = Path(os.environ.get("HYPER_HOME") or Path.home() / ".hyper").expanduser()
-    p.mkdir(parents=True, exist_ok=True, mode=0o700)
+    try:
+        p.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError as e:
+        raise StateError(f"cannot use {p} as hypercli's state folder: {e.strerror or e}",
+                         "set HYPER_HOME to a folder you can write") from None
     return p
 
 
@@ -176,13 +180,22 @@ class State:
         if self.db.in_transaction:
             yield self.db
             return
-        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            self.db.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError as e:  # locked for 10 s, disk full, read-only file
+            raise StateError(f"state file {self.path}: {e}") from None
         try:
             yield self.db
+        except sqlite3.OperationalError as e:
+            self.db.execute("ROLLBACK")
+            raise StateError(f"state file {self.path}: {e}") from None
         except BaseException:
             self.db.execute("ROLLBACK")
             raise
-        self.db.execute("COMMIT")
+        try:
+            self.db.execute("COMMIT")
+        except sqlite3.OperationalError as e:
+            raise StateError(f"state file {self.path}: {e}") from None
 
     def close(self) -> None:
         self.db.close()

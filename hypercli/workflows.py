@@ -277,6 +277,8 @@ def prepare_run(state: S.State, recipe_path: str, *, new: bool = False,
             recipe.cluster, name=cluster, provider=row["provider"]))
     wid, resumed = start_or_resume(state, recipe, wf, new=new)
     lock = Lock(wid).acquire()
+    if resumed and state.workflow(wid)["cluster"] != recipe.cluster.name:
+        state.set_workflow(wid, cluster=recipe.cluster.name)  # resumed on another cluster
     try:
         provider = get_provider(recipe.cluster.provider, trust_new_hosts=trust_new_hosts)
         if cluster is not None:

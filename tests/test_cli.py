@@ -117,6 +117,17 @@ def test_state_file_is_private_wal_and_migrated(hyper_home):
         assert "newer hypercli" in str(e)
 
 
+def test_unusable_state_folder_and_bad_endpoint_are_clear_errors(hyper, tmp_path, monkeypatch):
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("x")
+    monkeypatch.setenv("HYPER_HOME", str(not_a_folder))
+    r = hyper("ps")
+    assert r.returncode == 3 and "HYPER_HOME" in r.stderr and "Traceback" not in r.stderr
+    monkeypatch.setenv("HYPER_HOME", str(tmp_path / "home"))
+    r = hyper("data", "ls", "s3://bucket/x", "--endpoint-url", "not a url")
+    assert r.returncode == 2 and "endpoint" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_corrupt_state_file_is_an_infrastructure_error(hyper, hyper_home):
     hyper_home.mkdir(parents=True, exist_ok=True)
     (hyper_home / "state.db").write_bytes(b"this is not sqlite" * 100)

@@ -146,8 +146,12 @@ class S3Store:
         self.endpoint_url = endpoint_url
         cfg = Config(retries={"max_attempts": 3, "mode": "standard"}, max_pool_connections=64,
                      connect_timeout=5, read_timeout=60)
-        self.client = boto3.session.Session().client("s3", endpoint_url=endpoint_url,
-                                                     config=cfg)
+        try:
+            self.client = boto3.session.Session().client("s3", endpoint_url=endpoint_url,
+                                                         config=cfg)
+        except ValueError as e:  # botocore: "Invalid endpoint: ..."
+            raise UsageError(f"{self.url}: {e}", "give --endpoint-url as http(s)://HOST:PORT"
+                             ) from None
 
     def _key(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key

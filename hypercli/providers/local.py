@@ -81,7 +81,8 @@ class LocalProvider:
         return done
 
 
-_MOUNT_LOCK = threading.Lock()  # the local nodes share this machine's mount points
+_MOUNT_LOCK = threading.Lock()  # the local nodes share this machine's mounts and outputs
+_STAGED: dict[str, set] = {}  # workflow → experiments whose outputs are pulled here
 
 
 class LocalSession:
@@ -102,8 +103,10 @@ class LocalSession:
     def before_launch(self, specs: list[dict]) -> None:
         with _MOUNT_LOCK:
             self.rt.ensure_mounts()
+            self.rt.staged = _STAGED.setdefault(self.wf["id"], set())
+            for s in specs:  # one pull per experiment for all the local nodes
+                self.rt.stage(set(s.get("after", [])), s["outputs"])
         for s in specs:
-            self.rt.stage(set(s.get("after", [])), s["outputs"])
             s["finish"] = self.rt.finish_command(s["output"], s["env"]["HYPER_TASK_ID"])
             s["binds"] = self.rt.binds()
             s["env"].update(forwarded_env())
