@@ -705,7 +705,8 @@ def test_cache_keeps_in_use_chunks_evicts_lru_and_prefetches(chunked, tmp_path):
     with roomy.chunk(0):
         pass
     end = time.monotonic() + 10
-    while roomy.downloads < 3 and time.monotonic() < end:
+    # a download is counted before its chunk is verified and published: wait for residency
+    while sorted(roomy.stats()["resident"]) != [0, 1, 2] and time.monotonic() < end:
         time.sleep(0.01)
     assert sorted(roomy.downloads_by_seq) == [0, 1, 2] and roomy.prefetches == 2
     with roomy.chunk(1):
