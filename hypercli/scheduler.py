@@ -70,6 +70,9 @@ class NodeWorker(threading.Thread):
         self.client = None
         self.stopping = False
         self.lost = False
+        # ended attempts' logs up to this many bytes come back in the agent's answer
+        limit = getattr(session, "inline_bytes", 0)
+        self._inline = {"inline": limit} if limit else {}
 
     def submit(self, op: str, payload) -> None:
         """Queue ``launch`` (list of specs), ``watch`` (ids), ``cancel`` (ids) or ``fence``
@@ -89,6 +92,15 @@ class NodeWorker(threading.Thread):
     def _report(self, states: dict, collect: bool = True) -> None:
         """Post ended/started states; ended ones are collected first (logs, outputs)."""
         ended = {k: v for k, v in states.items() if v["state"] != "running"}
+        try:
+            self._collect(ended, states, collect)
+        finally:
+            for v in states.values():
+                v.pop("inline", None)  # logs brought back inline: not for the events queue
+        self.watch.difference_update(ended)
+        self.events.put(("states", self.node, states))
+
+    def _collect(self, ended: dict, states: dict, collect: bool) -> None:
         if ended and collect and self.session is not None:
             try:
                 self.session.after_end(ended)
@@ -98,8 +110,6 @@ class NodeWorker(threading.Thread):
                 for k, v in ended.items():
                     if v["state"] == "exited" and v.get("code") == 0 and not v.get("cancelled"):
                         states[k] = {"state": "failed", "error": f"collecting its results: {e}"}
-        self.watch.difference_update(ended)
-        self.events.put(("states", self.node, states))
 
     def _handle(self, op: str, payload) -> None:
         if op == "launch":
@@ -113,13 +123,13 @@ class NodeWorker(threading.Thread):
                         s["id"]: {"state": "failed", "error": f"preparing the node: {e}"}
                         for s in payload}))
                     return
-            r = self.client.call("launch", attempts=payload)
+            r = self.client.call("launch", attempts=payload, **self._inline)
             self.watch.update(r["states"])
             self._report(r["states"])
         elif op == "watch":
             self.watch.update(payload)
         elif op in ("cancel", "fence"):
-            r = self.client.call("cancel", ids=list(payload), grace=5)
+            r = self.client.call("cancel", ids=list(payload), grace=5, **self._inline)
             self._report(r["states"], collect=op == "cancel")
 
     def _step(self) -> None:
@@ -143,7 +153,7 @@ class NodeWorker(threading.Thread):
                 self.inbox.put((op, payload))  # retried after the reconnect
                 raise
         if self.watch and not self.stopping:
-            r = self.client.call("poll", ids=sorted(self.watch), wait=POLL_WAIT)
+            r = self.client.call("poll", ids=sorted(self.watch), wait=POLL_WAIT, **self._inline)
             done = {k: v for k, v in r["states"].items() if v["state"] != "running"}
             if done:
                 self._report(done)

@@ -334,3 +334,42 @@ def test_cancel_stops_the_container(ssh_hosts, tiny_image, tmp_path, hyper_home)
     assert summary.exit_code == 1
     assert state.tasks(wid)[0]["status"] == "cancelled", state.attempts(wid)
     assert hosts[0].run("docker ps -q").stdout.strip() == ""  # the container is gone too
+
+
+def test_small_logs_come_inline_large_logs_and_outputs_by_tar(ssh_hosts, tmp_path, hyper_home,
+                                                              monkeypatch):
+    """An ended attempt's logs up to 64 KiB come back in the agent's poll answer; only large
+    logs and output folders with files cost a second exec (a tar stream)."""
+    from hypercli.ssh.conn import Connection
+    hosts = ssh_hosts.start(1)
+    tars = []
+    real_run = Connection.run
+
+    def counting_run(self, command, **kw):
+        if "tar -cf -" in command:
+            tars.append(command)
+        return real_run(self, command, **kw)
+    monkeypatch.setattr(Connection, "run", counting_run)
+    path = ssh_recipe(tmp_path, ssh_hosts, hosts, {
+        "quiet": {"parameters": {"i": [1, 2, 3]},
+                  "command": "echo small {{i}}; echo err {{i}} >&2"},
+        "loud": {"command": "head -c 300000 /dev/zero | tr '\\0' x"},
+        "saves": {"command": 'echo kept > "$HYPER_OUTPUT/result.txt"'}})
+    state, summary = run_in_process(path)
+    assert summary.exit_code == 0, state.attempts(summary.workflow)
+    hosts[0].kill()  # everything below is read from the copies kept here
+    logs = hyper_home / "logs"
+    for i, task in enumerate(["quiet-0000", "quiet-0001", "quiet-0002"], 1):
+        d = logs / f"lab-1.{task}.1"
+        assert (d / "stdout").read_text() == f"small {i}\n"
+        assert (d / "stderr").read_text() == f"err {i}\n"
+    assert (logs / "lab-1.loud-0000.1" / "stdout").read_bytes() == b"x" * 300000
+    storage = hyper_home / "storage" / "lab-1"
+    assert (storage / "saves-0000" / "result.txt").read_text() == "kept\n"
+    assert (storage / "quiet-0000").is_dir() and not any((storage / "quiet-0000").iterdir())
+    # tar streams for the loud log and the saved output only (one or two, as the ends
+    # batch); nothing for the quiet tasks
+    joined = " ".join(tars)
+    assert 1 <= len(tars) <= 2 and "quiet" not in joined, tars
+    assert "tasks/lab-1.loud-0000.1/stdout" in joined and "outputs/lab-1/saves-0000" in joined
+    assert "saves-0000.1/stdout" not in joined

@@ -39,8 +39,13 @@ Requests (``{"id": N, "op": OP, ...}``) and responses (``{"id": N, "ok": true, .
     wake                          → no response; cuts short the current or next ``poll`` wait
 
 A state is ``{"state": "running"|"exited"|"lost"|"unknown", "code": int?, "started": s?,
-"ended": s?, "cancelled": bool, "metrics": {...}?}``; metrics (the last value of each key
-over all lines of metrics.jsonl) come with every state that is not running.
+"ended": s?, "cancelled": bool, "metrics": {...}?, "inline": {...}?}``; metrics (the last
+value of each key over all lines of metrics.jsonl) come with every state that is not running.
+``launch``, ``poll`` and ``cancel`` take an optional ``inline: N`` (bytes): every state that
+is not running then also carries ``inline = {"stdout": b64?, "stderr": b64?, "output_empty":
+bool}``, the logs included when both together are at most N bytes, so a client over a
+network brings back an ended attempt's logs in the answer it already waits for instead of a
+second round trip (``output_empty``: the attempt's output folder holds nothing to copy).
 """
 
 import base64
@@ -145,7 +150,42 @@ class Agent:
                 "root": self.root}
 
     def op_launch(self, req):
-        return {"states": {a["id"]: self.launch(a) for a in req.get("attempts", [])}}
+        return self._inline(req, {a["id"]: self.launch(a) for a in req.get("attempts", [])})
+
+    def _inline(self, req, states):
+        """The ``{"states": ...}`` answer, with ``inline`` added when the request asks."""
+        limit = int(req.get("inline", 0) or 0)
+        if limit > 0:
+            for i, s in states.items():
+                if s["state"] not in ("running", "unknown"):
+                    s["inline"] = self.inline(i, limit)
+        return {"states": states}
+
+    def inline(self, attempt_id, limit):
+        """``{"stdout": b64, "stderr": b64, "output_empty": bool}`` of an ended attempt; the
+        logs are left out when together they exceed ``limit`` bytes (the client reads them)."""
+        d = self.dir(attempt_id)
+        out = {}
+        sizes = {}
+        for name in ("stdout", "stderr"):
+            try:
+                sizes[name] = os.path.getsize(os.path.join(d, name))
+            except OSError:
+                sizes[name] = 0
+        if sum(sizes.values()) <= limit:
+            for name in ("stdout", "stderr"):
+                try:
+                    with open(os.path.join(d, name), "rb") as f:
+                        out[name] = base64.b64encode(f.read(limit + 1)).decode()
+                except FileNotFoundError:
+                    out[name] = ""
+        output = (_read_json(os.path.join(d, "spec.json")) or {}).get("output")
+        try:
+            with os.scandir(output) as it:
+                out["output_empty"] = next(it, None) is None
+        except (OSError, TypeError):
+            out["output_empty"] = True
+        return out
 
     def op_poll(self, req):
         ids = req.get("ids", [])
@@ -168,7 +208,7 @@ class Agent:
         for i, s in states.items():
             if s["state"] != "running":
                 s["metrics"] = self.metrics(i)
-        return {"states": states}
+        return self._inline(req, states)
 
     def op_cancel(self, req):
         grace = float(req.get("grace", 5))
@@ -197,7 +237,7 @@ class Agent:
             if self.state(i, with_metrics=False)["state"] == "running":
                 self._signal(i, signal.SIGKILL)
         time.sleep(0.05)
-        return {"states": {i: self.state(i) for i in ids}}
+        return self._inline(req, {i: self.state(i) for i in ids})
 
     def op_read(self, req):
         name = req.get("stream", "stdout")

@@ -14,16 +14,19 @@ Per node and workflow (:class:`SSHSession`, in the node's scheduler thread):
   copied to the node's ``~/.hyper/outputs/<workflow>/`` (``HYPER_OUTPUTS``);
 * the experiment's image is made present (:mod:`hypercli.ssh.images`);
 * when attempts end, their stdout/stderr go to ``$HYPER_HOME/logs/<attempt>/`` and their output
-  folders into the storage folder, in one tar stream per batch, *before* the scheduler hears
-  of the end, so a dependent task never starts without its inputs.
+  folders into the storage folder *before* the scheduler hears of the end, so a dependent task
+  never starts without its inputs. Logs up to 64 KiB ride in the agent's poll answer; larger
+  logs and output folders that are not empty come in one tar stream per batch.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import io
 import os
 import shlex
+import shutil
 import tarfile
 import threading
 from pathlib import Path
@@ -236,6 +239,10 @@ class SSHProvider:
 class SSHSession:
     """One node's side work for one workflow (module docstring); runs in the node's thread."""
 
+    #: bytes of an ended attempt's stdout+stderr that come back inside the agent's answer
+    #: (no second exec per attempt); larger logs are copied with tar
+    inline_bytes = 64 << 10
+
     def __init__(self, provider: SSHProvider, node: dict, wf: dict):
         self.p, self.node, self.wf = provider, node, wf
         self.synced = False
@@ -312,41 +319,71 @@ class SSHSession:
                  timeout=600)
 
     def after_end(self, states: dict[str, dict]) -> None:
-        """Copy logs and outputs of ended attempts here (one tar stream). Raises NodeError."""
+        """Copy logs and outputs of ended attempts here. Logs of at most ``inline_bytes``
+        came in the agent's answer (``inline``); the rest, and outputs that are not empty
+        (file:// storage only; the first success of a task wins), come in one tar stream
+        over a second exec. Raises NodeError."""
         ids = [a for a, st in states.items() if st["state"] != "unknown"]
         if not ids:
             return
         wid = self.wf["id"]
         tasks = {a: a[len(wid) + 1:].rsplit(".", 1)[0] for a in ids}  # <workflow>.<task>.<n>
-        paths = [f"tasks/{a}/{s}" for a in ids for s in ("stdout", "stderr")]
-        paths += [f"outputs/{wid}/{t}" for t in tasks.values()]
+        logs = S.home() / "logs"
+        fetch = []
+        for a in ids:
+            inline = states[a].get("inline") or {}
+            if "stdout" in inline:
+                _save_logs(logs / a, inline)
+            else:
+                fetch.append(a)
+        wanted = {}
+        if self.storage is not None:
+            for a, t in tasks.items():
+                st = states[a]
+                dest = self.storage / wid / t
+                if st.get("state") != "exited" or st.get("code") != 0 or dest.exists():
+                    continue
+                if (st.get("inline") or {}).get("output_empty"):
+                    dest.mkdir(parents=True, exist_ok=True)  # as a local node leaves it
+                else:
+                    wanted[a] = t
+        if not fetch and not wanted:
+            return
+        paths = [f"tasks/{a}/{s}" for a in fetch for s in ("stdout", "stderr")]
+        paths += [f"outputs/{wid}/{t}" for t in wanted.values()]
         cmd = (f"cd {self.root} && tar -cf - --ignore-failed-read "
                + " ".join(shlex.quote(p) for p in paths) + " 2>/dev/null; true")
         data = self.conn().run(cmd, timeout=600).stdout
-        tmp = S.home() / "logs" / f".incoming-{os.getpid()}-{threading.get_ident()}"
+        tmp = logs / f".incoming-{os.getpid()}-{threading.get_ident()}"
         tmp.mkdir(parents=True, exist_ok=True)
         try:
             if data:
                 _untar(data, tmp)
-            for a in ids:
+            for a in fetch:
                 src = tmp / "tasks" / a
                 if src.exists():
-                    dest = S.home() / "logs" / a
+                    dest = logs / a
                     dest.mkdir(parents=True, exist_ok=True)
                     for f in src.iterdir():
                         os.replace(f, dest / f.name)
-            if self.storage is not None:
-                for a, t in tasks.items():
-                    if states[a].get("state") != "exited" or states[a].get("code") != 0:
-                        continue
-                    src = tmp / "outputs" / wid / t
-                    dest = self.storage / wid / t
-                    if src.exists() and not dest.exists():  # the first success wins
-                        dest.parent.mkdir(parents=True, exist_ok=True)
-                        os.replace(src, dest)
+            for a, t in wanted.items():
+                src = tmp / "outputs" / wid / t
+                dest = self.storage / wid / t
+                if src.exists() and not dest.exists():  # the first success wins
+                    dest.parent.mkdir(parents=True, exist_ok=True)
+                    os.replace(src, dest)
         finally:
-            import shutil
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _save_logs(dest: Path, inline: dict) -> None:
+    """Write an attempt's logs that came inline (base64 ``stdout``/``stderr``) into
+    ``dest``, each file atomically."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in ("stdout", "stderr"):
+        tmp = dest / f".{name}.{threading.get_ident()}.tmp"
+        tmp.write_bytes(base64.b64decode(inline.get(name) or ""))
+        os.replace(tmp, dest / name)
 
 
 def make_provider(trust_new_hosts: bool = False, **_) -> SSHProvider:

@@ -1,0 +1,218 @@
+"""The cloud contract: what the aws, gcp and azure providers share.
+
+A cloud node is an SSH host that a cloud created (:mod:`hypercli.providers.ssh` drives it once
+it is up). Each cloud has one small class, a :class:`CloudAPI`, the only code that talks to its
+SDK; :class:`hypercli.providers.cloud_provider.CloudProvider` turns any of them into a provider
+(keys, boot script, host-key pinning, SSH bootstrap, preemption checks, leak-proof teardown).
+
+Names and tags, the same on every cloud so that ``hyper gc`` finds everything:
+
+* every resource created for a cluster carries the tags (AWS, Azure) or labels (GCP, where
+  ``:`` is not allowed and ``-`` is used instead) ``hyper:cluster`` = cluster name,
+  ``hyper:node`` = node name (resources of one node) and ``hyper:owner`` = :func:`owner`;
+* resource names start with ``hyper-<cluster>`` (GCP and Azure need names);
+* baked images (``images/packer``) are named ``hyper-node-<variant>-<version>-<stamp>`` with
+  tags/labels ``hyper:image`` = ``node``, ``hyper:variant`` = ``cpu``|``gpu`` and
+  ``hyper:version`` = the hypercli version; a provider takes the newest one of its variant
+  unless ``image:`` names one.
+"""
+
+from __future__ import annotations
+
+import getpass
+import re
+import socket
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from hypercli.errors import InfraError, UsageError
+
+#: tag keys (AWS, Azure); GCP labels use the same with ``-`` for ``:``
+TAG_CLUSTER, TAG_NODE, TAG_OWNER = "hyper:cluster", "hyper:node", "hyper:owner"
+TAG_IMAGE, TAG_VARIANT, TAG_VERSION = "hyper:image", "hyper:variant", "hyper:version"
+
+
+def owner() -> str:
+    """``user@host`` of the caller, lower case, in ``[a-z0-9_.@-]`` (fits GCP labels too)."""
+    text = f"{getpass.getuser()}@{socket.gethostname()}".lower()
+    return re.sub(r"[^a-z0-9_.@-]", "-", text)[:63]
+
+
+def label_key(tag: str) -> str:
+    """The GCP label key of a tag key (``hyper:cluster`` → ``hyper-cluster``)."""
+    return tag.replace(":", "-")
+
+
+class CloudError(InfraError):
+    """A cloud API call failed (exit 3). ``code`` is the cloud's error code when it gave one."""
+
+    def __init__(self, message: str, hint: str | None = None, code: str | None = None):
+        super().__init__(message, hint)
+        self.code = code
+
+
+class CapacityError(CloudError):
+    """No capacity for the request in a zone (AWS ``InsufficientInstanceCapacity``, GCP
+    ``ZONE_RESOURCE_POOL_EXHAUSTED``, Azure ``SkuNotAvailable`` / ``AllocationFailed``): the
+    next zone is tried."""
+
+
+class QuotaError(CloudError):
+    """The account's quota does not allow the request (not retried in another zone)."""
+
+
+class CredentialsError(UsageError):
+    """No usable credentials (exit 2); the hint says how to configure them."""
+
+
+@dataclass(frozen=True)
+class CloudSpec:
+    """A cloud cluster's settings, from the recipe's ``cluster:`` (see DESIGN.md).
+
+    Attributes:
+        cluster: cluster name.
+        count: nodes wanted.
+        region: e.g. ``us-east-1`` / ``us-central1`` / ``eastus``.
+        zones: zones to try in order on capacity errors (empty: the API's choice / all of
+            the region's zones, in the API's order).
+        instance_type: machine type (``m5.large``, ``e2-standard-4``, ``Standard_D4s_v5``).
+        spot: spot/preemptible capacity (True) or on-demand.
+        image: an explicit image (AMI id, GCP image link, Azure image id), or None for the
+            newest baked image of ``variant``.
+        variant: ``cpu`` or ``gpu`` (baked image lookup).
+        disk_gb: boot disk size, GiB.
+        max_price: highest spot price per hour, USD, or None for the on-demand cap.
+        ssh_cidr: who may reach port 22 (default: the caller's public address /32).
+        idle_minutes: the node terminates itself after this long with no task and no contact.
+        replace_preempted: launch a replacement when a node is preempted.
+        project: GCP project; resource_group: Azure resource group (default ``hyper-<cluster>``).
+    """
+
+    cluster: str
+    count: int = 1
+    region: str = ""
+    zones: tuple[str, ...] = ()
+    instance_type: str = ""
+    spot: bool = True
+    image: str | None = None
+    variant: str = "cpu"
+    disk_gb: int = 50
+    max_price: float | None = None
+    ssh_cidr: str | None = None
+    idle_minutes: int = 30
+    replace_preempted: bool = True
+    project: str | None = None
+    resource_group: str | None = None
+
+
+@dataclass(frozen=True)
+class VM:
+    """One instance as the cloud describes it.
+
+    Attributes:
+        id: the cloud's id (``i-0abc...``, GCP instance name, Azure VM name).
+        node: hypercli's node name (from the ``hyper:node`` tag).
+        zone: where it runs.
+        state: ``pending`` | ``running`` | ``stopping`` | ``terminated`` | ``preempted``
+            (a spot node the cloud took back, when the API tells).
+        public_ip, private_ip: addresses, or None while it has none.
+        instance_type: machine type; spot: spot capacity.
+        extra: anything else worth recording (price, image, launch time).
+    """
+
+    id: str
+    node: str
+    zone: str
+    state: str
+    public_ip: str | None = None
+    private_ip: str | None = None
+    instance_type: str = ""
+    spot: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Resource:
+    """Anything a cloud holds for a cluster, as ``down`` and ``gc`` see it.
+
+    Attributes:
+        kind: ``instance``, ``security_group``, ``firewall``, ``key_pair``, ``nic``,
+            ``public_ip``, ``disk``, ``network``, ``resource_group``, ...
+        id: the cloud's id or name.
+        cluster: the ``hyper:cluster`` tag (None when untagged: never deleted by ``gc``).
+        region: region or zone it lives in.
+    """
+
+    kind: str
+    id: str
+    cluster: str | None
+    region: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.id}" + (f" ({self.region})" if self.region else "")
+
+
+@dataclass(frozen=True)
+class Boot:
+    """What a node needs at first boot, given to :meth:`CloudAPI.create`.
+
+    Attributes:
+        user_data: node name → its boot script (shell text that cloud-init, GCP's
+            ``startup-script`` or Azure's custom data runs as root). The same script on every
+            cloud: it installs the node's own host key (generated here, so the client pins it
+            without trusting a first contact) and the cluster's SSH key, and starts the
+            preemption watcher and the idle watchdog.
+        ssh_user: the login user the script sets up.
+        ssh_public_key: the cluster's public key, OpenSSH one-line form.
+    """
+
+    user_data: dict
+    ssh_user: str
+    ssh_public_key: str
+
+
+class CloudAPI(Protocol):
+    """The part of a cloud provider that talks to the cloud's SDK. Every method raises
+    :class:`CredentialsError` for missing or refused credentials and :class:`CloudError`
+    (or a subclass) for other API failures; none prints."""
+
+    #: provider name: "aws", "gcp" or "azure"
+    name: str
+
+    def check(self) -> str:
+        """Whether the credentials work: a one-line description of the account (``account
+        123456789012, region us-east-1``). Raises CredentialsError saying how to set them up."""
+
+    def prepare(self, spec: CloudSpec, ssh_public_key: str) -> dict:
+        """Create (or find) the cluster's shared resources, idempotently: network, security
+        group or firewall rule (22 from ``spec.ssh_cidr`` only), key pair, resource group.
+        Returns what :meth:`create` needs of them (opaque to the caller)."""
+
+    def create(self, spec: CloudSpec, nodes: list[str], boot: Boot,
+               prepared: dict) -> tuple[list[VM], dict[str, Exception]]:
+        """Launch one instance per node name, tagged, with ``boot.user_data[node]``; on a
+        :class:`CapacityError` in a zone the next of ``spec.zones`` is tried. Returns the VMs
+        created (any state) and an error per node that got none (partial success)."""
+
+    def describe(self, cluster: str) -> list[VM]:
+        """The cluster's instances that are not gone (any state but deleted)."""
+
+    def terminate(self, cluster: str, ids: list[str]) -> None:
+        """Terminate instances (no wait)."""
+
+    def resources(self, cluster: str | None = None) -> list[Resource]:
+        """Everything tagged ``hyper:cluster`` (= ``cluster``; any value when None) that
+        still exists, instances included, in deletion order (instances first)."""
+
+    def delete(self, resources: list[Resource]) -> list[str]:
+        """Delete resources (waiting where the cloud needs it: an instance must be gone
+        before its security group); returns a line per resource removed."""
+
+    def spot_price(self, spec: CloudSpec) -> dict[str, float]:
+        """Current price per hour (USD) by zone for ``spec.instance_type`` (spot or
+        on-demand as ``spec.spot`` says); empty when the API gives none."""
+
+    def find_image(self, spec: CloudSpec) -> str:
+        """The image to boot: ``spec.image`` when set, else the newest baked image of
+        ``spec.variant`` (names and tags in the module docstring). Raises UsageError when
+        there is none, saying how to bake one (``hyper image build``)."""
