@@ -356,7 +356,7 @@ def profile_hyper(pool, hosts, n: int) -> dict:
     wrap(AgentClient, "call", lambda a, k: f"agent {a[1]}")
     wrap(P.SSHSession, "after_end", lambda a, k: "SSHSession.after_end (all)")
     wrap(P.SSHSession, "before_launch", lambda a, k: "SSHSession.before_launch")
-    wrap(C.Connection, "run", lambda a, k: "  of which Connection.run (ssh exec tar)")
+    wrap(C.Connection, "run", lambda a, k: "  of which Connection.run (every ssh exec)")
     wrap(P, "_untar", lambda a, k: "  of which _untar (local)")
     wrap(Scheduler, "_apply", lambda a, k: "Scheduler._apply (main thread)")
     wrap(Scheduler, "_dispatch", lambda a, k: "Scheduler._dispatch (main thread)")
