@@ -21,6 +21,13 @@ Rules (paper section III-D for the re-run of lost work):
     declared lost on it are cancelled there, and whatever they produced is discarded (nothing
     is fetched, their attempts stay ``lost``), so a node that comes back never gives a task a
     second result. Then it takes new work again.
+  * Cloud nodes (providers with ``probe``): the provider is asked about a node that stopped
+    answering. Terminated or preempted in the cloud's own words: lost at once. Still running
+    there: the node gets up to LOST_AFTER_RUNNING seconds before it is declared lost (a
+    network blip is not a preemption). A node whose agent reports the watcher's preemption
+    notice is lost at once, before it vanishes. With ``replace_preempted`` (default for spot),
+    a node lost that way gets a replacement launched into the cluster, which takes work as
+    soon as it is up.
 """
 
 from __future__ import annotations
@@ -45,6 +52,12 @@ POLL_WAIT = 1.0  # s a node's long poll waits for an attempt to end (cut short b
 #: puts a task back to work within ~10 s of its node's death (goal of the SSH issue).
 LOST_AFTER = 3.0
 FENCE_RETRY = 5.0  # s between reconnect tries to a lost node (to fence it when it is back)
+#: s a cloud node that the cloud still reports running may stay unreachable before it is lost
+LOST_AFTER_RUNNING = 30.0
+
+
+class NodePreempted(NodeError):
+    """The node's agent reported the cloud's preemption notice (see hypercli/node/watch.py)."""
 
 
 class NodeWorker(threading.Thread):
@@ -59,10 +72,12 @@ class NodeWorker(threading.Thread):
         session: the provider's NodeSession for this node and workflow, or None.
     """
 
-    def __init__(self, node: dict, connect: Callable, events: queue.Queue, session=None):
+    def __init__(self, node: dict, connect: Callable, events: queue.Queue, session=None,
+                 probe: Callable[[], str] | None = None):
         super().__init__(name=f"node-{node['name']}", daemon=True)
         self.node = node["name"]
         self.connect = connect
+        self.probe = probe  # the cloud's word on the node: running|preempted|gone|unknown
         self.events = events
         self.session = session
         self.inbox: queue.Queue = queue.Queue()
@@ -124,6 +139,7 @@ class NodeWorker(threading.Thread):
                         for s in payload}))
                     return
             r = self.client.call("launch", attempts=payload, **self._inline)
+            self._check_preempted(r)
             self.watch.update(r["states"])
             self._report(r["states"])
         elif op == "watch":
@@ -154,6 +170,7 @@ class NodeWorker(threading.Thread):
                 raise
         if self.watch and not self.stopping:
             r = self.client.call("poll", ids=sorted(self.watch), wait=POLL_WAIT, **self._inline)
+            self._check_preempted(r)
             done = {k: v for k, v in r["states"].items() if v["state"] != "running"}
             if done:
                 self._report(done)
@@ -166,12 +183,30 @@ class NodeWorker(threading.Thread):
             if self.client is not None:
                 self.client.close()
 
+    def _check_preempted(self, r: dict) -> None:
+        if r.get("preempted"):
+            notice = r["preempted"].get("notice") or "preemption notice"
+            raise NodePreempted(self.node, f"preempted: {notice}")
+
+    def _declare_lost(self, why: str) -> None:
+        self.lost = True
+        self.watch.clear()
+        self._drop_inbox()
+        self.events.put(("lost", self.node, why))
+
     def _run(self) -> None:
         down_since = None
+        verdict = None
         while not self.stopping:
             try:
                 self._step()
-                down_since = None
+                down_since = verdict = None
+            except NodePreempted as e:
+                if self.client is not None:
+                    self.client.close()
+                self.client = None
+                self._declare_lost(str(e))
+                return  # it is going away: nothing to fence, nothing to knock on
             except NodeError as e:
                 if self.client is not None:
                     self.client.close()
@@ -182,15 +217,32 @@ class NodeWorker(threading.Thread):
                 if down_since is None:  # the first error of an outage is worth a line
                     down_since = time.monotonic()
                     self.events.put(("error", self.node, str(e)))
-                if time.monotonic() - down_since >= LOST_AFTER:
-                    self.lost = True
-                    self.watch.clear()
-                    self._drop_inbox()
-                    self.events.put(("lost", self.node, str(e)))
+                    verdict = self._probe()
+                    if verdict in ("preempted", "gone"):
+                        self._declare_lost(f"{verdict} (the cloud says so): {e}")
+                        continue
+                waited = time.monotonic() - down_since
+                if waited >= LOST_AFTER:
+                    if verdict is not None and waited < LOST_AFTER_RUNNING:
+                        verdict = self._probe()  # running, by the cloud's last word
+                        if verdict == "running":
+                            time.sleep(1.0)
+                            continue
+                    self._declare_lost(f"{verdict} (the cloud says so): {e}"
+                                       if verdict in ("preempted", "gone") else str(e))
                     continue
                 time.sleep(0.2)
         if self.client is not None:
             self.client.close()
+
+    def _probe(self) -> str | None:
+        """The cloud's word on this node, or None when its provider has none to give."""
+        if self.probe is None:
+            return None
+        try:
+            return self.probe()
+        except Exception:  # the cloud API failing must not decide anything
+            return "unknown"
 
     def _drop_inbox(self) -> None:
         while True:
@@ -230,9 +282,8 @@ class Scheduler:
         self.events: queue.Queue = queue.Queue()
         self.nodes = {n["name"]: n for n in nodes}
         self.free = {n["name"]: n["slots"] for n in nodes}
-        self.workers = {n["name"]: NodeWorker(n, lambda n=n: provider.connect(n), self.events,
-                                              provider.session(n, self.wf))
-                        for n in nodes}
+        self.workers = {n["name"]: self._worker(n) for n in nodes}
+        self.replacing: set[str] = set()  # lost nodes whose replacement is being launched
         self.fenced: dict[str, set] = {}  # node → attempt ids declared lost on it
         self.exps = {e["name"]: e for e in state.experiments(workflow)}
         self.tasks = {t["id"]: t for t in state.tasks(workflow)}
@@ -244,6 +295,35 @@ class Scheduler:
             c = self.count[t["experiment"]]
             c[t["status"]] = c.get(t["status"], 0) + 1
         self.started = time.time()
+
+    def _worker(self, n: dict) -> NodeWorker:
+        probe = getattr(self.provider, "probe", None)
+        return NodeWorker(n, lambda: self.provider.connect(n), self.events,
+                          self.provider.session(n, self.wf),
+                          probe=(lambda: probe(n)) if probe else None)
+
+    def _replace(self, node: str, why: str) -> None:
+        """Launch a replacement for a node the cloud took back, in a thread of its own; its
+        nodes join the run through a ``replaced`` event."""
+        replace = getattr(self.provider, "replace", None)
+        row = self.nodes.get(node)
+        if replace is None or row is None or node in self.replacing:
+            return
+        if not ("preempted" in why or why.startswith("gone")):
+            return
+        self.replacing.add(node)
+        self.state.event("node", "launching a replacement", workflow=self.wid, node=node)
+
+        def run() -> None:
+            rows: list = []
+            try:
+                rows = replace(row)
+            except HyperError as e:
+                self.events.put(("error", node, f"replacement not launched: {e}"))
+            except Exception as e:  # a bug must not kill the run
+                self.events.put(("error", node, f"replacement failed: {type(e).__name__}: {e}"))
+            self.events.put(("replaced", node, rows))
+        threading.Thread(target=run, name=f"replace-{node}", daemon=True).start()
 
     def _set(self, task: dict, status: str) -> None:
         """Change a task's status in memory, keeping the per-experiment counts."""
@@ -410,10 +490,24 @@ class Scheduler:
         if kind == "error":
             self.state.event("node", f"unreachable: {payload}", workflow=self.wid, node=node)
             return
+        if kind == "replaced":  # payload: the new nodes' rows (none when it failed)
+            self.replacing.discard(node)
+            for row in payload:
+                if row["name"] in self.workers:
+                    continue
+                self.state.event("node", f"joined the run, replacing {node}",
+                                 workflow=self.wid, node=row["name"])
+                self.nodes[row["name"]] = row
+                self.free[row["name"]] = row["slots"]
+                self.workers[row["name"]] = self._worker(row)
+                self.workers[row["name"]].start()
+            return
         payload_text = payload if isinstance(payload, str) else ""
         if kind in ("lost", "crash"):
             self.state.event("node", f"{kind}: {payload}", workflow=self.wid, node=node)
             self.state.set_node_status(node, "lost")
+            if kind == "lost":
+                self._replace(node, payload_text)
             self.free.pop(node, None)
             payload = {a["id"]: {"state": "lost"} for a in self.live.values()
                        if a["node"] == node}
@@ -550,7 +644,7 @@ class Scheduler:
                 self._dispatch()
                 if self._done():
                     break
-                if not self.free and not self.live:
+                if not self.free and not self.live and not self.replacing:
                     raise InfraError(f"every node of workflow {self.wid}'s cluster was lost",
                                      "`hyper status` shows the nodes; `hyper run` again resumes")
                 if progress:

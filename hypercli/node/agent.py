@@ -39,6 +39,11 @@ Requests (``{"id": N, "op": OP, ...}``) and responses (``{"id": N, "ok": true, .
     read    id, stream, offset, limit → data (base64), offset, size, done
     wake                          → no response; cuts short the current or next ``poll`` wait
 
+Answers to ``launch``, ``poll`` and ``cancel`` carry ``preempted`` (the JSON of
+``ROOT/preempted``) once the node watcher (``watch.py``) has seen the cloud's preemption
+notice. Every request touches ``ROOT/contact`` (at most every 10 s): the watcher's idle
+watchdog counts it as use.
+
 A state is ``{"state": "running"|"exited"|"lost"|"unknown", "code": int?, "started": s?,
 "ended": s?, "cancelled": bool, "metrics": {...}?, "inline": {...}?}``; metrics (the last
 value of each key over all lines of metrics.jsonl) come with every state that is not running.
@@ -65,6 +70,7 @@ VERSION = 1
 POLL_TICK = 0.005  # s between exit-file checks inside a poll wait
 FULL_EVERY = 0.25  # s between full state looks (lock, pid) inside a poll wait
 METRICS_MAX = 4 << 20  # bytes of metrics.jsonl read at most (the last 4 MiB)
+CONTACT_EVERY = 10.0  # s between touches of ROOT/contact (read by the node watcher)
 
 
 class Agent:
@@ -77,6 +83,7 @@ class Agent:
         self.inbuf = b""
         self.woken = False
         self.supervisors = set()  # pids of supervisors forked here and not yet reaped
+        self.contact = 0.0  # unix s of the last touch of ROOT/contact
 
     # -- input -------------------------------------------------------------------------
     def _fill(self, timeout):
@@ -123,7 +130,19 @@ class Agent:
         fn = getattr(self, "op_" + str(op), None)
         if fn is None:
             return {"ok": False, "error": "unknown op %r" % (op,)}
+        now = time.time()
+        if now - self.contact >= CONTACT_EVERY:  # the idle watchdog's sign of use
+            self.contact = now
+            try:
+                with open(os.path.join(self.root, "contact"), "w"):
+                    pass
+            except OSError:
+                pass
         result = fn(req)
+        if op in ("launch", "poll", "cancel"):
+            marker = _read_json(os.path.join(self.root, "preempted"))
+            if marker is not None:
+                result["preempted"] = marker
         result["ok"] = True
         return result
 

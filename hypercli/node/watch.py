@@ -1,0 +1,195 @@
+#!/usr/bin/env python3
+"""hypercli node watcher: preemption notices and the idle watchdog, on every cloud node.
+
+Standard library only (it is written to the node by its boot document and run by systemd as
+``python3 watch.py --config /etc/hyper/node.json``). Two jobs:
+
+* **Preemption.** Every ``--every`` s (default 2) it asks the cloud's metadata service whether
+  the spot node is being taken back, and when it is, writes ``<root>/preempted`` (JSON
+  ``{"cloud", "notice", "seen"}``, atomically). The node agent adds it to every poll answer, so
+  the scheduler re-queues the node's tasks on its next poll, before the node vanishes.
+
+  - AWS: ``GET /latest/meta-data/spot/instance-action`` (IMDSv2 token first): 404 until an
+    interruption is scheduled, then ``{"action": "terminate", "time": ...}``
+    (docs.aws.amazon.com/AWSEC2/latest/UserGuide/spot-instance-termination-notices.html).
+  - GCP: ``GET /computeMetadata/v1/instance/preempted`` with ``Metadata-Flavor: Google``:
+    ``TRUE`` once preemption started (cloud.google.com/compute/docs/instances/
+    create-use-preemptible#detecting_if_an_instance_was_preempted).
+  - Azure: ``GET /metadata/scheduledevents?api-version=2020-07-01`` with ``Metadata: true``:
+    an event of type ``Preempt`` (learn.microsoft.com/azure/virtual-machines/linux/
+    scheduled-events).
+
+* **Idle watchdog.** When no attempt has been running and no request from ``hyper`` reached the
+  node agent (it touches ``<root>/contact``) for ``idle_minutes``, it powers the node off
+  (``--shutdown-command``, default ``shutdown -h now``). AWS instances are launched with
+  shutdown behaviour *terminate*, so they are gone; GCP instances stop (no compute charge;
+  the disk stays until ``hyper down``/``hyper gc``); an Azure VM shut down from inside stays
+  allocated, so there ``hyper down`` or ``hyper gc`` is still needed to stop its charges.
+"""
+
+import argparse
+import fcntl
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+METADATA = "http://169.254.169.254"
+TIMEOUT = 2.0  # s per metadata request
+
+
+def _get(url, headers, method="GET"):
+    """(status, body text) of a metadata request; (0, error) when it could not be made."""
+    req = urllib.request.Request(url, headers=headers, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=TIMEOUT) as r:
+            return r.status, r.read().decode(errors="replace")
+    except urllib.error.HTTPError as e:
+        return e.code, ""
+    except (OSError, ValueError) as e:
+        return 0, str(e)
+
+
+def preemption_notice(cloud, base=METADATA):
+    """The cloud's notice that this node is being preempted (a short text), or None."""
+    if cloud == "aws":
+        status, token = _get(base + "/latest/api/token",
+                             {"X-aws-ec2-metadata-token-ttl-seconds": "300"}, method="PUT")
+        headers = {"X-aws-ec2-metadata-token": token} if status == 200 else {}
+        status, body = _get(base + "/latest/meta-data/spot/instance-action", headers)
+        if status == 200 and body.strip():
+            return "aws spot instance-action: " + body.strip()
+    elif cloud == "gcp":
+        status, body = _get(base + "/computeMetadata/v1/instance/preempted",
+                            {"Metadata-Flavor": "Google"})
+        if status == 200 and body.strip().upper() == "TRUE":
+            return "gcp instance/preempted: TRUE"
+    elif cloud == "azure":
+        status, body = _get(base + "/metadata/scheduledevents?api-version=2020-07-01",
+                            {"Metadata": "true"})
+        if status == 200:
+            try:
+                events = json.loads(body).get("Events") or []
+            except ValueError:
+                events = []
+            for ev in events:
+                if ev.get("EventType") == "Preempt":
+                    return "azure scheduled event Preempt %s not before %s" % (
+                        ev.get("EventId"), ev.get("NotBefore"))
+    return None
+
+
+def _locked(path):
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def running_attempts(root):
+    """Attempt ids under ``root/tasks`` whose supervisor still holds its lock."""
+    tasks = os.path.join(root, "tasks")
+    try:
+        names = os.listdir(tasks)
+    except OSError:
+        return []
+    return [n for n in names
+            if not os.path.exists(os.path.join(tasks, n, "exit"))
+            and _locked(os.path.join(tasks, n, "lock"))]
+
+
+def last_activity(root, now):
+    """Unix time of the last sign of use: a running attempt (now), the agent's last contact,
+    or the newest attempt's end; the watcher's own start when there is none."""
+    if running_attempts(root):
+        return now
+    times = []
+    for path in (os.path.join(root, "contact"),):
+        try:
+            times.append(os.path.getmtime(path))
+        except OSError:
+            pass
+    tasks = os.path.join(root, "tasks")
+    try:
+        for n in os.listdir(tasks):
+            try:
+                times.append(os.path.getmtime(os.path.join(tasks, n, "exit")))
+            except OSError:
+                pass
+    except OSError:
+        pass
+    return max(times) if times else None
+
+
+def boot_time():
+    """Unix time of the machine's boot (a restarted watcher keeps counting from there)."""
+    try:
+        with open("/proc/uptime") as f:
+            return time.time() - float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return time.time()
+
+
+def write_marker(root, notice):
+    os.makedirs(root, exist_ok=True)
+    path = os.path.join(root, "preempted")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"notice": notice, "seen": time.time()}, f)
+    os.replace(tmp, path)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", help="JSON: cloud, cluster, node, idle_minutes, root")
+    ap.add_argument("--cloud", choices=["aws", "gcp", "azure", "none"])
+    ap.add_argument("--root", help="node root (default ~/.hyper of root: /root/.hyper)")
+    ap.add_argument("--idle-minutes", type=float)
+    ap.add_argument("--metadata-url", default=METADATA)
+    ap.add_argument("--every", type=float, default=2.0, help="s between preemption checks")
+    ap.add_argument("--shutdown-command", default="shutdown -h now")
+    ap.add_argument("--once", action="store_true", help="one round, then exit (tests)")
+    ap.add_argument("--since", type=float,
+                    help="unix s counted as the last use when there is none (default: boot)")
+    a = ap.parse_args(argv)
+    cfg = {}
+    if a.config:
+        with open(a.config) as f:
+            cfg = json.load(f)
+    cloud = a.cloud or cfg.get("cloud", "none")
+    root = a.root or cfg.get("root") or "/root/.hyper"
+    idle = a.idle_minutes if a.idle_minutes is not None else cfg.get("idle_minutes", 30)
+    started = a.since if a.since is not None else boot_time()
+    marked = os.path.exists(os.path.join(root, "preempted"))
+    while True:
+        now = time.time()
+        if not marked:
+            notice = preemption_notice(cloud, a.metadata_url)
+            if notice:
+                write_marker(root, notice)
+                marked = True
+                print("hyper-watch: " + notice, flush=True)
+        if idle and idle > 0:
+            last = last_activity(root, now) or started
+            if now - max(last, started) >= idle * 60:
+                print("hyper-watch: idle for %.0f min: %s" % ((now - last) / 60,
+                                                              a.shutdown_command), flush=True)
+                subprocess.call(a.shutdown_command, shell=True)
+                return 0
+        if a.once:
+            return 0
+        time.sleep(a.every)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
