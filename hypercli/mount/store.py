@@ -1,10 +1,13 @@
-"""Object stores behind one small interface: ``file://`` folders and ``s3://`` buckets.
+"""Object stores behind one small interface: ``file://`` folders, ``s3://``, ``gs://`` and
+``az://`` buckets.
 
 A :class:`Store` holds immutable objects under string keys below the URL's prefix. ``s3://``
 goes through boto3, so any S3-compatible endpoint works (``endpoint_url`` argument, or the
 ``HYPER_S3_ENDPOINT_URL`` / ``AWS_ENDPOINT_URL`` environment variables); credentials come from
-boto3's standard chain (environment, profiles, instance roles). ``gs://`` and ``az://`` are
-recognised and answered with a clear "not supported yet" error.
+boto3's standard chain (environment, profiles, instance roles). ``gs://bucket/prefix`` is
+Google Cloud Storage (:mod:`hypercli.mount.store_gcs`) and ``az://account/container/prefix``
+Azure Blob Storage (:mod:`hypercli.mount.store_azure`); their SDKs are imported only when such
+a URL is opened, so ``hyper --help`` loads none of them.
 
 Errors: :class:`NotFound` for a missing key, :class:`StoreError` for everything else (both
 ``InfraError``: exit code 3), always naming the URL.
@@ -13,6 +16,7 @@ Errors: :class:`NotFound` for a missing key, :class:`StoreError` for everything 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import threading
 from pathlib import Path
@@ -225,25 +229,86 @@ class S3Store:
 
 
 def open_store(url: str, *, endpoint_url: str | None = None) -> Store:
-    """The store of a URL: ``file:///abs/path``, ``s3://bucket/prefix``.
+    """The store of a URL: ``file:///abs/path``, ``s3://bucket/prefix``, ``gs://bucket/prefix``
+    or ``az://account/container/prefix``.
 
     Args:
-        endpoint_url: S3-compatible endpoint; default ``$HYPER_S3_ENDPOINT_URL`` or
-            ``$AWS_ENDPOINT_URL`` when set, else AWS.
+        endpoint_url: the store's API endpoint, ``http(s)://HOST:PORT`` (an S3-compatible
+            server, a GCS or Azure Blob emulator). Default per scheme: s3 —
+            ``$HYPER_S3_ENDPOINT_URL`` or ``$AWS_ENDPOINT_URL``, else AWS; gs —
+            ``$HYPER_GCS_ENDPOINT_URL`` or ``$STORAGE_EMULATOR_HOST``, else Google; az —
+            ``$HYPER_AZURE_STORAGE_ENDPOINT_URL``, else the connection string's endpoint or
+            ``https://ACCOUNT.blob.core.windows.net``.
     Raises:
-        UsageError: an unknown or unsupported scheme, or a URL without bucket.
+        UsageError: an unknown scheme, a URL without bucket (or account and container), or
+            the scheme's SDK not installed (the message names the pip extra).
+        StoreError: no credentials for a gs:// or az:// store (the hint says how to set them).
     """
     u = urlparse(url)
+    env = os.environ.get
     if u.scheme == "file":
         return FileStore(u.netloc + u.path if u.netloc else u.path)
     if u.scheme == "s3":
         if not u.netloc:
             raise UsageError(f"{url}: no bucket", "write s3://BUCKET/PREFIX")
-        endpoint_url = (endpoint_url or os.environ.get("HYPER_S3_ENDPOINT_URL")
-                        or os.environ.get("AWS_ENDPOINT_URL"))
+        endpoint_url = (endpoint_url or env("HYPER_S3_ENDPOINT_URL") or env("AWS_ENDPOINT_URL"))
         return S3Store(u.netloc, u.path, endpoint_url)
-    if u.scheme in ("gs", "az"):
-        raise UsageError(f"{url}: {u.scheme}:// stores are not supported yet",
-                         "use s3:// (any S3-compatible endpoint) or file://")
+    if u.scheme == "gs":
+        if not u.netloc:
+            raise UsageError(f"{url}: no bucket", "write gs://BUCKET/PREFIX")
+        from hypercli.mount.store_gcs import GCSStore
+        endpoint_url = (endpoint_url or env("HYPER_GCS_ENDPOINT_URL")
+                        or env("STORAGE_EMULATOR_HOST"))
+        return GCSStore(u.netloc, u.path, endpoint_url)
+    if u.scheme == "az":
+        container, _, prefix = u.path.lstrip("/").partition("/")
+        if not u.netloc or not container:
+            raise UsageError(f"{url}: no {'account' if not u.netloc else 'container'}",
+                             "write az://ACCOUNT/CONTAINER/PREFIX")
+        from hypercli.mount.store_azure import AzureBlobStore
+        endpoint_url = endpoint_url or env("HYPER_AZURE_STORAGE_ENDPOINT_URL")
+        return AzureBlobStore(u.netloc, container, prefix, endpoint_url)
     raise UsageError(f"{url}: unknown store scheme {u.scheme!r}",
-                     "use s3://BUCKET/PREFIX or file:///PATH")
+                     "use s3://BUCKET/PREFIX, gs://BUCKET/PREFIX, "
+                     "az://ACCOUNT/CONTAINER/PREFIX or file:///PATH")
+
+
+# -- shared by the cloud stores (store_gcs, store_azure) -----------------------------------
+class PerThread:
+    """One object per thread, made by ``factory()`` at a thread's first :meth:`get`.
+
+    For SDK clients that sit on one ``requests.Session``: requests does not promise a Session
+    is thread-safe (psf/requests#2766), and its pool keeps 10 connections, fewer than the 16
+    threads of a push or pull.
+    """
+
+    def __init__(self, factory):
+        self._factory = factory
+        self._local = threading.local()
+
+    def get(self):
+        obj = getattr(self._local, "obj", None)
+        if obj is None:
+            obj = self._local.obj = self._factory()
+        return obj
+
+
+def sdk_missing(scheme: str, extra: str, err: ImportError) -> UsageError:
+    """The error for a store whose SDK is not installed, naming the pip extra to install."""
+    return UsageError(f"{scheme}:// stores need a package that is not installed ({err})",
+                      f"pip install 'hypercli[{extra}]'")
+
+
+_ERRNO_TEXT = re.compile(r"\[Errno -?\d+\] ([^'\")]+)")
+
+
+def network_reason(e: BaseException) -> str:
+    """A short reason for a failed connection, from an exception whose text may wrap
+    urllib3's (``... [Errno 111] Connection refused ...`` → ``Connection refused``)."""
+    text = str(e)
+    m = _ERRNO_TEXT.search(text)
+    if m:
+        return m.group(1).strip()
+    if "timed out" in text.lower():
+        return "timed out"
+    return text.splitlines()[0][:200] if text else type(e).__name__
