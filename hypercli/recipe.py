@@ -42,7 +42,8 @@ MAX_TASKS = 1_000_000        #: largest number of tasks one recipe may make
 MAX_EXPANDED = 8 * MAX_BYTES  #: alias expansion budget: 8 per node plus 1 per scalar character
 PROVIDERS = ("local", "ssh", "aws", "gcp", "azure")
 STORAGE_SCHEMES = ("file", "s3", "gs", "az")
-MOUNT_SCHEMES = ("chunks+s3", "chunks+file", "chunks+gs", "chunks+az", "s3", "gs", "az", "file")
+#: plain bucket mounts exist for s3 only (goofys/s3fs); gs and az datasets mount as chunks+
+MOUNT_SCHEMES = ("chunks+s3", "chunks+file", "chunks+gs", "chunks+az", "s3", "file")
 
 _INT64 = 2**63 - 1  # every integer must fit a SQLite INTEGER
 _RECIPE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")

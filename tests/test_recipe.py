@@ -405,6 +405,7 @@ def test_bad_experiment_fields(body, field, message):
     ("mounts: {data: s3://b}\n", "mounts.data", "must be absolute"),
     ("mounts: {/a/../b: s3://b}\n", "mounts./a/../b", "without '..'"),
     ("mounts: {/data: http://b}\n", "mounts./data", "chunks+s3://"),
+    ("mounts: {/data: 'gs://b/p'}\n", "mounts./data", "chunks+gs://"),  # plain: s3 only
     ("cluster: {provider: gce}\n", "cluster.provider", "did you mean 'gcp'?"),
     ("cluster: {provider: ssh}\n", "cluster.hosts", "provider ssh needs hosts"),
     ("cluster: {provider: ssh, hosts: ['a b']}\n", "cluster.hosts", "user@host:port"),

@@ -30,7 +30,10 @@ class NodeSetupError(InfraError):
 
 #: environment passed to node-side hypercli commands when set here (an S3-compatible
 #: endpoint is not a secret; credentials come from the node's own configuration)
-FORWARD_ENV = ("HYPER_S3_ENDPOINT_URL", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION")
+#: settings (never credentials) that tell node-side store clients where the store is
+FORWARD_ENV = ("HYPER_S3_ENDPOINT_URL", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION",
+               "HYPER_GCS_ENDPOINT_URL", "STORAGE_EMULATOR_HOST", "GOOGLE_CLOUD_PROJECT",
+               "HYPER_AZURE_STORAGE_ENDPOINT_URL")
 
 
 def forwarded_env() -> dict:
