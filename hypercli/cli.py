@@ -188,7 +188,8 @@ def run(recipe, new, on_interrupt, trust_new_hosts, cluster):
 @cli.command()
 @click.argument("recipe", type=click.Path(dir_okay=False), required=False)
 @click.option("--provider", type=click.Choice(["local", "ssh"]),
-              help="Without RECIPE: the provider of the cluster to bring up.")
+              help="Without RECIPE: the provider of the cluster to bring up (cloud clusters "
+                   "come from a recipe's cluster:).")
 @click.option("--host", "hosts", multiple=True, metavar="[USER@]HOST[:PORT]",
               help="Without RECIPE: an SSH host (repeat for more).")
 @click.option("--identity-file", type=click.Path(dir_okay=False),
@@ -199,7 +200,9 @@ def run(recipe, new, on_interrupt, trust_new_hosts, cluster):
               help="Without RECIPE: the cluster's name.")
 @click.option("--trust-new-hosts", is_flag=True,
               help="Pin the host key of SSH hosts seen for the first time (check them first).")
-def up(recipe, provider, hosts, identity_file, user, workers, name, trust_new_hosts):
+@click.option("--dry-run", is_flag=True,
+              help="Cloud clusters: show what would be created and its price; create nothing.")
+def up(recipe, provider, hosts, identity_file, user, workers, name, trust_new_hosts, dry_run):
     """Bring up the cluster of RECIPE, or one given by options (no tasks are run)."""
     from hypercli.errors import UsageError
     from hypercli.workflows import cluster_spec
@@ -207,6 +210,23 @@ def up(recipe, provider, hosts, identity_file, user, workers, name, trust_new_ho
     if recipe:
         from hypercli.recipe import load_recipe
         spec = load_recipe(recipe).cluster
+        if dry_run:
+            from hypercli.cluster import dry_run as dry_run_
+            p = dry_run_(spec)
+            kind = "spot" if p["spot"] else "on-demand"
+            click.echo(f"cluster {p['cluster']} ({p['provider']} {p['region'] or 'default region'}"
+                       f"): {p['running']} running, {p['to_create']} to create, "
+                       f"{p['instance_type']} {kind}")
+            for zone, price in sorted(p["zone_prices"].items(), key=lambda kv: kv[1]):
+                click.echo(f"  {zone:<16} ${price:.4f}/h")
+            if p["cost_per_hour"] is None:
+                click.echo("  price: not available from this provider's API")
+            else:
+                click.echo(f"estimated cost: ${p['cost_per_hour']:.4f}/h for the whole cluster "
+                           f"(cheapest zone, {p['running'] + p['to_create']} nodes)")
+            return
+    elif dry_run:
+        raise UsageError("--dry-run needs a RECIPE with a cloud cluster")
     elif provider:
         spec = cluster_spec(name, provider, list(hosts), workers=workers,
                             identity_file=identity_file, user=user)
@@ -235,6 +255,39 @@ def down(cluster):
     for line in removed:
         click.echo(f"removed {line}")
     click.echo(f"cluster {cluster} is down")
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def check(as_json):
+    """Show which cloud providers are ready (SDK installed, credentials accepted)."""
+    from hypercli.cluster import check as check_
+    rows = check_()
+    if as_json:
+        _print_json(rows)
+        return
+    for r in rows:
+        mark = "ready" if r["ready"] else "not ready"
+        click.echo(f"{r['provider']:<6} {mark:<10} {r['detail']}")
+        if r["hint"]:
+            click.echo(f"{'':<17} hint: {r['hint']}")
+
+
+@cli.command()
+@click.option("--provider", type=click.Choice(["aws", "gcp", "azure"]), required=True)
+@click.option("--region", help="Region to clean (default: the SDK's configured one).")
+@click.option("--project", help="GCP project.")
+@click.option("--subscription", help="Azure subscription id.")
+@click.option("--dry-run", is_flag=True, help="List what would be removed; remove nothing.")
+def gc(provider, region, project, subscription, dry_run):
+    """Remove every hyper:* resource in the cloud that no cluster that is up owns."""
+    from hypercli.cluster import gc as gc_
+    options = {k: v for k, v in (("region", region), ("project", project),
+                                 ("subscription_id", subscription)) if v}
+    lines = gc_(_state(), provider, options, dry_run=dry_run)
+    for line in lines:
+        click.echo(f"{'orphan' if dry_run else 'removed'} {line}")
+    click.echo(f"{len(lines)} {'orphans found' if dry_run else 'resources removed'}")
 
 
 @cli.command()

@@ -31,7 +31,7 @@ def up(state: State, spec: ClusterSpec, provider=None,
         raise UsageError(f"cluster {spec.name} is up with provider {old['provider']}, "
                          f"not {spec.provider}",
                          f"`hyper down {spec.name}` first, or name another cluster")
-    provider = provider or get_provider(spec.provider)
+    provider = provider or get_provider(spec.provider, options=spec.options)
     result = provider.launch(spec)
     instances = result.instances
     for target, err in result.errors.items():
@@ -96,7 +96,7 @@ def down(state: State, name: str) -> list[str]:
         known = ", ".join(x["name"] for x in state.clusters()) or "none"
         raise UsageError(f"no cluster named {name!r}", f"known clusters: {known}")
     from hypercli.scheduler import cancel_workflow
-    provider = get_provider(c["provider"])
+    provider = get_provider(c["provider"], options=(c.get("spec") or {}).get("options") or {})
     nodes = state.nodes(name)
     workflows = [wf for wf in state.workflows(limit=10000) if wf["cluster"] == name]
     for wf in workflows:
@@ -115,4 +115,56 @@ def down(state: State, name: str) -> list[str]:
         state.set_node_status(n["name"], "down")
     state.set_cluster_status(name, "down")
     state.event("cluster", f"{name} down: removed {len(removed)} resources")
+    return removed
+
+
+def dry_run(spec: ClusterSpec) -> dict:
+    """What ``up`` would do for a cloud cluster, with a price estimate (see
+    :meth:`hypercli.providers.cloud_provider.CloudProvider.plan`).
+
+    Raises:
+        UsageError: not a cloud provider; CredentialsError / CloudError from the cloud.
+    """
+    from hypercli.providers import CLOUDS
+    if spec.provider not in CLOUDS:
+        raise UsageError(f"--dry-run is for cloud providers ({', '.join(CLOUDS)}), "
+                         f"not {spec.provider}")
+    return get_provider(spec.provider, options=spec.options).plan(spec)
+
+
+def check(providers: tuple[str, ...] = ("aws", "gcp", "azure"),
+          options: dict | None = None) -> list[dict]:
+    """Which cloud providers are ready: per provider ``{"provider", "ready", "detail",
+    "hint"}`` (detail: the account, or what is wrong; hint: how to fix it). Never raises."""
+    from hypercli.providers.cloud_provider import make_api
+    out = []
+    for name in providers:
+        try:
+            detail = make_api(name, (options or {}).get(name, {})).check()
+            out.append({"provider": name, "ready": True, "detail": detail, "hint": None})
+        except HyperError as e:
+            out.append({"provider": name, "ready": False, "detail": e.message,
+                        "hint": e.hint})
+    return out
+
+
+def gc(state: State, provider: str, options: dict, dry_run: bool = False) -> list[str]:
+    """Remove every ``hyper:*``-tagged resource of ``provider`` (in the region of
+    ``options``) that no cluster of the state file that is up owns, even when the state file
+    was deleted. Returns a line per resource (removed, or found when ``dry_run``).
+
+    Raises:
+        UsageError: not a cloud provider; CredentialsError / CloudError from the cloud.
+    """
+    from hypercli.providers import CLOUDS
+    from hypercli.providers.cloud_provider import make_api, remove_all
+    if provider not in CLOUDS:
+        raise UsageError(f"gc is for cloud providers ({', '.join(CLOUDS)}), not {provider}")
+    live = {c["name"] for c in state.clusters() if c["status"] == "up"
+            and c["provider"] == provider}
+    api = make_api(provider, options)
+    if dry_run:
+        return [str(r) for r in api.resources(None) if r.cluster and r.cluster not in live]
+    removed = remove_all(api, None, keep=live)
+    state.event("cluster", f"gc {provider}: removed {len(removed)} resources")
     return removed

@@ -102,7 +102,7 @@ def provider_of(state: S.State, cluster_name: str):
     c = state.cluster(cluster_name)
     if c is None:
         raise UsageError(f"no cluster named {cluster_name!r}", "`hyper status` lists them")
-    return get_provider(c["provider"])
+    return get_provider(c["provider"], options=(c.get("spec") or {}).get("options") or {})
 
 
 def results(state: S.State, ref: str, sort: str | None = None, ascending: bool = False
@@ -226,7 +226,8 @@ def up(state: S.State, spec, *, trust_new_hosts: bool = False,
        log: Callable[[str], None] = lambda s: None) -> list[dict]:
     """Bring a cluster (``recipe.ClusterSpec``) up; returns its nodes. Targets that fail are
     reported through ``log``, one line each; the others go on."""
-    provider = get_provider(spec.provider, trust_new_hosts=trust_new_hosts)
+    provider = get_provider(spec.provider, trust_new_hosts=trust_new_hosts,
+                            options=spec.options)
     return C.up(state, spec, provider, report=log)
 
 
@@ -274,13 +275,15 @@ def prepare_run(state: S.State, recipe_path: str, *, new: bool = False,
             raise UsageError(f"no cluster {cluster!r} is up", "`hyper status` lists clusters; "
                              "`hyper up` brings one up")
         recipe = dataclasses.replace(recipe, cluster=dataclasses.replace(
-            recipe.cluster, name=cluster, provider=row["provider"]))
+            recipe.cluster, name=cluster, provider=row["provider"],
+            options=(row.get("spec") or {}).get("options") or {}))
     wid, resumed = start_or_resume(state, recipe, wf, new=new)
     lock = Lock(wid).acquire()
     if resumed and state.workflow(wid)["cluster"] != recipe.cluster.name:
         state.set_workflow(wid, cluster=recipe.cluster.name)  # resumed on another cluster
     try:
-        provider = get_provider(recipe.cluster.provider, trust_new_hosts=trust_new_hosts)
+        provider = get_provider(recipe.cluster.provider, trust_new_hosts=trust_new_hosts,
+                                options=recipe.cluster.options)
         if cluster is not None:
             nodes = state.nodes(cluster, status="up")
         else:

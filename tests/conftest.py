@@ -89,3 +89,4 @@ def wait_for(pred, timeout: float = 30, interval: float = 0.05, what: str = "con
 
 from sshhosts import ssh_client_key, ssh_hosts, tiny_image  # noqa: E402,F401  (fixtures)
 from s3server import s3  # noqa: E402,F401  (fixture)
+from cloudhosts import aws  # noqa: E402,F401  (fixture)

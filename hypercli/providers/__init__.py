@@ -14,23 +14,28 @@ from hypercli.errors import UsageError
 REGISTRY = {
     "local": "hypercli.providers.local",
     "ssh": "hypercli.providers.ssh",
+    "aws": "hypercli.providers.cloud_provider",
+    "gcp": "hypercli.providers.cloud_provider",
+    "azure": "hypercli.providers.cloud_provider",
 }
-
-PLANNED = ("aws", "gcp", "azure")
+#: the providers whose nodes a cloud creates (their SDK is imported on first API call)
+CLOUDS = ("aws", "gcp", "azure")
 
 
 def get_provider(name: str, **options):
     """The provider called ``name`` (a fresh instance).
 
     Args:
-        options: provider settings from the command line (``trust_new_hosts``).
+        options: provider settings (``trust_new_hosts`` from the command line; ``options``:
+            a cluster's recorded ``cluster:`` options, which cloud providers need to find
+            its region).
 
     Raises:
-        UsageError: unknown provider, or one this version does not ship yet.
+        UsageError: unknown provider.
     """
     if name not in REGISTRY:
-        if name in PLANNED:
-            raise UsageError(f"provider {name!r} is not available in this version of hypercli",
-                             "use provider: local")
         raise UsageError(f"unknown provider {name!r}", f"one of: {', '.join(REGISTRY)}")
-    return importlib.import_module(REGISTRY[name]).make_provider(**options)
+    module = importlib.import_module(REGISTRY[name])
+    if name in CLOUDS:
+        return module.make_provider(name, **options)
+    return module.make_provider(**options)

@@ -1,0 +1,426 @@
+"""Cloud providers (aws, gcp, azure): a :class:`~hypercli.providers.cloud.CloudAPI` made into
+a provider. Cloud nodes are SSH hosts a cloud created, so everything after boot is the ssh
+provider's (:mod:`hypercli.providers.ssh`).
+
+``launch`` (``hyper up``, or ``hyper run`` with no cluster up):
+
+1. the cluster's SSH key (ed25519) is made once, in ``$HYPER_HOME/keys/<cluster>/``;
+2. each new node gets a host key made here; its boot document (cloud-config, which cloud-init
+   runs on all three clouds' stock and baked Ubuntu images) installs that host key before
+   ``sshd`` starts, authorizes the cluster key for root, and starts the node watcher
+   (:mod:`hypercli.node.watch`: preemption notices, idle watchdog). The host key is pinned here
+   as soon as the node's address is known, so the first contact is verified: no
+   trust-on-first-use, and a changed key is refused like on any SSH host;
+3. the cloud's shared resources are made (:meth:`CloudAPI.prepare`: key pair, firewall for port
+   22 from the caller's address only), the instances are created (zones tried in order on
+   capacity errors), and each node is bootstrapped over SSH as soon as it is running, with
+   retries while it boots.
+
+``terminate`` (``hyper down``) terminates the instances, then lists everything tagged for the
+cluster and deletes it, again and again until the cloud reports nothing left (or a deadline),
+and says what it removed. :func:`gc` does the same for every ``hyper:*`` resource that no live
+cluster of the state file owns.
+
+Test seam: with ``HYPER_CLOUD_ADDRESSES`` naming a JSON file ``{instance id: "host:port"}``,
+an instance listed there is reached at that address instead of its public IP (the test suite
+points instances of moto, the AWS stand-in, at its SSH test hosts).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import time
+import urllib.request
+from dataclasses import replace
+from pathlib import Path
+
+import yaml
+
+from hypercli import state as S
+from hypercli.errors import HyperError, NodeError, UsageError
+from hypercli.providers.base import Instance, LaunchResult
+from hypercli.providers.cloud import Boot, CloudAPI, CloudSpec, VM
+from hypercli.providers.ssh import SSHProvider
+from hypercli.recipe import ClusterSpec
+from hypercli.ssh.conn import Target
+from hypercli.ssh.fanout import fan_out
+
+BOOT_TIMEOUT = 600.0      # s from create until a node must answer over SSH
+DESCRIBE_EVERY = 2.0      # s between looks at instances that are still pending
+TEARDOWN_TIMEOUT = 600.0  # s that ``terminate`` keeps deleting until nothing is left
+SSH_USER = "root"
+CHECKIP_URL = "https://checkip.amazonaws.com"
+
+#: provider name → (module, class) of its CloudAPI
+APIS = {"aws": ("hypercli.providers.aws", "AWSAPI"),
+        "gcp": ("hypercli.providers.gcp", "GCPAPI"),
+        "azure": ("hypercli.providers.azure", "AzureAPI")}
+EXTRAS = {"aws": "boto3", "gcp": "hypercli[gcp]", "azure": "hypercli[azure]"}
+
+
+# -- keys ------------------------------------------------------------------------------------
+def new_keypair(comment: str) -> tuple[str, str]:
+    """A new ed25519 key pair: (private key in OpenSSH PEM form, public key one-liner)."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    key = Ed25519PrivateKey.generate()
+    private = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+                                serialization.NoEncryption()).decode()
+    public = key.public_key().public_bytes(serialization.Encoding.OpenSSH,
+                                           serialization.PublicFormat.OpenSSH).decode()
+    return private, f"{public} {comment}"
+
+
+def keys_dir(cluster: str) -> Path:
+    return S.home() / "keys" / cluster
+
+
+def cluster_key(cluster: str) -> tuple[Path, str]:
+    """The cluster's SSH key: (private key file, public key line); made on first use (0600)."""
+    d = keys_dir(cluster)
+    path = d / "id_ed25519"
+    if not path.exists():
+        d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        private, public = new_keypair(f"hyper-{cluster}")
+        tmp = d / ".id_ed25519.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(private)
+        (d / "id_ed25519.pub").write_text(public + "\n")
+        os.replace(tmp, path)
+    return path, (d / "id_ed25519.pub").read_text().strip()
+
+
+def host_key(cluster: str, node: str) -> tuple[str, str]:
+    """A new host key for a node: (private PEM, public line); the public half is kept in
+    ``keys/<cluster>/hosts/<node>.pub`` until the node's address is known and it is pinned."""
+    private, public = new_keypair(f"hyper-{node}")
+    d = keys_dir(cluster) / "hosts"
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    (d / f"{node}.pub").write_text(public + "\n")
+    return private, public
+
+
+def boot_document(spec: CloudSpec, provider: str, node: str, host_private: str,
+                  host_public: str, cluster_public: str) -> str:
+    """The node's cloud-config (text starting ``#cloud-config``): host key, root's authorized
+    key, the node watcher and its settings. Fits the smallest user-data limit (AWS: 16 KiB)."""
+    from hypercli.node import watch
+    settings = {"cloud": provider, "cluster": spec.cluster, "node": node,
+                "idle_minutes": spec.idle_minutes}
+    unit = ("[Unit]\nDescription=hypercli node watcher (preemption notices, idle watchdog)\n"
+            "After=network-online.target\n[Service]\n"
+            "ExecStart=/usr/bin/python3 /usr/local/lib/hyper/watch.py --config "
+            "/etc/hyper/node.json\nRestart=always\nRestartSec=5\n"
+            "[Install]\nWantedBy=multi-user.target\n")
+    doc = {
+        "disable_root": False,
+        "ssh_pwauth": False,
+        "ssh_deletekeys": True,
+        "ssh_genkeytypes": [],
+        "ssh_keys": {"ed25519_private": host_private, "ed25519_public": host_public},
+        "write_files": [
+            {"path": "/root/.ssh/authorized_keys", "permissions": "0600",
+             "content": cluster_public + "\n"},
+            {"path": "/etc/hyper/node.json", "content": json.dumps(settings) + "\n"},
+            {"path": "/usr/local/lib/hyper/watch.py", "encoding": "b64",
+             "content": base64.b64encode(Path(watch.__file__).read_bytes()).decode()},
+            {"path": "/etc/systemd/system/hyper-watch.service", "content": unit},
+        ],
+        "runcmd": [["systemctl", "daemon-reload"],
+                   ["systemctl", "enable", "--now", "hyper-watch.service"]],
+    }
+    return "#cloud-config\n" + yaml.safe_dump(doc, sort_keys=False)
+
+
+def caller_cidr() -> str:
+    """This machine's public address as ``a.b.c.d/32`` (asks ``checkip.amazonaws.com``).
+
+    Raises:
+        UsageError: it cannot be found (offline, proxy): set ``ssh_cidr`` instead.
+    """
+    try:
+        with urllib.request.urlopen(CHECKIP_URL, timeout=5) as r:
+            ip = r.read().decode().strip()
+        import ipaddress
+        return f"{ipaddress.ip_address(ip)}/32"
+    except (OSError, ValueError) as e:
+        raise UsageError(f"cannot find this machine's public address for the SSH firewall "
+                         f"rule ({e})", "set cluster.ssh_cidr, e.g. 203.0.113.0/24") from None
+
+
+def cloud_spec(spec: ClusterSpec, count: int | None = None) -> CloudSpec:
+    """The recipe's ``cluster:`` of a cloud provider as a :class:`CloudSpec` (``ssh_cidr``
+    left None when not given; see :func:`caller_cidr`)."""
+    o = spec.options
+    zone = o.get("zone")
+    zones = tuple(zone) if isinstance(zone, list) else ((zone,) if zone else ())
+    image = o.get("image")
+    variant = "cpu"
+    if image in ("cpu", "gpu"):
+        variant, image = image, None
+    return CloudSpec(
+        cluster=spec.name, count=count if count is not None else (spec.workers or 1),
+        region=o.get("region", ""), zones=zones,
+        instance_type=o.get("instance_type", ""), spot=o.get("spot", True), image=image,
+        variant=variant, disk_gb=o.get("disk_gb", 50), max_price=o.get("max_price"),
+        ssh_cidr=o.get("ssh_cidr"), idle_minutes=o.get("idle_minutes", 30),
+        replace_preempted=o.get("replace_preempted", o.get("spot", True)),
+        project=o.get("project"), resource_group=o.get("resource_group"))
+
+
+def seam_addresses() -> dict:
+    """``{instance id: "host:port"}`` from ``HYPER_CLOUD_ADDRESSES`` (module docstring)."""
+    path = os.environ.get("HYPER_CLOUD_ADDRESSES")
+    if not path:
+        return {}
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def make_api(provider: str, options: dict) -> CloudAPI:
+    """The CloudAPI of ``provider`` for a cluster's options (``region``, ``project``, ...).
+
+    Raises:
+        UsageError: the provider's SDK is not installed (says which extra to install).
+    """
+    import importlib
+    import importlib.util
+    module, cls = APIS[provider]
+    if importlib.util.find_spec(module) is None:
+        raise UsageError(f"provider {provider} is not available in this version of hypercli",
+                         "use provider: aws, ssh or local")
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as e:
+        if (e.name or "").startswith("hypercli"):
+            raise
+        raise UsageError(f"provider {provider} needs a package that is not installed ({e.name})",
+                         f"pip install '{EXTRAS[provider]}'") from None
+    api = getattr(mod, cls)
+    region = options.get("region", "")
+    if provider == "gcp":
+        return api(options.get("project"), region)
+    if provider == "azure":
+        return api(options.get("subscription_id"), region)
+    return api(region)
+
+
+class CloudProvider(SSHProvider):
+    """A cloud's instances as SSH nodes (module docstring).
+
+    Args:
+        name: ``aws``, ``gcp`` or ``azure``.
+        options: the cluster's ``cluster:`` options (region, ...), when known before
+            ``launch`` (``hyper down`` passes the recorded ones).
+        api: a ready CloudAPI (tests); default: made from ``options`` on first use.
+    """
+
+    remote = True
+
+    def __init__(self, name: str, options: dict | None = None, api: CloudAPI | None = None,
+                 trust_new_hosts: bool = False):
+        super().__init__(trust_new_hosts=False)  # cloud nodes' keys are known in advance
+        self.name = name
+        self.options = dict(options or {})
+        self._api = api
+
+    def api(self, options: dict | None = None) -> CloudAPI:
+        if self._api is None:
+            self._api = make_api(self.name, options if options is not None else self.options)
+        return self._api
+
+    # -- up ----------------------------------------------------------------------------------
+    def plan(self, spec: ClusterSpec) -> dict:
+        """What ``launch`` would do, for ``hyper up --dry-run``: nodes there and to create,
+        and a price estimate. Raises CredentialsError / CloudError."""
+        cs = cloud_spec(spec)
+        api = self.api(spec.options)
+        live = [v for v in api.describe(cs.cluster) if v.state in ("pending", "running")]
+        prices = api.spot_price(cs)
+        best = min(prices.values()) if prices else None
+        new = max(0, cs.count - len(live))
+        return {"cluster": cs.cluster, "provider": self.name, "region": cs.region,
+                "instance_type": cs.instance_type, "spot": cs.spot, "running": len(live),
+                "to_create": new, "price_per_hour": best, "zone_prices": prices,
+                "cost_per_hour": None if best is None else round(best * cs.count, 4)}
+
+    def launch(self, spec: ClusterSpec) -> LaunchResult:
+        cs = cloud_spec(spec)
+        if not cs.instance_type:
+            raise UsageError(f"provider {self.name} needs cluster.instance_type",
+                             "e.g. instance_type: m5.large (aws), e2-standard-4 (gcp), "
+                             "Standard_D4s_v5 (azure)")
+        if cs.ssh_cidr is None:
+            cs = replace(cs, ssh_cidr=caller_cidr())
+        self.options = dict(spec.options)
+        api = self.api(spec.options)
+        key_path, public = cluster_key(cs.cluster)
+        live = [v for v in api.describe(cs.cluster) if v.state in ("pending", "running")]
+        errors: dict[str, Exception] = {}
+        new_nodes = self._new_names(cs, live)
+        if new_nodes:
+            prepared = api.prepare(cs, public)
+            docs = {}
+            for node in new_nodes:
+                private, host_public = host_key(cs.cluster, node)
+                docs[node] = boot_document(cs, self.name, node, private, host_public, public)
+            created, failed = api.create(cs, new_nodes, Boot(docs, SSH_USER, public), prepared)
+            errors.update(failed)
+            live += created
+        instances, more = self._bring_up(cs, live, key_path)
+        errors.update(more)
+        return LaunchResult(instances, errors)
+
+    def _new_names(self, cs: CloudSpec, live: list[VM]) -> list[str]:
+        """Names for the nodes to create: never one the cluster had before (a replacement
+        is a new node, with its own host key and state row)."""
+        hosts = keys_dir(cs.cluster) / "hosts"
+        used = {v.node for v in live} | ({p.stem for p in hosts.glob("*.pub")}
+                                         if hosts.exists() else set())
+        names, i = [], 0
+        while len(names) < cs.count - len(live):
+            name = f"{cs.cluster}-{i}"
+            if name not in used:
+                names.append(name)
+            i += 1
+        return names
+
+    def _bring_up(self, cs: CloudSpec, vms: list[VM], key_path: Path
+                  ) -> tuple[list[Instance], dict]:
+        """Wait for each VM to run with an address, pin its host key and bootstrap it."""
+        def one(node: str) -> Instance:
+            vm = next(v for v in vms if v.node == node)
+            deadline = time.monotonic() + BOOT_TIMEOUT
+            while vm.state != "running" or not self._reachable(vm):
+                if vm.state in ("terminated", "preempted", "stopping"):
+                    raise NodeError(node, f"instance {vm.id} is {vm.state} while booting")
+                if time.monotonic() > deadline:
+                    raise NodeError(node, f"instance {vm.id} not running after "
+                                    f"{BOOT_TIMEOUT:.0f} s (state {vm.state})")
+                time.sleep(DESCRIBE_EVERY)
+                vm = next((v for v in self.api().describe(cs.cluster) if v.id == vm.id),
+                          replace(vm, state="terminated"))
+            last: Exception | None = None
+            while time.monotonic() < deadline:
+                target = self._target(vm, key_path)
+                self._pin(cs.cluster, node, target)
+                try:
+                    inst = self.bootstrap(node, target, cs.cluster)
+                    break
+                except HyperError as e:  # still booting: sshd not up, old host key, ...
+                    last = e
+                    self.drop(node)
+                    time.sleep(DESCRIBE_EVERY)
+            else:
+                raise NodeError(node, f"instance {vm.id} did not answer over SSH within "
+                                f"{BOOT_TIMEOUT:.0f} s: {last}")
+            return Instance(node, vm.id, inst.slots, inst.address,
+                            {**inst.extra, "cloud": self.name, "region": cs.region,
+                             "zone": vm.zone, "instance_type": vm.instance_type,
+                             "spot": vm.spot, "public_ip": vm.public_ip,
+                             "private_ip": vm.private_ip})
+        res = fan_out([v.node for v in vms], one)
+        return list(res.ok.values()), dict(res.failed)
+
+    @staticmethod
+    def _reachable(vm: VM) -> bool:
+        """Whether the VM has an address to try (with the test seam on: its entry there)."""
+        if os.environ.get("HYPER_CLOUD_ADDRESSES"):
+            return vm.id in seam_addresses()
+        return bool(vm.public_ip)
+
+    def _target(self, vm: VM, key_path: Path) -> Target:
+        seam = seam_addresses().get(vm.id)
+        if seam:
+            return Target.parse(seam, user=SSH_USER, identity_file=str(key_path))
+        return Target(vm.public_ip, 22, SSH_USER, str(key_path))
+
+    def _pin(self, cluster: str, node: str, target: Target) -> None:
+        pub = keys_dir(cluster) / "hosts" / f"{node}.pub"
+        if pub.exists():
+            self.known_hosts(cluster).pin(target.host, target.port, pub.read_text().strip())
+
+    def replace(self, node: dict) -> list[dict]:
+        """Launch what the cluster lacks after ``node`` was preempted or terminated (the
+        cluster's recorded size), record it, and return the new ``nodes`` rows.
+
+        Raises:
+            HyperError: the launch failed (CloudError, CredentialsError, InfraError).
+        """
+        from hypercli.cluster import up
+        st = S.State()
+        c = st.cluster(node["cluster"])
+        if c is None:
+            return []
+        spec = ClusterSpec(c["name"], c["provider"], (c["spec"] or {}).get("workers"),
+                           (c["spec"] or {}).get("options") or {})
+        before = {n["name"] for n in st.nodes(c["name"])}
+        return [n for n in up(st, spec, self) if n["name"] not in before]
+
+    # -- health --------------------------------------------------------------------------------
+    def probe(self, node: dict) -> str:
+        """What the cloud says of a node that stopped answering: ``running``, ``preempted``,
+        ``gone`` (terminated or unknown to the cloud) or ``unknown`` (the API failed)."""
+        try:
+            vms = self.api(self._options_of(node)).describe(node["cluster"])
+        except HyperError:
+            return "unknown"
+        vm = next((v for v in vms if v.id == node["provider_id"]), None)
+        if vm is None or vm.state == "terminated":
+            return "gone"
+        return "preempted" if vm.state == "preempted" else vm.state
+
+    def _options_of(self, node: dict) -> dict:
+        info = node.get("info") or {}
+        return {**self.options, **({"region": info["region"]} if info.get("region") else {})}
+
+    # -- down ----------------------------------------------------------------------------------
+    def terminate(self, cluster: str, nodes: list[dict]) -> list[str]:
+        """Terminate the nodes, then delete everything tagged for the cluster until the
+        cloud lists nothing (at most TEARDOWN_TIMEOUT s). Returns a line per removed
+        resource. Raises CloudError when something is still there at the deadline."""
+        for n in nodes:
+            self.drop(n["name"])
+        api = self.api(self._options_of(nodes[0]) if nodes else None)
+        removed = remove_all(api, cluster)
+        import shutil
+        shutil.rmtree(keys_dir(cluster), ignore_errors=True)
+        return removed
+
+
+def remove_all(api: CloudAPI, cluster: str | None, keep: set | None = None,
+               timeout: float = TEARDOWN_TIMEOUT) -> list[str]:
+    """Delete the resources tagged for ``cluster`` (every hyper cluster when None, except
+    those in ``keep``), looking again until none is left.
+
+    Returns:
+        one line per removed resource.
+    Raises:
+        CloudError: resources are still listed after ``timeout`` s (they are named).
+    """
+    from hypercli.providers.cloud import CloudError
+    removed: list[str] = []
+    deadline = time.monotonic() + timeout
+    while True:
+        left = [r for r in api.resources(cluster) if keep is None or r.cluster not in keep]
+        if cluster is None:
+            left = [r for r in left if r.cluster]  # never an untagged resource
+        if not left:
+            return removed
+        if time.monotonic() > deadline:
+            raise CloudError(f"still there after {timeout:.0f} s: "
+                             + ", ".join(str(r) for r in left),
+                             "run `hyper down` again, or remove them in the cloud console")
+        removed += api.delete(left)
+        time.sleep(0.5 if removed else 2.0)
+
+
+def make_provider(name: str, trust_new_hosts: bool = False, options: dict | None = None,
+                  **_) -> CloudProvider:
+    """The provider ``name`` (``aws``, ``gcp`` or ``azure``)."""
+    return CloudProvider(name, options=options)

@@ -1,0 +1,107 @@
+"""A cloud for the tests: moto's EC2 API on loopback whose instances boot onto SSH test hosts.
+
+The test seam (documented in hypercli/providers/cloud_provider.py): ``HYPER_CLOUD_ADDRESSES``
+names a JSON file {instance id: "host:port"}. A :class:`Booter` thread plays the part of the
+cloud booting a VM: for each new instance of a cluster it takes a free test host, applies the
+instance's cloud-config the way cloud-init would (host key, root's authorized key), restarts the
+host's sshd, and writes the instance's address into that file.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+from pathlib import Path
+
+import pytest
+import yaml
+
+from s3server import CREDENTIALS, S3Server
+
+REGION = "us-east-1"
+
+
+class Booter(threading.Thread):
+    """Boots moto instances of a cluster onto free SSH test hosts (module docstring)."""
+
+    def __init__(self, ec2, hosts, seam: Path):
+        super().__init__(daemon=True)
+        self.ec2, self.free, self.seam = ec2, list(hosts), seam
+        self.booted: dict[str, object] = {}  # instance id → TestHost
+        self.errors: list[str] = []
+        self.stopping = threading.Event()
+        seam.write_text("{}")
+
+    def run(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                self._round()
+            except Exception as e:  # reported by the test, not lost in a thread
+                self.errors.append(f"{type(e).__name__}: {e}")
+            self.stopping.wait(0.2)
+
+    def _round(self) -> None:
+        r = self.ec2.describe_instances(Filters=[
+            {"Name": "tag-key", "Values": ["hyper:cluster"]},
+            {"Name": "instance-state-name", "Values": ["pending", "running"]}])
+        for res in r["Reservations"]:
+            for inst in res["Instances"]:
+                if inst["InstanceId"] not in self.booted:
+                    self._boot(inst["InstanceId"])
+
+    def _boot(self, iid: str) -> None:
+        if not self.free:
+            self.errors.append(f"no free test host for {iid}")
+            self.booted[iid] = None
+            return
+        host = self.free.pop(0)
+        data = self.ec2.describe_instance_attribute(InstanceId=iid, Attribute="userData")
+        doc = yaml.safe_load(base64.b64decode(data["UserData"]["Value"]))
+        etc = host.root / "etc-ssh"
+        key = etc / "ssh_host_ed25519_key"
+        key.write_text(doc["ssh_keys"]["ed25519_private"])
+        key.chmod(0o600)
+        (etc / "ssh_host_ed25519_key.pub").write_text(doc["ssh_keys"]["ed25519_public"] + "\n")
+        auth = next(f for f in doc["write_files"] if f["path"] == "/root/.ssh/authorized_keys")
+        with open(etc / "authorized_keys", "a") as f:
+            f.write(auth["content"])
+        host.restart()
+        self.booted[iid] = host
+        seam = json.loads(self.seam.read_text())
+        seam[iid] = f"{host.ip}:{host.port}"
+        tmp = self.seam.with_suffix(".tmp")
+        tmp.write_text(json.dumps(seam))
+        tmp.replace(self.seam)
+
+
+@pytest.fixture
+def aws(monkeypatch, tmp_path):
+    """moto_server on loopback with the environment pointing the aws provider at it."""
+    for k, v in CREDENTIALS.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", REGION)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    server = S3Server().start()
+    monkeypatch.setenv("HYPER_AWS_ENDPOINT_URL", server.endpoint)
+    monkeypatch.setenv("HYPER_CLOUD_ADDRESSES", str(tmp_path / "addresses.json"))
+    import boto3
+    ec2 = boto3.client("ec2", region_name=REGION, endpoint_url=server.endpoint)
+    try:
+        yield ec2
+    finally:
+        server.stop()
+
+
+def tagged_left(ec2, cluster: str) -> list[str]:
+    """What moto still holds for the cluster (instances not terminated, groups, keys,
+    volumes, network interfaces)."""
+    f = [{"Name": "tag:hyper:cluster", "Values": [cluster]}]
+    left = [i["InstanceId"] for r in ec2.describe_instances(Filters=f)["Reservations"]
+            for i in r["Instances"] if i["State"]["Name"] != "terminated"]
+    left += [g["GroupId"] for g in ec2.describe_security_groups(Filters=f)["SecurityGroups"]]
+    left += [k["KeyName"] for k in ec2.describe_key_pairs(Filters=f)["KeyPairs"]]
+    left += [v["VolumeId"] for v in ec2.describe_volumes(Filters=f)["Volumes"]]
+    left += [n["NetworkInterfaceId"]
+             for n in ec2.describe_network_interfaces(Filters=f)["NetworkInterfaces"]]
+    return left

@@ -1,0 +1,88 @@
+"""End to end on a cloud: `hyper up → run → down` with the aws provider against moto's EC2 API
+(moto_server on loopback), where the instances' SSH addresses are SSH test hosts booted by
+tests/cloudhosts.py. A spot interruption is injected mid-run the way it happens: the instance is
+terminated in the cloud and its host dies."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import yaml
+
+from cloudhosts import REGION, Booter, tagged_left
+from conftest import wait_for
+
+pytestmark = pytest.mark.slow
+
+
+def test_up_run_spot_interruption_and_down_on_aws(aws, ssh_hosts, tmp_path, hyper_home,
+                                                  hyper):
+    from hypercli.scheduler import Scheduler
+    from hypercli.state import State
+    from hypercli.workflows import prepare_run
+    from test_ssh import assert_one_success_each
+    hosts = ssh_hosts.start(3)
+    booter = Booter(aws, hosts, tmp_path / "addresses.json")
+    booter.start()
+    image = aws.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+    recipe = {
+        "name": "spotjob",
+        "cluster": {"provider": "aws", "region": REGION, "zone": [f"{REGION}a"],
+                    "instance_type": "m5.large", "workers": 2, "image": image,
+                    "ssh_cidr": "10.213.0.0/24"},
+        "experiments": {"work": {
+            "parameters": {"i": [1, 2, 3, 4, 5, 6]}, "retries": 2,
+            "command": 'sleep 1.5; echo {{i}} > "$HYPER_OUTPUT/v"'}}}
+    path = tmp_path / "spotjob.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    try:
+        r = hyper("up", path, timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "cluster spotjob is up: 2 aws nodes" in r.stdout
+        nodes = State().nodes("spotjob", status="up")
+        assert {n["info"]["spot"] for n in nodes} == {True}
+        assert all(n["provider_id"].startswith("i-") for n in nodes)
+        # the host key was pinned before the first contact: no trust-on-first-use
+        pinned = (hyper_home / "known_hosts" / "spotjob").read_text()
+        assert all(h.ip in pinned for h in booter.booted.values() if h)
+
+        injected = {}
+
+        def interrupt():
+            wait_for(lambda: State().attempts("spotjob-1", status=["running"]), timeout=60,
+                     what="a running attempt")
+            victim = State().attempts("spotjob-1", status=["running"])[0]
+            node = next(n for n in State().nodes("spotjob") if n["name"] == victim["node"])
+            injected["node"], injected["at"] = node["name"], time.monotonic()
+            aws.terminate_instances(InstanceIds=[node["provider_id"]])  # the cloud takes it
+            booter.booted[node["provider_id"]].kill()                    # and the VM dies
+        state = State()
+        wid, _, provider, nodes, lock = prepare_run(state, str(path))
+        t = threading.Thread(target=interrupt)
+        t.start()
+        try:
+            summary = Scheduler(state, wid, provider, nodes).run()
+        finally:
+            lock.release()
+            t.join(90)
+        assert summary.exit_code == 0, state.attempts(wid)
+        assert_one_success_each(state, wid)
+        lost = [a for a in state.attempts(wid) if a["status"] == "lost"]
+        assert lost and {a["node"] for a in lost} == {injected["node"]}
+        all_nodes = {n["name"]: n for n in state.nodes("spotjob")}
+        assert all_nodes[injected["node"]]["status"] in ("lost", "down")
+        assert len(all_nodes) == 3  # the replacement joined the cluster ...
+        replacement = next(n for n in all_nodes if n not in {x["name"] for x in nodes})
+        used = {a["node"] for a in state.attempts(wid) if a["status"] == "succeeded"}
+        assert replacement in used  # ... and took work
+        assert not booter.errors, booter.errors
+
+        r = hyper("down", "spotjob", timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "removed instance" in r.stdout and "security_group" in r.stdout
+        assert tagged_left(aws, "spotjob") == []
+    finally:
+        booter.stopping.set()
+        booter.join(10)

@@ -1,0 +1,97 @@
+"""One contract, every provider (hypercli/providers/base.py): launch a cluster of 2 nodes,
+reach each node's agent, run a task through it, record the nodes, and take them down.
+local runs on this machine, ssh on SSH test hosts, aws on moto's EC2 API with its instances
+booted onto SSH test hosts (tests/test_cloud_e2e.py's Booter)."""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import time
+
+import pytest
+import yaml
+
+from hypercli import cluster as C
+from hypercli.providers import get_provider
+from hypercli.providers.base import Instance
+from hypercli.recipe import parse_recipe
+from hypercli.state import State
+
+PROVIDERS = ["local", "ssh", "aws"]
+
+
+@pytest.fixture(params=PROVIDERS)
+def made(request, tmp_path, hyper_home, monkeypatch):
+    """(provider name, ClusterSpec, provider, cleanup check) for a 2-node cluster."""
+    name = request.param
+    extra = {}
+    checks = []
+    if name == "local":
+        cluster = {"provider": "local", "workers": 2}
+    else:
+        pool = request.getfixturevalue("ssh_hosts")
+        hosts = pool.start(2)
+        if name == "ssh":
+            cluster = {"provider": "ssh", "hosts": [h.address() for h in hosts],
+                       "identity_file": str(pool.client_key)}
+            extra["trust_new_hosts"] = True
+        else:
+            from cloudhosts import REGION, Booter, tagged_left
+            ec2 = request.getfixturevalue("aws")
+            booter = Booter(ec2, hosts, tmp_path / "addresses.json")
+            booter.start()
+            request.addfinalizer(lambda: (booter.stopping.set(), booter.join(10)))
+            image = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+            cluster = {"provider": "aws", "region": REGION, "instance_type": "t3.micro",
+                       "workers": 2, "image": image, "ssh_cidr": "10.213.0.0/24",
+                       "spot": False}
+            checks.append(lambda: tagged_left(ec2, "contract") == [])
+    spec = parse_recipe(yaml.safe_dump({"name": "contract", "cluster": cluster,
+                                        "experiments": {"a": {"command": "true"}}}),
+                        path="contract.yaml").cluster
+    provider = get_provider(name, options=spec.options, **extra)
+    return name, spec, provider, checks
+
+
+@pytest.mark.slow
+def test_provider_contract(made, tmp_path):
+    name, spec, provider, checks = made
+    assert provider.name == name and isinstance(provider.remote, bool)
+    result = provider.launch(spec)
+    assert result.errors == {}
+    assert len(result.instances) == 2
+    for inst in result.instances:
+        assert isinstance(inst, Instance) and inst.slots >= 1 and inst.provider_id
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            inst.slots = 5  # type: ignore[misc]
+    state = State()
+    nodes = C.up(state, spec, provider)
+    assert sorted(n["name"] for n in nodes) == sorted(i.name for i in result.instances)
+    wf = {"id": "contract-1", "storage": f"file://{tmp_path / 'storage'}", "workdir": "/",
+          "spec": {}}
+    for node in nodes:
+        client = provider.connect(node)
+        try:
+            hello = client.call("hello")
+            assert hello["cpus"] >= 1 and hello["version"] >= 1
+            cwd, output, outputs = provider.task_paths(node, wf, "a-0000")
+            assert output.startswith(outputs) and "a-0000" in output
+            aid = f"contract-1.a-0000.{node['name']}"
+            r = client.call("launch", attempts=[{
+                "id": aid, "script": "echo contract-ok", "env": {}, "cwd": "/",
+                "output": output, "outputs": outputs}])
+            assert r["states"][aid]["state"] in ("running", "exited")
+            end = time.monotonic() + 20
+            while r["states"][aid]["state"] == "running" and time.monotonic() < end:
+                r = client.call("poll", ids=[aid], wait=1)
+            assert r["states"][aid]["state"] == "exited" and r["states"][aid]["code"] == 0
+            out = client.call("read", id=aid, stream="stdout", offset=0)
+            assert base64.b64decode(out["data"]) == b"contract-ok\n"
+        finally:
+            client.close()
+    removed = C.down(state, "contract")
+    assert isinstance(removed, list)
+    assert {n["status"] for n in state.nodes("contract")} == {"down"}
+    for check in checks:
+        assert check()
