@@ -2,9 +2,10 @@
 
 ``gcp-storage-emulator`` (PyPI, in-memory) and Azurite (``azurite-blob``, npm) each run as a
 subprocess in its own session on 127.0.0.1 with a free port, are polled until they answer
-HTTP, and are stopped by PID (SIGTERM, then SIGKILL) at the end of the test session.
+HTTP, and are stopped by PID (SIGTERM, then SIGKILL) at the end of the test module that used them
+(no server outlives its module: tests/test_sshhosts.py checks that no child process is left).
 
-    gcs_server / azurite_server     session-scoped servers
+    gcs_server / azurite_server     module-scoped servers
     gcs / azurite                   per test: the same server, with the environment pointing
                                     hypercli at it (HYPER_GCS_ENDPOINT_URL;
                                     AZURE_STORAGE_CONNECTION_STRING) and a fresh bucket /
@@ -164,7 +165,7 @@ class Azurite(Emulator):
         return name
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def gcs_server(tmp_path_factory):
     """A running :class:`GCSEmulator` for the session (skipped when it is not installed,
     failed instead under HYPER_REQUIRE_SSH_HOSTS=1)."""
@@ -178,7 +179,7 @@ def gcs_server(tmp_path_factory):
         server.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def azurite_server(tmp_path_factory):
     """A running :class:`Azurite` for the session (skipped when azurite-blob is not on
     PATH, failed instead under HYPER_REQUIRE_SSH_HOSTS=1)."""
