@@ -193,7 +193,7 @@ def make_api(provider: str, options: dict) -> CloudAPI:
     module, cls = APIS[provider]
     if importlib.util.find_spec(module) is None:
         raise UsageError(f"provider {provider} is not available in this version of hypercli",
-                         "use provider: aws, ssh or local")
+                         "use provider: aws, gcp, ssh or local")
     try:
         mod = importlib.import_module(module)
     except ImportError as e:
