@@ -86,3 +86,51 @@ def test_up_run_spot_interruption_and_down_on_aws(aws, ssh_hosts, tmp_path, hype
     finally:
         booter.stopping.set()
         booter.join(10)
+
+
+def test_dry_run_prices_then_gc_after_the_state_file_is_deleted(aws, ssh_hosts, tmp_path,
+                                                                hyper_home, hyper):
+    """`hyper up --dry-run` creates nothing and shows spot prices; after `hyper up`, the
+    state file is deleted; `hyper gc` still finds the cluster's resources by their tags and
+    removes them all, and leaves a cluster the (new) state file has up alone."""
+    hosts = ssh_hosts.start(2)
+    booter = Booter(aws, hosts, tmp_path / "addresses.json")
+    booter.start()
+    image = aws.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+
+    def recipe(name):
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump({
+            "name": name, "cluster": {"provider": "aws", "region": REGION,
+                                      "instance_type": "m5.large", "workers": 1,
+                                      "image": image, "ssh_cidr": "10.213.0.0/24"},
+            "experiments": {"a": {"command": "true"}}}))
+        return path
+    try:
+        r = hyper("up", recipe("orphan"), "--dry-run", timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "0 running, 1 to create, m5.large spot" in r.stdout
+        assert "estimated cost: $" in r.stdout and "/h" in r.stdout
+        assert tagged_left(aws, "orphan") == []  # a dry run creates nothing
+        r = hyper("up", recipe("orphan"), timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert tagged_left(aws, "orphan")
+        (hyper_home / "state.db").unlink()  # the laptop lost its state
+        for extra in ("state.db-wal", "state.db-shm"):
+            (hyper_home / extra).unlink(missing_ok=True)
+        r = hyper("up", recipe("kept"), timeout=120)  # a live cluster of the new state file
+        assert r.returncode == 0, r.stdout + r.stderr
+        r = hyper("gc", "--provider", "aws", "--region", REGION, "--dry-run")
+        assert r.returncode == 0 and "orphan instance" in r.stdout and "kept" not in r.stdout
+        assert tagged_left(aws, "orphan")
+        r = hyper("gc", "--provider", "aws", "--region", REGION, timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "removed instance" in r.stdout and "removed security_group" in r.stdout
+        assert tagged_left(aws, "orphan") == []
+        assert tagged_left(aws, "kept")  # owned by a cluster that is up: left alone
+        r = hyper("down", "kept", timeout=120)
+        assert r.returncode == 0 and tagged_left(aws, "kept") == []
+        assert not booter.errors, booter.errors
+    finally:
+        booter.stopping.set()
+        booter.join(10)
