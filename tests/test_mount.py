@@ -456,21 +456,22 @@ def test_every_write_fails_with_erofs(synth_tree, synth_mount, synth_url, tmp_pa
         with pytest.raises(OSError) as e:
             getattr(ops, name)(*args)
         assert e.value.errno == errno.EROFS, name
-    with pytest.raises(OSError) as e:
-        ops.open("/empty", os.O_RDWR)
-    assert e.value.errno == errno.EROFS
+    # opens are answered by libfuse (no Python round trip): an open for writing is refused by
+    # the kernel on the `ro` mount, as checked above through the real mount
+    assert not hasattr(ops, "open") and not hasattr(ops, "release")
     with pytest.raises(OSError) as e:
         ops.getattr("/no/such")
     assert e.value.errno == errno.ENOENT
+    with pytest.raises(OSError) as e:
+        ops.read("/big", 10, 0, 0)
+    assert e.value.errno == errno.EISDIR
     # a fault that is not a missing path is EIO, logged with its traceback (never ENOENT)
-    fh = ops.open("/big/b-1m", os.O_RDONLY)
     ops.cache.pread = lambda *a: 1 // 0
     with pytest.raises(OSError) as e:
-        ops.read("/big/b-1m", 10, 0, fh)
+        ops.read("/big/b-1m", 10, 0, 0)
     assert e.value.errno == errno.EIO
     assert "ZeroDivisionError" in caplog.text and "read /big/b-1m failed" in caplog.text
-    ops.release("/big/b-1m", fh)
-    assert ops.cache.stats()["in_use"] == []
+    assert ops.cache.stats()["in_use"] == []  # the failed read let go of its chunk
     ops.cache.close()
 
 
@@ -620,6 +621,10 @@ def test_many_readers_of_a_cold_chunk_make_one_download(s3, mount, synth_tree, t
 
 
 def test_eviction_under_tiny_cap_keeps_chunks_in_use(mount, synth_tree, synth_url, tmp_path):
+    """A cache with room for two chunks: every chunk passes through it, it never holds more
+    than its cap, and a file kept open across all of that still reads right (a chunk is held
+    for the duration of each read — see the cache tests — and fetched again when it was
+    evicted between two reads)."""
     idx, by_chunk = layout(synth_url, tmp_path)
     sizes = sorted(size for _, _, size in idx.chunk_list)
     cap = sizes[-1] + sizes[-2]  # room for two chunks
@@ -627,15 +632,14 @@ def test_eviction_under_tiny_cap_keeps_chunks_in_use(mount, synth_tree, synth_ur
     held = max(by_chunk[0], key=lambda p: os.path.getsize(synth_tree / p))
     src_held = (synth_tree / held).read_bytes()
     rels = files_of(synth_tree)
-    with open(m.mp / held, "rb") as f:
-        assert f.read(1) == src_held[:1]  # chunk 0 is now in use by this open file
+    with open(m.mp / held, "rb", buffering=0) as f:
+        assert f.read(1) == src_held[:1]
         for rel in rels:  # every other chunk passes through the cache
             assert (m.mp / rel).read_bytes() == (synth_tree / rel).read_bytes(), rel
             s = m.stats()
-            assert 0 in s["resident"] and 0 in s["in_use"]
+            assert s["cached_bytes"] <= cap and s["in_use"] == []
         s = m.stats()
         assert s["evictions"] >= len(idx.chunk_list) - 3
-        assert s["downloads_by_seq"]["0"] == 1
         f.seek(len(src_held) // 2)
         assert f.read() == src_held[len(src_held) // 2:]
     s = m.stats()

@@ -13,6 +13,9 @@ reads bytes from whole chunks in :class:`~hypercli.mount.cache.ChunkCache`. It i
 mfusepy over libfuse 3 (``FUSE_LIBRARY_NAME=fuse3``), multithreaded, mounted ``ro`` with the
 kernel's page cache kept across opens (``kernel_cache``) and attribute, entry and negative
 lookups cached for an hour: the data is immutable, so nothing the kernel caches goes stale.
+``open`` and ``release`` are left to libfuse (no Python round trip per file; measured: a warm
+epoch of 3,000 × 10 KB files on the same mount went from ~13,600 to ~25,000 files/s); reads
+find a file's layout by path, and each read holds the chunks it reads for its duration.
 
 Errors a program sees: ENOENT for a path not in the dataset; EROFS for every kind of write
 (open for writing, create, mkdir, unlink, rmdir, rename, link, symlink, chmod, chown,
@@ -34,7 +37,6 @@ import argparse
 import ctypes
 import errno
 import functools
-import itertools
 import json
 import logging
 import os
@@ -45,6 +47,7 @@ import sys
 import threading
 import time
 from bisect import bisect_right
+from collections import OrderedDict
 from pathlib import Path
 
 from hypercli.errors import InfraError, UsageError
@@ -56,6 +59,7 @@ log = logging.getLogger("hypercli.mount")
 
 STATS_XATTR = "user.hypercli.stats"  # on the mount's root: the cache counters, as JSON
 CACHE_TIMEOUT = 3600.0  # s the kernel keeps attributes, entries and misses (data is immutable)
+LAYOUTS = 4096  # file layouts (segment lists) kept for reads by path
 MAX_THREADS = 64       # libfuse worker threads: concurrent requests (most wait on downloads)
 MAX_IDLE_THREADS = 64  # kept when idle, with their Python thread states (_keep_thread_state)
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
@@ -114,9 +118,9 @@ def _read_only(fn):
 
 
 class _Handle:
-    """An open file: its segments as parallel lists, and the one chunk it holds."""
+    """A file's layout: its segments (chunk, offset in chunk, length) and their starts."""
 
-    __slots__ = ("path", "size", "starts", "segs", "pinned", "lock")
+    __slots__ = ("path", "size", "starts", "segs")
 
     def __init__(self, path: str, size: int, segments: list[tuple[int, int, int]]):
         self.path, self.size = path, size
@@ -126,8 +130,6 @@ class _Handle:
         for _, _, length in segments:
             self.starts.append(pos)
             pos += length
-        self.pinned: int | None = None
-        self.lock = threading.Lock()
 
 
 class ChunkFS:
@@ -137,8 +139,7 @@ class ChunkFS:
         index: the dataset's :class:`~hypercli.mount.index.Index`.
         cache: a :class:`~hypercli.mount.cache.ChunkCache` over the index's chunks.
         uid, gid: owner reported for every entry (default: this process's).
-    An open file holds the chunk it last read (never evicted while the file is open); each
-    read also holds the chunks it reads for its duration.
+    Each read holds the chunks it reads for its duration (never evicted under it).
     """
 
     use_ns = True
@@ -149,8 +150,8 @@ class ChunkFS:
         self.uid = os.getuid() if uid is None else uid
         self.gid = os.getgid() if gid is None else gid
         self.files, self.dirs, self.bytes = index.count()
-        self._handles: dict[int, _Handle] = {}
-        self._ids = itertools.count(1)
+        self._layouts: OrderedDict[str, _Handle] = OrderedDict()  # path → layout, LRU
+        self._layouts_lock = threading.Lock()
         self.started = False
 
     # -- helpers ------------------------------------------------------------------------
@@ -200,25 +201,31 @@ class ChunkFS:
             raise _Errno(errno.EROFS, path)
         return 0
 
-    @_op
-    def open(self, path: str, flags: int) -> int:
-        if flags & _WRITE_FLAGS:
-            raise _Errno(errno.EROFS, path)
+    # No ``open`` or ``release`` here: libfuse answers them itself, in C, keeping the kernel's
+    # page cache across opens (``kernel_cache``), which saves two Python round trips per file
+    # opened. The mount is ``ro``, so the kernel refuses an open for writing with EROFS; reads
+    # find a file's layout by path (a small cache of them).
+    def _layout(self, path: str) -> _Handle:
+        with self._layouts_lock:
+            h = self._layouts.get(path)
+            if h is not None:
+                self._layouts.move_to_end(path)
+                return h
         e = self._entry(path)
         if e.kind == "d":
             raise _Errno(errno.EISDIR, path)
         if e.kind != "f":
             raise _Errno(errno.ELOOP, path)
         h = _Handle(path, e.size, self.index.segments(e.path))
-        fh = next(self._ids)
-        self._handles[fh] = h
-        return fh
+        with self._layouts_lock:
+            self._layouts[path] = h
+            while len(self._layouts) > LAYOUTS:
+                self._layouts.popitem(last=False)
+        return h
 
     @_op
     def read(self, path: str, size: int, offset: int, fh: int) -> bytes:
-        h = self._handles.get(fh)
-        if h is None:
-            raise _Errno(errno.EBADF, path)
+        h = self._layout(path)
         end = min(offset + size, h.size)
         out = []
         i = max(0, bisect_right(h.starts, offset) - 1)
@@ -227,33 +234,17 @@ class ChunkFS:
             start = h.starts[i]
             n = min(end, start + length) - offset
             if n > 0:
-                self._hold(h, seq)
-                data = self.cache.pread(seq, coff + offset - start, n)
+                self.cache.acquire(seq)  # held for this read: never evicted under it
+                try:
+                    data = self.cache.pread(seq, coff + offset - start, n)
+                finally:
+                    self.cache.release(seq)
                 if len(data) != n:
                     raise StoreError(f"chunk {seq} ends before {h.path}")
                 out.append(data)
                 offset += n
             i += 1
         return b"".join(out)
-
-    def _hold(self, h: _Handle, seq: int) -> None:
-        """Make seq the chunk h holds (acquire it, then release the previous one)."""
-        with h.lock:
-            if h.pinned == seq:
-                return
-            self.cache.acquire(seq)
-            old, h.pinned = h.pinned, seq
-            if old is not None:
-                self.cache.release(old)
-
-    @_op
-    def release(self, path: str, fh: int) -> int:
-        h = self._handles.pop(fh, None)
-        if h is not None and h.pinned is not None:
-            with h.lock:
-                self.cache.release(h.pinned)
-                h.pinned = None
-        return 0
 
     @_op
     def statfs(self, path: str) -> dict:
