@@ -23,11 +23,19 @@ REGION = "us-east-1"
 
 
 class Booter(threading.Thread):
-    """Boots moto instances of a cluster onto free SSH test hosts (module docstring)."""
+    """Boots a cloud's new instances onto free SSH test hosts (module docstring).
 
-    def __init__(self, ec2, hosts, seam: Path):
+    Args:
+        source: the moto EC2 client, or a callable giving ``{instance id: cloud-config
+            text}`` of the instances that are up (the GCP and Azure stand-ins: see
+            :func:`gcp_source`, :func:`azure_source`).
+    """
+
+    def __init__(self, source, hosts, seam: Path):
         super().__init__(daemon=True)
-        self.ec2, self.free, self.seam = ec2, list(hosts), seam
+        self.source = source if callable(source) else _ec2_source(source)
+        self.ec2 = None if callable(source) else source
+        self.free, self.seam = list(hosts), seam
         self.booted: dict[str, object] = {}  # instance id → TestHost
         self.errors: list[str] = []
         self.stopping = threading.Event()
@@ -42,22 +50,17 @@ class Booter(threading.Thread):
             self.stopping.wait(0.2)
 
     def _round(self) -> None:
-        r = self.ec2.describe_instances(Filters=[
-            {"Name": "tag-key", "Values": ["hyper:cluster"]},
-            {"Name": "instance-state-name", "Values": ["pending", "running"]}])
-        for res in r["Reservations"]:
-            for inst in res["Instances"]:
-                if inst["InstanceId"] not in self.booted:
-                    self._boot(inst["InstanceId"])
+        for iid, text in self.source().items():
+            if iid not in self.booted:
+                self._boot(iid, text)
 
-    def _boot(self, iid: str) -> None:
+    def _boot(self, iid: str, text: str) -> None:
         if not self.free:
             self.errors.append(f"no free test host for {iid}")
             self.booted[iid] = None
             return
         host = self.free.pop(0)
-        data = self.ec2.describe_instance_attribute(InstanceId=iid, Attribute="userData")
-        doc = yaml.safe_load(base64.b64decode(data["UserData"]["Value"]))
+        doc = yaml.safe_load(text)
         etc = host.root / "etc-ssh"
         key = etc / "ssh_host_ed25519_key"
         key.write_text(doc["ssh_keys"]["ed25519_private"])
@@ -73,6 +76,42 @@ class Booter(threading.Thread):
         tmp = self.seam.with_suffix(".tmp")
         tmp.write_text(json.dumps(seam))
         tmp.replace(self.seam)
+
+
+def _ec2_source(ec2):
+    def source() -> dict:
+        r = ec2.describe_instances(Filters=[
+            {"Name": "tag-key", "Values": ["hyper:cluster"]},
+            {"Name": "instance-state-name", "Values": ["pending", "running"]}])
+        out = {}
+        for res in r["Reservations"]:
+            for inst in res["Instances"]:
+                data = ec2.describe_instance_attribute(InstanceId=inst["InstanceId"],
+                                                       Attribute="userData")
+                out[inst["InstanceId"]] = base64.b64decode(data["UserData"]["Value"]).decode()
+        return out
+    return source
+
+
+def gcp_source(fake):
+    """Instances of tests/gcpfake.py's ComputeFake with their ``user-data`` metadata."""
+    def source() -> dict:
+        out = {}
+        for zone in list(fake.instances.values()):
+            for name, inst in list(zone.items()):
+                items = {i["key"]: i["value"] for i in inst["metadata"]["items"]}
+                out[name] = items["user-data"]
+        return out
+    return source
+
+
+def azure_source(fake):
+    """VMs of tests/azurefake.py's ArmFake with their custom data."""
+    def source() -> dict:
+        return {r["name"]: base64.b64decode(
+                    r["properties"]["osProfile"]["customData"]).decode()
+                for r in list(fake.res.values()) if r["type"].endswith("/virtualMachines")}
+    return source
 
 
 @pytest.fixture

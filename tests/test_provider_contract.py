@@ -1,7 +1,8 @@
 """One contract, every provider (hypercli/providers/base.py): launch a cluster of 2 nodes,
 reach each node's agent, run a task through it, record the nodes, and take them down.
-local runs on this machine, ssh on SSH test hosts, aws on moto's EC2 API with its instances
-booted onto SSH test hosts (tests/test_cloud_e2e.py's Booter)."""
+local runs on this machine, ssh on SSH test hosts; aws on moto's EC2 API, gcp and azure on
+their local stand-ins, each with its instances booted onto SSH test hosts by
+tests/cloudhosts.py's Booter (their cloud-config applied the way cloud-init would)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from hypercli.providers.base import Instance
 from hypercli.recipe import parse_recipe
 from hypercli.state import State
 
-PROVIDERS = ["local", "ssh", "aws"]
+PROVIDERS = ["local", "ssh", "aws", "gcp", "azure"]
 
 
 @pytest.fixture(params=PROVIDERS)
@@ -36,6 +37,43 @@ def made(request, tmp_path, hyper_home, monkeypatch):
             cluster = {"provider": "ssh", "hosts": [h.address() for h in hosts],
                        "identity_file": str(pool.client_key)}
             extra["trust_new_hosts"] = True
+        elif name == "gcp":
+            pytest.importorskip("google.cloud.compute_v1")
+            from cloudhosts import Booter, gcp_source
+            from gcpfake import ComputeFake
+            fake = ComputeFake()
+            request.addfinalizer(fake.close)
+            monkeypatch.setenv("HYPER_GCP_ENDPOINT", fake.url)
+            monkeypatch.setenv("HYPER_CLOUD_ADDRESSES", str(tmp_path / "addresses.json"))
+            booter = Booter(gcp_source(fake), hosts, tmp_path / "addresses.json")
+            booter.start()
+            request.addfinalizer(lambda: (booter.stopping.set(), booter.join(10)))
+            cluster = {"provider": "gcp", "project": "proj", "region": "us-central1",
+                       "instance_type": "e2-standard-2", "workers": 2,
+                       "image": "projects/proj/global/images/x", "ssh_cidr": "10.213.0.0/24"}
+            checks.append(lambda: fake.instances == {z: {} for z in fake.zones}
+                          and not fake.firewalls)
+        elif name == "azure":
+            pytest.importorskip("azure.mgmt.compute")
+            from azurefake import ArmFake
+            from cloudhosts import Booter, azure_source
+            from test_azure import Token
+            from hypercli.providers.azure import AzureAPI
+            fake = ArmFake(tmp_path)
+            request.addfinalizer(fake.close)
+            monkeypatch.setenv("HYPER_AZURE_ENDPOINT", fake.url)
+            monkeypatch.setenv("HYPER_AZURE_CA_BUNDLE", str(fake.ca))
+            monkeypatch.setenv("HYPER_CLOUD_ADDRESSES", str(tmp_path / "addresses.json"))
+            booter = Booter(azure_source(fake), hosts, tmp_path / "addresses.json")
+            booter.start()
+            request.addfinalizer(lambda: (booter.stopping.set(), booter.join(10)))
+            cluster = {"provider": "azure", "region": "eastus", "workers": 2,
+                       "instance_type": "Standard_D2s_v5", "ssh_cidr": "10.213.0.0/24",
+                       "image": "Canonical:ubuntu-24_04-lts:server:latest"}
+            monkeypatch.setenv("HYPER_AZURE_TOKEN", "token")  # for `down`'s own client
+            monkeypatch.setenv("AZURE_SUBSCRIPTION_ID", "sub-1")
+            extra["api"] = AzureAPI("sub-1", "eastus", credential=Token())
+            checks.append(lambda: fake.groups == {} and fake.res == {})
         else:
             from cloudhosts import REGION, Booter, tagged_left
             ec2 = request.getfixturevalue("aws")
@@ -50,7 +88,11 @@ def made(request, tmp_path, hyper_home, monkeypatch):
     spec = parse_recipe(yaml.safe_dump({"name": "contract", "cluster": cluster,
                                         "experiments": {"a": {"command": "true"}}}),
                         path="contract.yaml").cluster
-    provider = get_provider(name, options=spec.options, **extra)
+    if "api" in extra:  # a credential for the stand-in, where the SDK chain would look around
+        from hypercli.providers.cloud_provider import CloudProvider
+        provider = CloudProvider(name, options=spec.options, api=extra["api"])
+    else:
+        provider = get_provider(name, options=spec.options, **extra)
     return name, spec, provider, checks
 
 

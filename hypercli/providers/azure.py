@@ -19,7 +19,8 @@ Credentials: ``DefaultAzureCredential`` (``az login``, a service principal in
 ``AZURE_CLIENT_ID``/``AZURE_TENANT_ID``/``AZURE_CLIENT_SECRET``, a managed identity) and
 ``AZURE_SUBSCRIPTION_ID``. Test seam: ``HYPER_AZURE_ENDPOINT`` (an ``https://127.0.0.1:PORT``
 stand-in for Resource Manager) with ``HYPER_AZURE_CA_BUNDLE`` (the stand-in's certificate:
-azure-core sends bearer tokens over TLS only).
+azure-core sends bearer tokens over TLS only) and ``HYPER_AZURE_TOKEN`` (a fixed bearer token
+used instead of the credential chain, only together with ``HYPER_AZURE_ENDPOINT``).
 """
 
 from __future__ import annotations
@@ -90,6 +91,19 @@ def _calls(what: str):
         raise
 
 
+class _StaticToken:
+    """A TokenCredential handing out one bearer token (the test seam's stand-in takes any)."""
+
+    def __init__(self, token: str):
+        self.token = token
+
+    def get_token(self, *scopes, **kwargs):
+        import time
+
+        from azure.core.credentials import AccessToken
+        return AccessToken(self.token, int(time.time()) + 3600)
+
+
 class AzureAPI:
     """Azure Resource Manager in one subscription and region (see the module docstring).
 
@@ -117,8 +131,11 @@ class AzureAPI:
         c = getattr(self._local, cls.__name__, None)
         if c is None:
             if not self.subscription:
-                raise CredentialsError("no Azure subscription", "set AZURE_SUBSCRIPTION_ID, or "
-                                       "cluster.subscription_id")
+                raise CredentialsError("no Azure subscription", "set AZURE_SUBSCRIPTION_ID "
+                                       "(`az account show --query id`)")
+            if self._credential is None and self.base_url and os.environ.get(
+                    "HYPER_AZURE_TOKEN"):
+                self._credential = _StaticToken(os.environ["HYPER_AZURE_TOKEN"])
             if self._credential is None:
                 from azure.identity import DefaultAzureCredential
                 self._credential = DefaultAzureCredential()
