@@ -202,7 +202,14 @@ def run(recipe, new, on_interrupt, trust_new_hosts, cluster):
               help="Pin the host key of SSH hosts seen for the first time (check them first).")
 @click.option("--dry-run", is_flag=True,
               help="Cloud clusters: show what would be created and its price; create nothing.")
-def up(recipe, provider, hosts, identity_file, user, workers, name, trust_new_hosts, dry_run):
+@click.option("--bootstrap", is_flag=True,
+              help="Then run the node image's provisioning on every node over SSH "
+                   "(hosts without the baked image; idempotent).")
+@click.option("--offline", is_flag=True,
+              help="With --bootstrap: skip the steps that download (packages, docker, "
+                   "NVIDIA, goofys, pre-pulled images).")
+def up(recipe, provider, hosts, identity_file, user, workers, name, trust_new_hosts, dry_run,
+       bootstrap, offline):
     """Bring up the cluster of RECIPE, or one given by options (no tasks are run)."""
     from hypercli.errors import UsageError
     from hypercli.workflows import cluster_spec
@@ -244,6 +251,11 @@ def up(recipe, provider, hosts, identity_file, user, workers, name, trust_new_ho
                  f"{len(info.get('gpus') or [])} GPUs, docker: "
                  f"{'yes' if info.get('docker') else 'no'}") if spec.provider != "local" else ""
         click.echo(f"  {n['name']}  {n['provider_id']}{extra}")
+    if bootstrap:
+        from hypercli.workflows import bootstrap_nodes
+        for node, lines in bootstrap_nodes(_state(), spec, nodes, offline=offline).items():
+            for line in lines:
+                click.echo(f"  {node}: {line}")
 
 
 @cli.command()
@@ -433,6 +445,10 @@ def cancel(target):
 from hypercli.cli_data import data  # noqa: E402  (hyper data push/ls/pull/verify/mount)
 
 cli.add_command(data)
+
+from hypercli.cli_image import image  # noqa: E402  (hyper image build/ls)
+
+cli.add_command(image)
 
 
 def main() -> None:

@@ -300,3 +300,31 @@ def storage_folder(state: S.State, wid: str) -> Path | None:
     """The output folder of a workflow whose storage is a ``file://`` folder, else None."""
     storage = state.workflow(wid)["storage"]
     return Path(storage[7:]) / wid if storage.startswith("file://") else None
+
+
+def bootstrap_nodes(state: S.State, spec, nodes: list[dict], *,
+                    offline: bool = False) -> dict[str, list]:
+    """Run the node image's provisioning (``images/packer/scripts``) on every node of a
+    cluster that is reached over SSH; returns node → its ``hyper-provision:`` lines.
+
+    Raises:
+        UsageError: the cluster's nodes are not SSH hosts (the local provider).
+        HyperError: a node failed (the others are not rolled back: a rerun continues).
+    """
+    from hypercli.images import DOWNLOAD_STEPS, provision
+    from hypercli.ssh.fanout import fan_out
+    provider = get_provider(spec.provider, options=spec.options)
+    if not hasattr(provider, "connection"):
+        raise UsageError(f"--bootstrap is for nodes reached over SSH, not {spec.provider}")
+    from hypercli.providers.ssh import _target_of
+    by_name = {n["name"]: n for n in nodes}
+
+    def one(name: str) -> list:
+        n = by_name[name]
+        conn = provider.connection(name, _target_of(n), n["cluster"])
+        return provision(conn, skip=DOWNLOAD_STEPS if offline else ())
+    res = fan_out(list(by_name), one)
+    if res.failed:
+        first = next(iter(res.failed.values()))
+        raise InfraError(f"provisioning failed on {', '.join(sorted(res.failed))}: {first}")
+    return dict(res.ok)

@@ -1,0 +1,16 @@
+#!/bin/sh
+# Base packages: FUSE 3, Python 3 with boto3 (object stores), curl, certificates.
+set -eu
+missing=""
+for p in fuse3 python3 python3-boto3 curl ca-certificates; do
+  dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"
+done
+if [ -z "$missing" ]; then
+  echo "hyper-provision: base: unchanged"
+  exit 0
+fi
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -qq
+# shellcheck disable=SC2086  # one word per package
+apt-get install -y -qq $missing >/dev/null
+echo "hyper-provision: base: changed (installed$missing)"
