@@ -65,6 +65,7 @@ class ArmFake:
         self.groups: dict[str, dict] = {}       # lower name → group
         self.res: dict[str, dict] = {}          # lower id → resource
         self.images: list[dict] = []
+        self.role_assignments: list[dict] = []
         self.ops: dict[str, dict] = {}
         self.no_sku: set[str] = set()
         self.quota = False
@@ -170,6 +171,9 @@ class ArmFake:
                 op["then"]()
                 op["then"] = None
             return 200, {"status": "Succeeded"}, {}
+        if "/providers/microsoft.authorization/roleassignments/" in rest and method == "PUT":
+            self.role_assignments.append(body)
+            return 201, {"id": p, "properties": body["properties"]}, {}
         if rest == "/providers/microsoft.compute/images":
             return 200, {"value": self.images}, {}
         if rest == "/resourcegroups":
@@ -268,6 +272,9 @@ class ArmFake:
                "tags": body.get("tags") or {}, "properties": props}
         if body.get("zones"):
             obj["zones"] = body["zones"]
+        if (body.get("identity") or {}).get("type") == "SystemAssigned":
+            obj["identity"] = {"type": "SystemAssigned", "principalId": f"principal-{n}",
+                               "tenantId": "tenant-1"}
         if error is None:
             self.res[key] = obj
         else:

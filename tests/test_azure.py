@@ -80,6 +80,12 @@ def test_spot_vms_in_their_resource_group(fake):
     assert props["storageProfile"]["osDisk"]["deleteOption"] == "Delete"
     assert props["storageProfile"]["imageReference"]["offer"] == "ubuntu-24_04-lts"
     assert body["tags"]["hyper:cluster"] == "c1" and body["tags"]["hyper:node"] == "c1-0"
+    assert body["identity"] == {"type": "SystemAssigned"}
+    # each VM's identity may delete VMs of its group (the idle watchdog deletes itself)
+    assert len(fake.role_assignments) == 2
+    ra = fake.role_assignments[0]["properties"]
+    assert ra["roleDefinitionId"].endswith("9980e02c-c2be-4d73-94e8-173b1dc7cf3c")
+    assert ra["principalId"].startswith("principal-")
     group = fake.groups["hyper-c1"]
     assert group["tags"]["hyper:cluster"] == "c1"
     kinds = sorted(r["type"].rsplit("/", 1)[1] for r in fake.resources_in("hyper-c1"))

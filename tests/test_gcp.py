@@ -60,6 +60,8 @@ def test_spot_instances_with_labels_metadata_disk_and_operation_waits(fake):
     disk = body["disks"][0]
     assert disk["autoDelete"] and disk["initializeParams"]["diskSizeGb"] == "30"
     assert disk["initializeParams"]["sourceImage"] == IMAGE
+    [sa] = body["serviceAccounts"]  # the idle watchdog deletes its instance with it
+    assert sa["email"] == "default" and sa["scopes"] == ["https://www.googleapis.com/auth/compute"]
     waits = [p for m, p, _ in fake.requests if p.endswith("/wait")]
     assert len(waits) >= 3  # the firewall and both inserts were waited for
     assert [v.node for v in api.describe("c1")] == ["c1-0", "c1-1"]

@@ -24,6 +24,7 @@ class Metadata:
     def __init__(self, cloud: str):
         self.cloud = cloud
         self.preempted = False
+        self.identity = True  # the instance has an identity allowed to delete it
         self.requests: list[tuple[str, str, dict]] = []
         outer = self
 
@@ -44,9 +45,29 @@ class Metadata:
                     return self._send(200, "TOKEN123")
                 self._send(404)
 
+            def do_DELETE(self):  # the cloud API's delete of the instance itself
+                outer.requests.append(("DELETE", self.path, dict(self.headers)))
+                ok = self.headers.get("Authorization") == "Bearer SELF-TOKEN"
+                self._send(200 if ok and outer.identity else 403, "{}")
+
             def do_GET(self):
                 outer.requests.append(("GET", self.path, dict(self.headers)))
                 c = outer.cloud
+                gcp = {"/computeMetadata/v1/instance/service-accounts/default/token":
+                       json.dumps({"access_token": "SELF-TOKEN", "expires_in": 3599}),
+                       "/computeMetadata/v1/project/project-id": "proj",
+                       "/computeMetadata/v1/instance/zone": "projects/123/zones/us-central1-b",
+                       "/computeMetadata/v1/instance/name": "c1-0"}
+                if c == "gcp" and self.path in gcp and outer.identity:
+                    return self._send(200, gcp[self.path])
+                if c == "azure" and self.path.startswith("/metadata/identity/oauth2/token"):
+                    if not outer.identity:
+                        return self._send(400, '{"error": "invalid_request"}')
+                    return self._send(200, json.dumps({"access_token": "SELF-TOKEN"}))
+                if c == "azure" and self.path.startswith("/metadata/instance/compute"):
+                    return self._send(200, json.dumps({
+                        "subscriptionId": "sub-1", "resourceGroupName": "hyper-c1",
+                        "name": "c1-0"}))
                 if c == "aws" and self.path == "/latest/meta-data/spot/instance-action":
                     if self.headers.get("X-aws-ec2-metadata-token") != "TOKEN123":
                         return self._send(401)
@@ -149,6 +170,35 @@ def test_idle_watchdog_powers_off_only_when_idle(tmp_path):
     time.sleep(0.05)
     watch.main(args)
     assert flag.exists()  # idle longer than idle_minutes: powered off
+
+
+@pytest.mark.parametrize("cloud", ["gcp", "azure"])
+def test_idle_node_deletes_its_own_instance_with_its_identity(metadata, tmp_path, cloud):
+    md = metadata(cloud)
+    flag = tmp_path / "powered-off"
+    args = ["--cloud", cloud, "--root", str(tmp_path / "node"), "--idle-minutes", "1",
+            "--once", "--since", str(time.time() - 7200), "--metadata-url", md.url,
+            "--api-url", md.url, "--shutdown-command", f"touch {flag}"]
+    watch.main(args)
+    [(method, path, headers)] = [r for r in md.requests if r[0] == "DELETE"]
+    assert headers["Authorization"] == "Bearer SELF-TOKEN"
+    assert path == ("/compute/v1/projects/proj/zones/us-central1-b/instances/c1-0"
+                    if cloud == "gcp" else
+                    "/subscriptions/sub-1/resourceGroups/hyper-c1/providers/Microsoft.Compute/"
+                    "virtualMachines/c1-0?api-version=2023-03-01")
+    assert not flag.exists()  # deleted, not merely powered off
+    md.identity = False  # no identity (or no right): power off instead
+    watch.main(args)
+    assert flag.exists()
+
+
+def test_aws_idle_node_powers_off_to_terminate(metadata, tmp_path):
+    md = metadata("aws")
+    flag = tmp_path / "powered-off"
+    watch.main(["--cloud", "aws", "--root", str(tmp_path / "node"), "--idle-minutes", "1",
+                "--once", "--since", str(time.time() - 7200), "--metadata-url", md.url,
+                "--api-url", md.url, "--shutdown-command", f"touch {flag}"])
+    assert flag.exists() and not [r for r in md.requests if r[0] == "DELETE"]
 
 
 def test_recent_contact_keeps_the_node_up(tmp_path):

@@ -20,11 +20,11 @@ Standard library only (it is written to the node by its boot document and run by
     scheduled-events).
 
 * **Idle watchdog.** When no attempt has been running and no request from ``hyper`` reached the
-  node agent (it touches ``<root>/contact``) for ``idle_minutes``, it powers the node off
-  (``--shutdown-command``, default ``shutdown -h now``). AWS instances are launched with
-  shutdown behaviour *terminate*, so they are gone; GCP instances stop (no compute charge;
-  the disk stays until ``hyper down``/``hyper gc``); an Azure VM shut down from inside stays
-  allocated, so there ``hyper down`` or ``hyper gc`` is still needed to stop its charges.
+  node agent (it touches ``<root>/contact``) for ``idle_minutes``, it removes the node: on GCP
+  and Azure it deletes its own instance through the cloud's API with the instance's identity
+  (:func:`self_delete`); on AWS, or when that is refused, it powers the node off
+  (``--shutdown-command``, default ``shutdown -h now``) — AWS instances are launched with
+  shutdown behaviour *terminate*, so they are gone.
 """
 
 import argparse
@@ -80,6 +80,53 @@ def preemption_notice(cloud, base=METADATA):
                     return "azure scheduled event Preempt %s not before %s" % (
                         ev.get("EventId"), ev.get("NotBefore"))
     return None
+
+
+def _json(status_body):
+    status, body = status_body
+    if status != 200:
+        return None
+    try:
+        return json.loads(body)
+    except ValueError:
+        return None
+
+
+def self_delete(cloud, base=METADATA, api=None):
+    """Delete this instance through its cloud's API with the instance's own identity (GCP: the
+    default service account's token, scope compute; Azure: the VM's system-assigned managed
+    identity). True when the API accepted the delete; False elsewhere (AWS instances are
+    launched to terminate on shutdown) or when the identity has no token or no right.
+
+    Sources: cloud.google.com/compute/docs/access/authenticate-workloads#applications (token
+    from ``instance/service-accounts/default/token``); learn.microsoft.com/entra/identity/
+    managed-identities-azure-resources/how-to-use-vm-token (``/metadata/identity/oauth2/token``).
+    """
+    if cloud == "gcp":
+        h = {"Metadata-Flavor": "Google"}
+        tok = _json(_get(base + "/computeMetadata/v1/instance/service-accounts/default/token", h))
+        if not tok or "access_token" not in tok:
+            return False
+        project = _get(base + "/computeMetadata/v1/project/project-id", h)[1].strip()
+        zone = _get(base + "/computeMetadata/v1/instance/zone", h)[1].strip().rsplit("/", 1)[-1]
+        name = _get(base + "/computeMetadata/v1/instance/name", h)[1].strip()
+        url = "%s/compute/v1/projects/%s/zones/%s/instances/%s" % (
+            api or "https://compute.googleapis.com", project, zone, name)
+    elif cloud == "azure":
+        h = {"Metadata": "true"}
+        tok = _json(_get(base + "/metadata/identity/oauth2/token?api-version=2018-02-01"
+                         "&resource=https://management.azure.com/", h))
+        inst = _json(_get(base + "/metadata/instance/compute?api-version=2021-02-01", h))
+        if not tok or "access_token" not in tok or not inst:
+            return False
+        url = ("%s/subscriptions/%s/resourceGroups/%s/providers/Microsoft.Compute/"
+               "virtualMachines/%s?api-version=2023-03-01") % (
+            api or "https://management.azure.com", inst.get("subscriptionId"),
+            inst.get("resourceGroupName"), inst.get("name"))
+    else:
+        return False
+    status, _ = _get(url, {"Authorization": "Bearer " + tok["access_token"]}, method="DELETE")
+    return 200 <= status < 300
 
 
 def _locked(path):
@@ -156,6 +203,7 @@ def main(argv=None):
     ap.add_argument("--root", help="node root (default ~/.hyper of root: /root/.hyper)")
     ap.add_argument("--idle-minutes", type=float)
     ap.add_argument("--metadata-url", default=METADATA)
+    ap.add_argument("--api-url", help="the cloud API's base URL (default: the cloud's own)")
     ap.add_argument("--every", type=float, default=2.0, help="s between preemption checks")
     ap.add_argument("--shutdown-command", default="shutdown -h now")
     ap.add_argument("--once", action="store_true", help="one round, then exit (tests)")
@@ -182,8 +230,11 @@ def main(argv=None):
         if idle and idle > 0:
             last = last_activity(root, now) or started
             if now - max(last, started) >= idle * 60:
-                print("hyper-watch: idle for %.0f min: %s" % ((now - last) / 60,
-                                                              a.shutdown_command), flush=True)
+                print("hyper-watch: idle for %.0f min" % ((now - last) / 60), flush=True)
+                if self_delete(cloud, a.metadata_url, a.api_url):
+                    print("hyper-watch: the cloud is deleting this instance", flush=True)
+                    return 0
+                print("hyper-watch: " + a.shutdown_command, flush=True)
                 subprocess.call(a.shutdown_command, shell=True)
                 return 0
         if a.once:

@@ -8,8 +8,10 @@ What a cluster gets, all in one resource group (``resource_group``, default
 * per node a static Standard public IP ``<node>-ip``, a NIC ``<node>-nic`` and a VM ``<node>``
   with priority Spot, eviction policy Delete and ``max_price`` (-1: up to the on-demand
   price) or priority Regular; its OS disk of ``disk_gb`` GiB is deleted with it; custom data is
-  the cloud-config; zones are tried in ``zones`` order while the answer is a capacity error
-  (``SkuNotAvailable``, ``AllocationFailed``, ``ZonalAllocationFailed``, ...).
+  the cloud-config, a system-assigned managed identity with the role Virtual Machine
+  Contributor on the group (the node watcher deletes its idle VM with it); zones are tried in
+  ``zones`` order while the answer is a capacity error (``SkuNotAvailable``,
+  ``AllocationFailed``, ``ZonalAllocationFailed``, ...).
 
 Teardown deletes the resource group, which removes everything in it. Each create and delete
 waits for its long-running operation. Azure's prices come from the public Retail Prices API,
@@ -54,6 +56,9 @@ CREDENTIALS_HINT = ("run `az login`, or set AZURE_CLIENT_ID, AZURE_TENANT_ID and
 CAPACITY_CODES = {"SkuNotAvailable", "AllocationFailed", "ZonalAllocationFailed",
                   "OverconstrainedAllocationRequest", "OverconstrainedZonalAllocationRequest"}
 QUOTA_CODES = {"QuotaExceeded", "OperationNotAllowed"}
+#: built-in role "Virtual Machine Contributor" (learn.microsoft.com/azure/role-based-access-
+#: control/built-in-roles): enough for a VM to delete itself
+VM_CONTRIBUTOR = "9980e02c-c2be-4d73-94e8-173b1dc7cf3c"
 POWER = {"starting": "pending", "running": "running", "stopping": "stopping",
          "deallocating": "stopping", "stopped": "terminated", "deallocated": "terminated"}
 
@@ -243,6 +248,7 @@ class AzureAPI:
                 if spec.spot else dict(priority="Regular")
             return cm.VirtualMachine(
                 location=self.region, tags=tags, zones=[zone] if zone else None,
+                identity=cm.VirtualMachineIdentity(type="SystemAssigned"),
                 hardware_profile=cm.HardwareProfile(vm_size=spec.instance_type),
                 storage_profile=cm.StorageProfile(
                     image_reference=cm.ImageReference(**image),
@@ -268,6 +274,7 @@ class AzureAPI:
                 with _calls(what):
                     vm = self.compute.virtual_machines.begin_create_or_update(
                         rg, name, body(zone), polling_interval=self.poll).result()
+                self._allow_self_delete(rg, vm)
                 return VM(id=vm.name, node=node, zone=zone or "", state="running",
                           public_ip=ip.ip_address, private_ip=None,
                           instance_type=spec.instance_type, spot=spec.spot,
@@ -282,6 +289,34 @@ class AzureAPI:
         self._quietly(lambda: self.net.public_ip_addresses.begin_delete(
             rg, f"{name}-ip", polling_interval=self.poll).result())
         raise last
+
+    def _allow_self_delete(self, rg: str, vm) -> None:
+        """Give the VM's managed identity the role Virtual Machine Contributor on its own
+        resource group, so that the node watcher can delete the idle VM. Best effort: an
+        account that may not assign roles gets a warning, and such a VM is only powered off
+        when idle (``hyper down``/``hyper gc`` remove it)."""
+        import logging
+        import uuid
+
+        from azure.core.rest import HttpRequest
+        principal = getattr(getattr(vm, "identity", None), "principal_id", None)
+        if not principal:
+            return
+        scope = f"/subscriptions/{self.subscription}/resourceGroups/{rg}"
+        req = HttpRequest("PUT", f"{scope}/providers/Microsoft.Authorization/roleAssignments/"
+                          f"{uuid.uuid5(uuid.NAMESPACE_URL, scope + principal)}"
+                          "?api-version=2022-04-01", json={"properties": {
+                              "roleDefinitionId": f"/subscriptions/{self.subscription}/providers/"
+                              f"Microsoft.Authorization/roleDefinitions/{VM_CONTRIBUTOR}",
+                              "principalId": principal, "principalType": "ServicePrincipal"}})
+        try:
+            resp = self.rm.send_request(req)
+            if resp.status_code >= 300 and resp.status_code != 409:  # 409: already there
+                raise HttpResponseError(response=resp)
+        except Exception as e:
+            logging.getLogger("hypercli").warning(
+                "VM %s cannot delete itself when idle (role assignment refused: %s); it will "
+                "power off instead", vm.name, e)
 
     @staticmethod
     def _quietly(call) -> None:

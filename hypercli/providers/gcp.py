@@ -12,7 +12,8 @@ What a cluster gets:
   and ``user-data`` (the cloud-config, which cloud-init reads from GCE metadata), a boot disk of
   ``disk_gb`` GiB deleted with the instance, an ephemeral external IP; zones are tried in
   ``zones`` order (default: every zone of the region) while the insert operation ends in
-  ``ZONE_RESOURCE_POOL_EXHAUSTED``.
+  ``ZONE_RESOURCE_POOL_EXHAUSTED``; the project's default service account with the compute
+  scope, with which the node watcher deletes its own idle instance.
 
 Every insert and delete waits for its zone or global operation (``operations.wait``).
 A spot instance is reported ``preempted`` when it is TERMINATED (GCE deletes preempted
@@ -258,6 +259,10 @@ class GCPAPI:
                                                         type_="ONE_TO_ONE_NAT")])],
             metadata=compute_v1.Metadata(items=[compute_v1.Items(key=k, value=v)
                                                 for k, v in meta.items()]),
+            # the default service account, scope compute: the node watcher's idle watchdog
+            # deletes its own instance with it
+            service_accounts=[compute_v1.ServiceAccount(
+                email="default", scopes=["https://www.googleapis.com/auth/compute"])],
             scheduling=scheduling)
         what = f"launching {node} in {zone}"
         with _calls(what):
