@@ -1,14 +1,27 @@
-"""A local stand-in for the Compute Engine REST API (v1), on 127.0.0.1, for the real
+"""A local stand-in for the Compute Engine REST API (v1) on 127.0.0.1, for the real
 google-cloud-compute client (``HYPER_GCP_ENDPOINT``).
 
-It keeps instances, disks, firewall rules, images and operations in memory and answers the
-paths and JSON shapes of the real API (camelCase fields, ``selfLink``, ``kind``): inserts and
-deletes return an operation that is RUNNING and becomes DONE on the client's
-``operations/<op>/wait`` call (the real API's long-running operations); aggregated lists are
-keyed ``zones/<zone>``; ``filter`` understands ``labels.K = "V"`` and ``labels.K:*`` joined by
-``AND``. Faults: ``exhaust(zone)`` makes inserts there end in ZONE_RESOURCE_POOL_EXHAUSTED,
-``quota = True`` makes them end in QUOTA_EXCEEDED, ``auth_fail = True`` answers 401 with the
-real error body. ``requests`` records (method, path, body) of every call.
+It keeps the project's instances and disks per zone, firewall rules, images and operations in
+memory, and answers the real paths (``/compute/v1/projects/{p}/zones/{z}/instances``,
+``.../operations/{op}[/wait]``, ``/global/firewalls``, ``/global/images[/family/{f}]``,
+``/aggregated/{instances,disks}``, ``/regions/{r}``, ``/zones``) with the real JSON shapes:
+camelCase fields, ``kind``, ``id`` (int64 as a string), ``selfLink``, full-URL references,
+errors as ``{"error": {"code", "message", "status", "errors": [{"reason", ...}]}}``.
+
+Operations are long-running like the real ones: an insert, patch or delete answers an
+operation that is RUNNING, and it becomes DONE (and takes effect) once it has been asked about
+``slow_ops`` + 1 times (GET or ``/wait``; a ``/wait`` that answers RUNNING is the real API's
+two-minute wait running out), or on its own after ``op_seconds``. An inserted instance is
+listed as PROVISIONING at once and RUNNING, with its external IP, when its operation is DONE;
+a deleted one is STOPPING until then. Inserts are validated as the real API does for names,
+labels, the machine type's zone and the scheduling fields (HTTP 400 ``invalid``).
+
+Faults: ``fail(zone, fault)`` with ``exhausted`` / ``exhausted-details`` (the insert operation
+ends in ZONE_RESOURCE_POOL_EXHAUSTED[_WITH_DETAILS], HTTP 503), ``quota`` (it ends in
+QUOTA_EXCEEDED, 403) or ``quota-http`` (the insert itself is refused: 403 ``quotaExceeded``);
+``auth_fail = True`` answers every call 401 with the real body; ``preempt(zone, name)``
+and ``power_off(zone, name)`` stop an instance with or without a
+``compute.instances.preempted`` operation. ``requests`` records (method, path, body).
 """
 
 from __future__ import annotations
@@ -16,257 +29,485 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import socket
 import threading
+import time
+from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
 
 BASE = "/compute/v1/projects/"
+LINK = "https://www.googleapis.com/compute/v1/projects/"
+NAME_RE = r"[a-z](?:[-a-z0-9]{0,61}[a-z0-9])?"
+LABEL_KEY_RE, LABEL_VALUE_RE = r"[a-z][a-z0-9_-]{0,62}", r"[a-z0-9_-]{0,63}"
+PREEMPTED = "compute.instances.preempted"
+FAULTS = ("exhausted", "exhausted-details", "quota", "quota-http")
+STATUS = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED",
+          404: "NOT_FOUND", 409: "ALREADY_EXISTS"}
 
 
-def _match(obj: dict, flt: str | None) -> bool:
+def _now() -> str:
+    return datetime.now(timezone.utc).astimezone().isoformat(timespec="milliseconds")
+
+
+def _field(obj: dict, path: str):
+    for part in path.split("."):
+        obj = obj.get(part) if isinstance(obj, dict) else None
+    return obj
+
+
+def matches(obj: dict, flt: str | None) -> bool:
+    """The API's list ``filter``: ``field = "v"`` / ``field != "v"`` / ``field:*`` terms on
+    (dotted) fields, each optionally in parentheses, joined by ``AND`` or spaces.
+
+    Raises:
+        ValueError: anything else in the filter (answered 400 like the real API).
+    """
     if not flt:
         return True
-    labels = obj.get("labels") or {}
-    for part in re.split(r"\s+AND\s+", flt.strip()):
-        m = re.fullmatch(r'\(?labels\.([\w-]+)\s*=\s*"([^"]*)"\)?', part.strip())
-        if m:
-            if labels.get(m[1]) != m[2]:
-                return False
-            continue
-        m = re.fullmatch(r"\(?labels\.([\w-]+):\*\)?", part.strip())
-        if m:
-            if m[1] not in labels:
-                return False
-            continue
-        raise ValueError(f"filter not understood: {part!r}")
+    term = r'\(?\s*([\w.-]+)\s*(=|!=|:)\s*("[^"]*"|\*|[\w.-]+)\s*\)?'
+    if re.sub(term, "", flt).replace("AND", "").strip():
+        raise ValueError(f"filter not understood: {flt!r}")
+    for name, op, value in re.findall(term, flt):
+        got = _field(obj, name)
+        want = value.strip('"')
+        if op == ":" and (got is None if want == "*" else want not in str(got)):
+            return False
+        if op == "=" and str(got) != want:
+            return False
+        if op == "!=" and str(got) == want:
+            return False
     return True
 
 
 class ComputeFake:
-    """See the module docstring. ``url`` is the endpoint; ``close()`` stops it."""
+    """See the module docstring. ``url`` is the endpoint; ``close()`` stops it.
+
+    Args:
+        project: the one project it serves.
+        zones: zones of the region ``<zones[0] minus its suffix>``, in the API's order.
+    """
 
     def __init__(self, project: str = "proj", zones=("us-central1-a", "us-central1-b",
                                                       "us-central1-c")):
         self.project = project
         self.zones = list(zones)
+        self.region = self.zones[0].rsplit("-", 1)[0]
         self.instances: dict[str, dict[str, dict]] = {z: {} for z in self.zones}
         self.disks: dict[str, dict[str, dict]] = {z: {} for z in self.zones}
         self.firewalls: dict[str, dict] = {}
         self.images: dict[str, dict] = {}
-        self.operations: dict[str, dict] = {}
-        self.exhausted: set[str] = set()
-        self.quota = False
+        self.operations: dict[str, dict] = {}  # name → {"op", "zone", "asked", "t0", ...}
+        self.faults: dict[str, str] = {}
         self.auth_fail = False
+        self.slow_ops = 1
+        self.op_seconds = 2.0
         self.requests: list[tuple[str, str, dict | None]] = []
-        self._ids = itertools.count(1000)
-        self._lock = threading.Lock()
+        self._ids = itertools.count(4_000_000_000_000_000_001)
+        self._lock = threading.RLock()
+        self._conns: list[socket.socket] = []
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
 
+            def setup(self):
+                super().setup()
+                # headers and body go out in two writes: without this, Nagle's algorithm
+                # and the client's delayed ACK hold every answer for ~40 ms
+                self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                fake._conns.append(self.connection)
+
             def log_message(self, *a):
                 pass
 
-            def _body(self):
-                n = int(self.headers.get("Content-Length") or 0)
-                return json.loads(self.rfile.read(n) or b"{}") if n else None
-
-            def _answer(self, method):
+            def _answer(self):
                 url = urlparse(self.path)
-                body = self._body()
+                n = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(n) or b"null") if n else None
                 query = {k: v[0] for k, v in parse_qs(url.query).items()}
-                fake.requests.append((method, url.path, body))
                 with fake._lock:
-                    code, obj = fake.route(method, url.path, query, body)
+                    fake.requests.append((self.command, url.path, body))
+                    try:
+                        code, obj = fake.route(self.command, url.path, query, body)
+                    except ValueError as e:
+                        code, obj = fake._error(400, "invalid", f"Invalid list filter "
+                                                f"expression ({e})")
                 data = json.dumps(obj).encode()
                 self.send_response(code)
-                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Type", "application/json; charset=UTF-8")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
 
-            def do_GET(self):
-                self._answer("GET")
-
-            def do_POST(self):
-                self._answer("POST")
-
-            def do_DELETE(self):
-                self._answer("DELETE")
+            do_GET = do_POST = do_DELETE = do_PATCH = _answer
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread = threading.Thread(target=self.server.serve_forever,
+                                       kwargs={"poll_interval": 0.05}, daemon=True)
         self.thread.start()
 
     def close(self) -> None:
+        """Stop serving and close every client connection."""
         self.server.shutdown()
         self.server.server_close()
+        for c in self._conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         self.thread.join(5)
 
-    # -- state helpers ---------------------------------------------------------------------------
+    # -- test controls ---------------------------------------------------------------------------
     def link(self, rest: str) -> str:
-        return f"https://www.googleapis.com{BASE}{self.project}/{rest}"
+        return f"{LINK}{self.project}/{rest}"
+
+    def fail(self, zone: str, fault: str) -> None:
+        """Make inserts in ``zone`` fail with ``fault`` (one of :data:`FAULTS`)."""
+        assert fault in FAULTS, fault
+        self.faults[zone] = fault
 
     def exhaust(self, zone: str) -> None:
-        self.exhausted.add(zone)
+        self.fail(zone, "exhausted")
 
-    def add_image(self, name: str, labels: dict, created: str) -> None:
-        self.images[name] = {"kind": "compute#image", "name": name, "id": str(next(self._ids)),
+    def add_image(self, name: str, labels: dict, created: str, family: str | None = None,
+                  deprecated: str | None = None) -> None:
+        self.images[name] = {"kind": "compute#image", "id": str(next(self._ids)), "name": name,
                              "labels": labels, "creationTimestamp": created,
-                             "selfLink": self.link(f"global/images/{name}"),
-                             "status": "READY"}
+                             "family": family, "status": "READY", "diskSizeGb": "10",
+                             "selfLink": self.link(f"global/images/{name}")}
+        if deprecated:
+            self.images[name]["deprecated"] = {"state": deprecated}
 
-    def _op(self, kind: str, target: str, zone: str | None, error: tuple | None = None,
-            done: callable = None) -> dict:
-        name = f"operation-{next(self._ids)}"
+    def preempt(self, zone: str, name: str) -> None:
+        """Take a SPOT instance back: STOPPING (DELETE action) or TERMINATED, and a DONE
+        ``compute.instances.preempted`` operation in its zone, as GCE records it."""
+        with self._lock:
+            inst = self.instances[zone][name]
+            delete = (inst.get("scheduling") or {}).get("instanceTerminationAction") == "DELETE"
+            inst["status"] = "STOPPING" if delete else "TERMINATED"
+            op = self._op(PREEMPTED, inst, zone)
+            op.update(status="DONE", progress=100, endTime=_now(), user="system",
+                      statusMessage="Instance was preempted.")
+
+    def power_off(self, zone: str, name: str) -> None:
+        """The guest shut itself down (the idle watchdog's fallback): TERMINATED."""
+        with self._lock:
+            self.instances[zone][name]["status"] = "TERMINATED"
+
+    # -- operations ------------------------------------------------------------------------------
+    def _op(self, kind: str, target: dict, zone: str | None, effect=None,
+            error: tuple | None = None) -> dict:
+        name = f"operation-{int(time.time() * 1000)}-{next(self._ids):x}"
         op = {"kind": "compute#operation", "id": str(next(self._ids)), "name": name,
-              "operationType": kind, "targetLink": target, "status": "RUNNING",
-              "progress": 0,
+              "operationType": kind, "targetLink": target["selfLink"],
+              "targetId": target.get("id", ""), "status": "RUNNING", "progress": 0,
+              "user": "tester@proj.iam.gserviceaccount.com", "insertTime": _now(),
+              "startTime": _now(),
               "selfLink": self.link(f"zones/{zone}/operations/{name}" if zone
                                     else f"global/operations/{name}")}
         if zone:
             op["zone"] = self.link(f"zones/{zone}")
-        self.operations[name] = {"op": op, "error": error, "done": done}
-        return dict(op)
+        self.operations[name] = {"op": op, "zone": zone, "asked": 0, "t0": time.monotonic(),
+                                 "effect": effect, "error": error}
+        return op
 
-    def _finish(self, name: str) -> dict:
-        entry = self.operations[name]
+    def _finish(self, entry: dict) -> None:
         op = entry["op"]
-        if op["status"] != "DONE":
-            op["status"], op["progress"] = "DONE", 100
-            if entry["error"]:
-                code, msg = entry["error"]
-                op["error"] = {"errors": [{"code": code, "message": msg}]}
-                op["httpErrorStatusCode"] = 403 if code == "QUOTA_EXCEEDED" else 503
-            elif entry["done"]:
-                entry["done"]()
-        return dict(op)
+        if op["status"] == "DONE":
+            return
+        op.update(status="DONE", progress=100, endTime=_now())
+        if entry["error"]:
+            code, message, http = entry["error"]
+            op["error"] = {"errors": [{"code": code, "message": message}]}
+            op["httpErrorStatusCode"] = http
+            op["httpErrorMessage"] = {403: "FORBIDDEN", 503: "SERVICE UNAVAILABLE"}[http]
+        if entry["effect"]:
+            entry["effect"]()
+
+    def _settle(self) -> None:
+        """Operations finish on their own after ``op_seconds``."""
+        now = time.monotonic()
+        for entry in list(self.operations.values()):
+            if now - entry["t0"] >= self.op_seconds:
+                self._finish(entry)
+
+    def _ask(self, name: str) -> dict:
+        entry = self.operations[name]
+        entry["asked"] += 1
+        if entry["asked"] > self.slow_ops:
+            self._finish(entry)
+        return entry["op"]
 
     @staticmethod
-    def _error(code: int, reason: str, message: str) -> tuple[int, dict]:
-        status = {401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND",
-                  409: "ALREADY_EXISTS", 400: "INVALID_ARGUMENT"}.get(code, "UNKNOWN")
-        return code, {"error": {"code": code, "message": message, "status": status,
-                                "errors": [{"message": message, "domain": "global",
+    def _error(code: int, reason: str, message: str, domain: str = "global") -> tuple:
+        return code, {"error": {"code": code, "message": message,
+                                "status": STATUS.get(code, "UNKNOWN"),
+                                "errors": [{"message": message, "domain": domain,
                                             "reason": reason}]}}
 
-    # -- routes ------------------------------------------------------------------------------------
+    def _not_found(self, rest: str) -> tuple:
+        return self._error(404, "notFound",
+                           f"The resource 'projects/{self.project}/{rest}' was not found")
+
+    # -- routes ----------------------------------------------------------------------------------
     def route(self, method: str, path: str, query: dict, body) -> tuple[int, dict]:
         if self.auth_fail:
-            return self._error(401, "authError", "Request had invalid authentication "
-                               "credentials. Expected OAuth 2 access token, login cookie or "
-                               "other valid authentication credential.")
+            return 401, {"error": {
+                "code": 401, "status": "UNAUTHENTICATED",
+                "message": "Request had invalid authentication credentials. Expected OAuth 2 "
+                           "access token, login cookie or other valid authentication "
+                           "credential. See https://developers.google.com/identity/sign-in/"
+                           "web/devconsole-project.",
+                "errors": [{"message": "Invalid Credentials", "domain": "global",
+                            "reason": "authError", "location": "Authorization",
+                            "locationType": "header"}]}}
+        self._settle()
+        if path.rstrip("/") == BASE + self.project:
+            return 200, {"kind": "compute#project", "id": "4242", "name": self.project,
+                         "selfLink": self.link("")[:-1]}
         if not path.startswith(BASE + self.project + "/"):
-            return self._error(404, "notFound", f"The resource '{path}' was not found")
+            return self._error(403, "forbidden", "Required 'compute.projects.get' "
+                               f"permission for '{path[len('/compute/v1/'):]}'")
         rest = path[len(BASE + self.project) + 1:]
         flt = query.get("filter")
-        m = re.fullmatch(r"zones/([^/]+)/operations/([^/]+)(/wait)?", rest) or \
-            re.fullmatch(r"global/operations/([^/]+)(/wait)?", rest)
+        m = re.fullmatch(r"(?:zones/([^/]+)|global)/operations(?:/([^/]+))?(/wait)?", rest)
         if m:
-            name = m.groups()[-2]
-            if name not in self.operations:
-                return self._error(404, "notFound", f"operation {name} not found")
-            return 200, self._finish(name) if m.groups()[-1] else \
-                dict(self.operations[name]["op"])
-        if rest == "zones" and method == "GET":
+            zone, name, _ = m.groups()
+            if name is None:
+                ops = [e["op"] for e in self.operations.values()
+                       if e["zone"] == zone and matches(e["op"], flt)]
+                return 200, {"kind": "compute#operationList", "items": ops,
+                             "selfLink": self.link(rest)}
+            if name not in self.operations or self.operations[name]["zone"] != zone:
+                return self._not_found(rest)
+            return 200, self._ask(name)
+        if rest == "zones":
             return 200, {"kind": "compute#zoneList", "items": [
-                {"kind": "compute#zone", "name": z, "status": "UP",
-                 "region": self.link(f"regions/{z.rsplit('-', 1)[0]}"),
-                 "selfLink": self.link(f"zones/{z}")} for z in self.zones]}
-        if rest in ("aggregated/instances", "aggregated/disks") and method == "GET":
-            kind = rest.split("/")[1]
+                {"kind": "compute#zone", "id": str(2000 + i), "name": z, "status": "UP",
+                 "region": self.link(f"regions/{self.region}"),
+                 "selfLink": self.link(f"zones/{z}")} for i, z in enumerate(self.zones)]}
+        m = re.fullmatch(r"regions/([^/]+)", rest)
+        if m:
+            if m[1] != self.region:
+                return self._not_found(rest)
+            return 200, {"kind": "compute#region", "id": "1000", "name": self.region,
+                         "status": "UP", "selfLink": self.link(rest),
+                         "zones": [self.link(f"zones/{z}") for z in self.zones]}
+        m = re.fullmatch(r"aggregated/(instances|disks)", rest)
+        if m:
+            kind = m[1]
             store = self.instances if kind == "instances" else self.disks
-            items = {f"zones/{z}": ({kind: [o for o in objs.values() if _match(o, flt)]}
-                                    if any(_match(o, flt) for o in objs.values()) else
-                                    {"warning": {"code": "NO_RESULTS_ON_PAGE"}})
-                     for z, objs in store.items()}
-            return 200, {"kind": f"compute#{kind[:-1]}AggregatedList", "items": items}
+            items = {}
+            for z, objs in store.items():
+                found = [o for o in objs.values() if matches(o, flt)]
+                items[f"zones/{z}"] = {kind: found} if found else {"warning": {
+                    "code": "NO_RESULTS_ON_PAGE",
+                    "message": "There are no results for scope 'zones/{z}' on this page.",
+                    "data": [{"key": "scope", "value": f"zones/{z}"}]}}
+            return 200, {"kind": f"compute#{kind[:-1]}AggregatedList",
+                         "id": f"projects/{self.project}/aggregated/{kind}", "items": items,
+                         "selfLink": self.link(rest)}
         m = re.fullmatch(r"zones/([^/]+)/instances(?:/([^/]+))?", rest)
         if m:
-            return self._instances(method, m[1], m[2], body)
+            if m[1] not in self.instances:
+                return self._not_found(f"zones/{m[1]}")
+            return self._instances(method, m[1], m[2], body, flt)
         m = re.fullmatch(r"zones/([^/]+)/disks/([^/]+)", rest)
-        if m and method == "DELETE":
-            if self.disks.get(m[1], {}).pop(m[2], None) is None:
-                return self._error(404, "notFound", f"disk {m[2]} not found")
-            return 200, self._finish(self._op("delete", self.link(rest), m[1])["name"])
+        if m:
+            disk = self.disks.get(m[1], {}).get(m[2])
+            if disk is None:
+                return self._not_found(rest)
+            if method == "GET":
+                return 200, disk
+            if disk.get("users"):
+                return self._error(400, "resourceInUseByAnotherResource",
+                                   f"The disk resource '{rest}' is already being used by "
+                                   f"'{disk['users'][0]}'")
+            zone, dname = m[1], m[2]
+            return 200, self._op("delete", disk, zone,
+                                 lambda: self.disks[zone].pop(dname, None))
         m = re.fullmatch(r"global/firewalls(?:/([^/]+))?", rest)
         if m:
-            return self._firewalls(method, m[1], body)
-        m = re.fullmatch(r"global/images(?:/([^/]+))?", rest)
+            return self._firewalls(method, m[1], body, flt)
+        m = re.fullmatch(r"global/images(?:/family/([^/]+)|/([^/]+))?", rest)
         if m:
-            if m[1]:
-                img = self.images.get(m[1])
-                return (200, img) if img else self._error(404, "notFound",
-                                                          f"image {m[1]} not found")
-            return 200, {"kind": "compute#imageList",
-                         "items": [i for i in self.images.values() if _match(i, flt)]}
+            return self._images(m[1], m[2], flt, rest)
         return self._error(404, "notFound", f"no route for {method} {path}")
 
-    def _instances(self, method, zone, name, body):
-        if zone not in self.instances:
-            return self._error(404, "notFound", f"zone {zone} not found")
+    def _images(self, family, name, flt, rest):
+        if name:
+            img = self.images.get(name)
+            return (200, img) if img else self._not_found(rest)
+        if family:
+            live = [i for i in self.images.values() if i.get("family") == family
+                    and (i.get("deprecated") or {}).get("state") is None]
+            if not live:
+                return self._not_found(rest)
+            return 200, max(live, key=lambda i: i["creationTimestamp"])
+        return 200, {"kind": "compute#imageList", "selfLink": self.link(rest),
+                     "items": [i for i in self.images.values() if matches(i, flt)]}
+
+    def _invalid(self, field: str, value, why: str) -> tuple:
+        return self._error(400, "invalid", f"Invalid value for field 'resource.{field}': "
+                           f"'{value}'. {why}")
+
+    def _validate(self, zone: str, body: dict):
+        if not re.fullmatch(NAME_RE, body.get("name", "")):
+            return self._invalid("name", body.get("name"), f"Must be a match of regex "
+                                 f"'(?:{NAME_RE})'")
+        mt = body.get("machineType", "")
+        if not re.fullmatch(rf"(?:{re.escape(LINK)}{self.project}/)?zones/{zone}/"
+                            r"machineTypes/[a-z0-9-]+", mt):
+            return self._invalid("machineType", mt, "Invalid machine type for this zone.")
+        labels = dict(body.get("labels") or {})
+        for d in body.get("disks") or []:
+            labels.update((d.get("initializeParams") or {}).get("labels") or {})
+        for k, v in labels.items():
+            if not re.fullmatch(LABEL_KEY_RE, k) or not re.fullmatch(LABEL_VALUE_RE, v):
+                return self._invalid("labels", "", f"Label value '{v}' violates format "
+                                     "constraints. The value can only contain lowercase "
+                                     "letters, numeric characters, underscores and dashes. "
+                                     "The value can be at most 63 characters long. "
+                                     "International characters are allowed.")
+        sched = body.get("scheduling") or {}
+        if sched.get("instanceTerminationAction") and sched.get("provisioningModel") != "SPOT":
+            return self._invalid("scheduling.instanceTerminationAction",
+                                 sched["instanceTerminationAction"],
+                                 "Instance termination action can only be set for SPOT VMs.")
+        if sched.get("provisioningModel") == "SPOT" and (
+                sched.get("onHostMaintenance", "TERMINATE") != "TERMINATE"
+                or sched.get("automaticRestart") is True):
+            return self._invalid("scheduling", "", "Spot VMs must have onHostMaintenance "
+                                 "TERMINATE and automaticRestart false.")
+        for tag in (body.get("tags") or {}).get("items") or []:
+            if not re.fullmatch(NAME_RE, tag):
+                return self._invalid("tags.items", tag, "Must be a match of regex "
+                                     f"'(?:{NAME_RE})'")
+        return None
+
+    def _instances(self, method, zone, name, body, flt):
         zi = self.instances[zone]
         if method == "POST" and name is None:
+            bad = self._validate(zone, body)
+            if bad:
+                return bad
             iname = body["name"]
             if iname in zi:
-                return self._error(409, "alreadyExists", f"instance {iname} already exists")
+                return self._error(409, "alreadyExists", f"The resource 'projects/"
+                                   f"{self.project}/zones/{zone}/instances/{iname}' "
+                                   "already exists")
+            fault = self.faults.get(zone)
+            zone_path = f"projects/{self.project}/zones/{zone}"
+            if fault == "quota-http":
+                return self._error(403, "quotaExceeded", "Quota 'CPUS' exceeded.  Limit: 8.0 "
+                                   f"in region {self.region}.", domain="usageLimits")
             link = self.link(f"zones/{zone}/instances/{iname}")
-            error = None
-            if zone in self.exhausted:
-                error = ("ZONE_RESOURCE_POOL_EXHAUSTED", f"The zone '{self.link('zones/' + zone)}'"
-                         " does not have enough resources available to fulfill the request.")
-            elif self.quota:
-                error = ("QUOTA_EXCEEDED", "Quota 'CPUS' exceeded. Limit: 8.0 in region "
-                         f"{zone.rsplit('-', 1)[0]}.")
+            target = {"selfLink": link, "id": str(next(self._ids))}
+            if fault:
+                error = {"exhausted": ("ZONE_RESOURCE_POOL_EXHAUSTED", f"The zone "
+                                       f"'{zone_path}' does not have enough resources "
+                                       "available to fulfill the request.  Try a different "
+                                       "zone, or try again later.", 503),
+                         "exhausted-details": ("ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS",
+                                               f"The zone '{zone_path}' does not have enough "
+                                               "resources available to fulfill the request.  "
+                                               "'(resource type:compute)'.", 503),
+                         "quota": ("QUOTA_EXCEEDED", "Quota 'CPUS' exceeded.  Limit: 8.0 in "
+                                   f"region {self.region}.", 403)}[fault]
+                return 200, self._op("insert", target, zone, error=error)
+            inst = self._new_instance(zone, body, link, target["id"])
+            zi[iname] = inst
 
-            def made():
-                n = len(zi) + 1
-                inst = dict(body, kind="compute#instance", id=str(next(self._ids)),
-                            status="RUNNING", selfLink=link, zone=self.link(f"zones/{zone}"))
-                for nic in inst.get("networkInterfaces", []):
-                    nic["networkIP"] = f"10.128.0.{n + 1}"
-                    for ac in nic.get("accessConfigs", []):
-                        ac["natIP"] = f"34.1.{len(self.zones)}.{n + 10}"
-                zi[iname] = inst
-                for d in body.get("disks", []):
-                    params = d.get("initializeParams") or {}
-                    self.disks[zone][iname] = {
-                        "kind": "compute#disk", "name": iname, "zone": self.link(f"zones/{zone}"),
-                        "sizeGb": params.get("diskSizeGb"), "labels": params.get("labels", {}),
-                        "sourceImage": params.get("sourceImage"), "autoDelete": d.get("autoDelete")}
-            return 200, self._op("insert", link, zone, error, made)
+            def running():
+                inst["status"] = "RUNNING"
+                inst["lastStartTimestamp"] = _now()
+                for ac in inst["networkInterfaces"][0].get("accessConfigs", []):
+                    ac["natIP"] = f"34.{len(zi)}.{self.zones.index(zone)}.{len(zi) + 10}"
+            return 200, self._op("insert", target, zone, running)
         if name is None:
-            return 200, {"kind": "compute#instanceList", "items": list(zi.values())}
+            return 200, {"kind": "compute#instanceList", "selfLink": self.link(
+                f"zones/{zone}/instances"),
+                "items": [i for i in zi.values() if matches(i, flt)]}
         if name not in zi:
-            return self._error(404, "notFound", f"The resource '{name}' was not found")
+            return self._not_found(f"zones/{zone}/instances/{name}")
         if method == "GET":
             return 200, zi[name]
         if method == "DELETE":
-            inst = zi.pop(name)
-            if any(d.get("autoDelete") for d in inst.get("disks", [])):
-                self.disks[zone].pop(name, None)
-            return 200, self._op("delete", inst["selfLink"], zone)
+            inst = zi[name]
+            inst["status"] = "STOPPING"
+
+            def gone():
+                zi.pop(name, None)
+                for d in inst["disks"]:
+                    disk = self.disks[zone].get(d["deviceName"])
+                    if disk:
+                        disk["users"] = []
+                        if d.get("autoDelete"):
+                            self.disks[zone].pop(d["deviceName"])
+            return 200, self._op("delete", inst, zone, gone)
         return self._error(400, "badRequest", f"{method} not supported")
 
-    def _firewalls(self, method, name, body):
+    def _new_instance(self, zone: str, body: dict, link: str, iid: str) -> dict:
+        zone_link = self.link(f"zones/{zone}")
+        disks = []
+        for i, d in enumerate(body.get("disks") or []):
+            params = d.get("initializeParams") or {}
+            dname = body["name"] if i == 0 else f"{body['name']}-{i}"
+            self.disks[zone][dname] = {
+                "kind": "compute#disk", "id": str(next(self._ids)), "name": dname,
+                "zone": zone_link, "status": "READY", "sizeGb": params.get("diskSizeGb", "10"),
+                "sourceImage": params.get("sourceImage"), "labels": params.get("labels", {}),
+                "type": f"{zone_link}/diskTypes/pd-balanced", "users": [link],
+                "creationTimestamp": _now(), "selfLink": f"{zone_link}/disks/{dname}"}
+            disks.append({"kind": "compute#attachedDisk", "type": "PERSISTENT",
+                          "mode": "READ_WRITE", "source": f"{zone_link}/disks/{dname}",
+                          "deviceName": dname, "index": i, "boot": bool(d.get("boot")),
+                          "autoDelete": bool(d.get("autoDelete")), "interface": "SCSI",
+                          "diskSizeGb": params.get("diskSizeGb", "10")})
+        n = sum(len(z) for z in self.instances.values()) + 2
+        nics = [{"kind": "compute#networkInterface", "name": f"nic{i}",
+                 "network": self.link("global/networks/default"),
+                 "subnetwork": self.link(f"regions/{self.region}/subnetworks/default"),
+                 "networkIP": f"10.128.0.{n}", "stackType": "IPV4_ONLY",
+                 "accessConfigs": [dict(ac, kind="compute#accessConfig", networkTier="PREMIUM")
+                                   for ac in nic.get("accessConfigs") or []]}
+                for i, nic in enumerate(body.get("networkInterfaces") or [])]
+        mt = body["machineType"]
+        return {**body, "kind": "compute#instance", "id": iid, "status": "PROVISIONING",
+                "creationTimestamp": _now(), "zone": zone_link, "selfLink": link,
+                "machineType": mt if mt.startswith("https:") else self.link(mt),
+                "disks": disks, "networkInterfaces": nics, "cpuPlatform": "Unknown CPU Platform",
+                "labelFingerprint": "42WmSpB8rSM=", "fingerprint": "Dd0Q3sIoBL8=",
+                "metadata": {**(body.get("metadata") or {}), "kind": "compute#metadata",
+                             "fingerprint": "IDbX3QoqCVs="},
+                "deletionProtection": False, "canIpForward": False}
+
+    def _firewalls(self, method, name, body, flt):
         if method == "POST" and name is None:
             if body["name"] in self.firewalls:
-                return self._error(409, "alreadyExists", f"firewall {body['name']} exists")
-            link = self.link(f"global/firewalls/{body['name']}")
-
-            def made():
-                self.firewalls[body["name"]] = dict(body, kind="compute#firewall", selfLink=link,
-                                                    id=str(next(self._ids)))
-            return 200, self._op("insert", link, None, None, made)
+                return self._error(409, "alreadyExists", f"The resource 'projects/"
+                                   f"{self.project}/global/firewalls/{body['name']}' already "
+                                   "exists")
+            rule = dict(body, kind="compute#firewall", id=str(next(self._ids)),
+                        selfLink=self.link(f"global/firewalls/{body['name']}"),
+                        network=self.link(body.get("network", "global/networks/default")),
+                        priority=body.get("priority", 1000), creationTimestamp=_now(),
+                        disabled=False)
+            return 200, self._op("insert", rule, None,
+                                 lambda: self.firewalls.__setitem__(body["name"], rule))
         if name is None:
-            return 200, {"kind": "compute#firewallList", "items": list(self.firewalls.values())}
+            return 200, {"kind": "compute#firewallList", "selfLink": self.link(
+                "global/firewalls"),
+                "items": [f for f in self.firewalls.values() if matches(f, flt)]}
         if name not in self.firewalls:
-            return self._error(404, "notFound", f"The resource 'firewall {name}' was not found")
+            return self._not_found(f"global/firewalls/{name}")
+        rule = self.firewalls[name]
         if method == "GET":
-            return 200, self.firewalls[name]
+            return 200, rule
+        if method == "PATCH":
+            return 200, self._op("patch", rule, None, lambda: rule.update(body))
         if method == "DELETE":
-            fw = self.firewalls.pop(name)
-            return 200, self._op("delete", fw["selfLink"], None)
+            return 200, self._op("delete", rule, None, lambda: self.firewalls.pop(name, None))
         return self._error(400, "badRequest", f"{method} not supported")

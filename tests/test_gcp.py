@@ -1,7 +1,8 @@
 """The gcp CloudAPI (hypercli/providers/gcp.py) through the real google-cloud-compute client
 against a local stand-in for the Compute Engine REST API (tests/gcpfake.py): spot and standard
-instances, labels, ssh-keys and user-data metadata, the SSH firewall rule, operation waits,
-zone failover on resource exhaustion, quota and auth errors, image lookup, teardown and gc."""
+instances, labels, ssh-keys and boot metadata, the SSH firewall rule, operation waits, zone
+failover on resource exhaustion, quota and credential errors, preemption, image lookup,
+teardown and gc."""
 
 from __future__ import annotations
 
@@ -9,15 +10,20 @@ import pytest
 
 pytest.importorskip("google.cloud.compute_v1")
 
+from google.auth import exceptions as auth_exc  # noqa: E402
+from google.auth.credentials import AnonymousCredentials, Credentials  # noqa: E402
+
 from gcpfake import ComputeFake  # noqa: E402
 from hypercli.errors import UsageError  # noqa: E402
-from hypercli.providers.cloud import (Boot, CapacityError, CloudSpec,  # noqa: E402
-                                      CredentialsError, QuotaError)
+from hypercli.providers.cloud import (Boot, CapacityError, CloudError,  # noqa: E402
+                                      CloudSpec, CredentialsError, QuotaError)
 from hypercli.providers.cloud_provider import remove_all  # noqa: E402
-from hypercli.providers.gcp import GCPAPI, gce_name  # noqa: E402
+from hypercli.providers.gcp import GCPAPI, gce_name, label_value  # noqa: E402
 
 IMAGE = "projects/proj/global/images/hyper-node-cpu-1-1"
 KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOMqqnkVzrm0SdG6UOoqKLsabgH5C9okWi0dh2l9GKJl hyper-c1"
+CONFIG = "#cloud-config\nssh_keys: {{}}\n# {}\n"
+SCRIPT = "#!/bin/sh\necho {} > /etc/hyper-node\n"
 
 
 @pytest.fixture
@@ -30,6 +36,11 @@ def fake(monkeypatch):
         f.close()
 
 
+@pytest.fixture
+def api(fake):
+    return GCPAPI("proj", "us-central1", credentials=AnonymousCredentials())
+
+
 def spec(**kw) -> CloudSpec:
     base = dict(cluster="c1", count=2, region="us-central1", instance_type="e2-standard-4",
                 image=IMAGE, ssh_cidr="203.0.113.0/24", disk_gb=30)
@@ -37,118 +48,254 @@ def spec(**kw) -> CloudSpec:
     return CloudSpec(**base)
 
 
-def launch(api, s, nodes=("c1-0", "c1-1")):
-    boot = Boot({n: f"#cloud-config\n# {n}\n" for n in nodes}, "root", KEY)
+def launch(api, s, nodes=("c1-0", "c1-1"), doc=CONFIG):
+    boot = Boot({n: doc.format(n) for n in nodes}, "root", KEY)
     return api.create(s, list(nodes), boot, api.prepare(s, KEY))
 
 
-def inserted(fake) -> list[dict]:
-    return [b for m, p, b in fake.requests if m == "POST" and p.endswith("/instances")]
+def inserts(fake) -> list[tuple[str, dict]]:
+    """(zone, body) of every instance insert the fake received."""
+    return [(p.split("/zones/")[1].split("/")[0], b) for m, p, b in fake.requests
+            if m == "POST" and p.endswith("/instances")]
 
 
-def test_spot_instances_with_labels_metadata_disk_and_operation_waits(fake):
-    api = GCPAPI("proj", "us-central1")
+def test_spot_instances_carry_scheduling_labels_metadata_and_disk(fake, api):
     vms, errors = launch(api, spec())
     assert errors == {} and sorted(v.node for v in vms) == ["c1-0", "c1-1"]
-    assert all(v.state == "running" and v.spot and v.public_ip for v in vms)
-    body = inserted(fake)[0]
-    assert body["scheduling"]["provisioningModel"] == "SPOT"
-    assert body["scheduling"]["instanceTerminationAction"] == "DELETE"
+    assert all(v.state == "running" and v.spot and v.public_ip and v.private_ip for v in vms)
+    assert {v.zone for v in vms} == {"us-central1-a"}  # the region's first zone
+    zone, body = inserts(fake)[0]
+    assert body["name"] == "c1-0"
+    assert body["machineType"] == "zones/us-central1-a/machineTypes/e2-standard-4"
+    assert body["scheduling"] == {"provisioningModel": "SPOT",
+                                  "instanceTerminationAction": "DELETE",
+                                  "automaticRestart": False, "onHostMaintenance": "TERMINATE"}
     assert body["labels"]["hyper-cluster"] == "c1" and body["labels"]["hyper-node"] == "c1-0"
+    assert "@" not in body["labels"]["hyper-owner"]
+    assert body["tags"] == {"items": ["hyper-c1"]}
     meta = {i["key"]: i["value"] for i in body["metadata"]["items"]}
-    assert meta["ssh-keys"] == f"root:{KEY}" and meta["user-data"] == "#cloud-config\n# c1-0\n"
-    disk = body["disks"][0]
-    assert disk["autoDelete"] and disk["initializeParams"]["diskSizeGb"] == "30"
+    assert meta["ssh-keys"] == f"root:{KEY}"
+    assert meta["user-data"] == CONFIG.format("c1-0") and "startup-script" not in meta
+    [disk] = body["disks"]
+    assert disk["boot"] and disk["autoDelete"]
+    assert disk["initializeParams"]["diskSizeGb"] == "30"
     assert disk["initializeParams"]["sourceImage"] == IMAGE
-    [sa] = body["serviceAccounts"]  # the idle watchdog deletes its instance with it
+    assert disk["initializeParams"]["labels"]["hyper-cluster"] == "c1"
+    [nic] = body["networkInterfaces"]
+    assert nic["accessConfigs"] == [{"name": "External NAT", "type": "ONE_TO_ONE_NAT"}]
+    [sa] = body["serviceAccounts"]  # the idle watchdog deletes its own instance with it
     assert sa["email"] == "default" and sa["scopes"] == ["https://www.googleapis.com/auth/compute"]
-    waits = [p for m, p, _ in fake.requests if p.endswith("/wait")]
-    assert len(waits) >= 3  # the firewall and both inserts were waited for
-    assert [v.node for v in api.describe("c1")] == ["c1-0", "c1-1"]
+    assert fake.disks["us-central1-a"]["c1-0"]["sizeGb"] == "30"
 
 
-def test_standard_instances(fake):
-    vms, _ = launch(GCPAPI("proj", "us-central1"), spec(spot=False), nodes=("c1-0",))
-    assert inserted(fake)[0]["scheduling"]["provisioningModel"] == "STANDARD"
-    assert not vms[0].spot
+def test_every_operation_is_waited_until_done(fake, api):
+    launch(api, spec())
+    ops = [p for m, p, _ in fake.requests if "/operations/" in p]
+    # the stand-in answers RUNNING to the first wait of each operation: two waits each for
+    # the firewall rule and both inserts
+    assert len(ops) == 6 and all(p.endswith("/wait") for p in ops)
+    assert all(e["op"]["status"] == "DONE" for e in fake.operations.values())
+    assert {i["status"] for i in fake.instances["us-central1-a"].values()} == {"RUNNING"}
 
 
-def test_firewall_admits_ssh_from_the_cidr_only_and_is_made_once(fake):
-    api = GCPAPI("proj", "us-central1")
-    api.prepare(spec(), KEY)
-    api.prepare(spec(), KEY)
+def test_standard_instances_and_a_shell_boot_script(fake, api):
+    vms, _ = launch(api, spec(spot=False), nodes=("c1-0",), doc=SCRIPT)
+    _, body = inserts(fake)[0]
+    assert body["scheduling"]["provisioningModel"] == "STANDARD"
+    assert "instanceTerminationAction" not in body["scheduling"]
+    meta = {i["key"]: i["value"] for i in body["metadata"]["items"]}
+    assert meta["startup-script"] == SCRIPT.format("c1-0") and "user-data" not in meta
+    assert not vms[0].spot and vms[0].state == "running"
+
+
+def test_firewall_admits_ssh_from_the_cidr_only_made_once_and_corrected(fake, api):
+    assert api.prepare(spec(), KEY) == api.prepare(spec(), KEY)
     [fw] = fake.firewalls.values()
+    assert fw["name"] == "hyper-c1-ssh" and fw["direction"] == "INGRESS"
     assert fw["sourceRanges"] == ["203.0.113.0/24"]
     assert fw["allowed"] == [{"IPProtocol": "tcp", "ports": ["22"]}]
-    assert fw["targetTags"] == ["hyper-c1"] and "hyper:cluster=c1" in fw["description"]
+    assert fw["targetTags"] == ["hyper-c1"] and fw["network"].endswith("/networks/default")
+    assert fw["description"].startswith("hyper:cluster=c1 ")
+    assert [m for m, p, _ in fake.requests if "firewalls" in p and m != "GET"] == ["POST"]
+    api.prepare(spec(ssh_cidr="198.51.100.7/32"), KEY)  # the caller's address changed
+    assert fake.firewalls["hyper-c1-ssh"]["sourceRanges"] == ["198.51.100.7/32"]
+    with pytest.raises(UsageError, match="SSH firewall rule"):
+        api.prepare(spec(ssh_cidr=None), KEY)
 
 
-def test_zone_failover_on_exhaustion(fake):
-    fake.exhaust("us-central1-a")
-    vms, errors = launch(GCPAPI("proj", "us-central1"), spec(count=1), nodes=("c1-0",))
+def test_zone_failover_on_exhaustion(fake, api):
+    fake.fail("us-central1-a", "exhausted")
+    fake.fail("us-central1-b", "exhausted-details")
+    vms, errors = launch(api, spec())
+    assert errors == {} and {v.zone for v in vms} == {"us-central1-c"}
+    assert [z for z, _ in inserts(fake)] == ["us-central1-a"] * 2 + ["us-central1-b"] * 2 + \
+        ["us-central1-c"] * 2
+    assert fake.instances["us-central1-a"] == {} and fake.instances["us-central1-b"] == {}
+
+
+def test_zones_named_in_the_spec_are_tried_in_their_order(fake, api):
+    fake.exhaust("us-central1-c")
+    vms, errors = launch(api, spec(zones=("us-central1-c", "us-central1-b")), nodes=("c1-0",))
     assert errors == {} and vms[0].zone == "us-central1-b"
-    zones = [p.split("/zones/")[1].split("/")[0] for m, p, _ in fake.requests
-             if m == "POST" and p.endswith("/instances")]
-    assert zones == ["us-central1-a", "us-central1-b"]
+    assert [z for z, _ in inserts(fake)] == ["us-central1-c", "us-central1-b"]
 
 
-def test_every_zone_exhausted_is_a_capacity_error_per_node(fake):
+def test_every_zone_exhausted_is_a_capacity_error_per_node(fake, api):
     for z in fake.zones:
         fake.exhaust(z)
-    vms, errors = launch(GCPAPI("proj", "us-central1"), spec())
-    assert vms == [] and all(isinstance(e, CapacityError) for e in errors.values())
-    assert "ZONE_RESOURCE_POOL_EXHAUSTED" in str(errors["c1-0"])
+    vms, errors = launch(api, spec())
+    assert vms == [] and set(errors) == {"c1-0", "c1-1"}
+    assert all(isinstance(e, CapacityError) for e in errors.values())
+    assert errors["c1-0"].code == "ZONE_RESOURCE_POOL_EXHAUSTED"
+    assert "us-central1-c" in str(errors["c1-0"])
 
 
-def test_quota_exceeded_is_not_retried(fake):
-    fake.quota = True
-    _, errors = launch(GCPAPI("proj", "us-central1"), spec(count=1), nodes=("c1-0",))
-    assert isinstance(errors["c1-0"], QuotaError)
-    assert len(inserted(fake)) == 1
+@pytest.mark.parametrize("fault", ["quota", "quota-http"])
+def test_quota_exceeded_is_not_retried_in_another_zone(fake, api, fault):
+    fake.fail("us-central1-a", fault)
+    vms, errors = launch(api, spec(), nodes=("c1-0",))
+    assert vms == [] and isinstance(errors["c1-0"], QuotaError)
+    assert "Quota 'CPUS' exceeded" in str(errors["c1-0"])
+    assert [z for z, _ in inserts(fake)] == ["us-central1-a"]
+
+
+def test_a_refused_request_is_a_cloud_error_with_the_reason_and_not_retried(fake, api):
+    vms, errors = launch(api, spec(instance_type="E2 BIG"), nodes=("c1-0",))
+    assert vms == [] and type(errors["c1-0"]) is CloudError
+    assert errors["c1-0"].code == "invalid" and "machineType" in str(errors["c1-0"])
+    assert len(inserts(fake)) == 1
+
+
+def test_odd_node_and_cluster_names_become_valid_names_and_labels(fake, api):
+    vms, errors = launch(api, spec(cluster="Lab_X"), nodes=("Lab_X.0",))
+    assert errors == {}  # the stand-in rejects invalid names and labels like the real API
+    _, body = inserts(fake)[0]
+    assert body["name"] == "lab-x-0" and body["labels"]["hyper-cluster"] == "lab_x"
+    assert vms[0].id == "lab-x-0" and vms[0].node == "Lab_X.0"
+    assert [v.node for v in api.describe("Lab_X")] == ["Lab_X.0"]
+    assert gce_name("9lab-0") == "h-9lab-0" and label_value("me@Host.lan") == "me-host-lan"
+
+
+class Token(Credentials):
+    """Credentials with a bearer token that refreshes (the API may still refuse it)."""
+
+    def refresh(self, request):
+        self.token = "ya29.test-token"
 
 
 def test_auth_failure_says_how_to_configure(fake):
     fake.auth_fail = True
+    api = GCPAPI("proj", "us-central1", credentials=Token())
+    with pytest.raises(CredentialsError) as e:
+        api.check()
+    assert "gcloud auth application-default login" in e.value.hint
+    assert "GOOGLE_APPLICATION_CREDENTIALS" in e.value.hint
+    assert "invalid authentication credentials" in str(e.value)
+    with pytest.raises(CredentialsError):
+        launch(api, spec())
+
+
+def test_missing_application_default_credentials(monkeypatch, tmp_path):
+    monkeypatch.delenv("HYPER_GCP_ENDPOINT", raising=False)
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(tmp_path / "missing.json"))
     with pytest.raises(CredentialsError) as e:
         GCPAPI("proj", "us-central1").check()
+    assert "missing.json" in str(e.value) and "`project:`" in e.value.hint
+
+
+def test_credentials_that_cannot_refresh(fake):
+    class Expired(Credentials):
+        def refresh(self, request):
+            raise auth_exc.RefreshError("invalid_grant: Token has been expired or revoked.")
+
+    with pytest.raises(CredentialsError, match="expired or revoked") as e:
+        GCPAPI("proj", "us-central1", credentials=Expired()).check()
     assert "gcloud auth application-default login" in e.value.hint
 
 
-def test_missing_project_is_a_clear_error(fake, monkeypatch):
-    monkeypatch.delenv("GOOGLE_CLOUD_PROJECT", raising=False)
-    with pytest.raises(CredentialsError, match="no Google Cloud project"):
-        GCPAPI(None, "us-central1").check()
+def test_permission_denied_is_a_credentials_error(fake):
+    api = GCPAPI("someone-elses", "us-central1", credentials=AnonymousCredentials())
+    with pytest.raises(CredentialsError, match="permission denied") as e:
+        api.check()
+    assert "Compute Admin" in e.value.hint
 
 
-def test_image_lookup_newest_baked_and_missing(fake):
-    api = GCPAPI("proj", "us-central1")
+def test_project_from_the_environment_or_a_clear_error(fake, monkeypatch):
+    monkeypatch.setenv("GOOGLE_CLOUD_PROJECT", "proj")
+    api = GCPAPI(None, "us-central1", credentials=AnonymousCredentials())
+    assert api.check() == "project proj, region us-central1 (3 zones)"
+    monkeypatch.delenv("GOOGLE_CLOUD_PROJECT")
+    with pytest.raises(CredentialsError, match="no Google Cloud project") as e:
+        GCPAPI(None, "us-central1", credentials=AnonymousCredentials()).check()
+    assert "`project:`" in e.value.hint and "GOOGLE_CLOUD_PROJECT" in e.value.hint
+
+
+def test_unknown_region(fake):
+    with pytest.raises(UsageError, match="region mars-north1 not found"):
+        GCPAPI("proj", "mars-north1", credentials=AnonymousCredentials()).check()
+
+
+def test_preempted_only_when_gce_says_so(fake, api):
+    launch(api, spec())
+    fake.preempt("us-central1-a", "c1-0")
+    fake.power_off("us-central1-a", "c1-1")  # the idle watchdog's fallback
+    states = {v.node: v.state for v in api.describe("c1")}
+    assert states == {"c1-0": "preempted", "c1-1": "terminated"}
+    lists = [p for m, p, _ in fake.requests if m == "GET" and p.endswith("/operations")]
+    assert lists == ["/compute/v1/projects/proj/zones/us-central1-a/operations"]
+
+
+def test_terminate_does_not_wait(fake, api):
+    launch(api, spec())
+    before = len(fake.requests)
+    api.terminate("c1", ["c1-1", "no-such"])
+    assert not any("/operations/" in p for _, p, _ in fake.requests[before:])
+    assert [(m, p.rsplit("/", 1)[-1]) for m, p, _ in fake.requests[before:]
+            if m == "DELETE"] == [("DELETE", "c1-1")]
+    assert {v.node: v.state for v in api.describe("c1")} == {"c1-0": "running",
+                                                             "c1-1": "stopping"}
+
+
+def test_image_lookup_newest_baked_family_and_missing(fake, api):
     with pytest.raises(UsageError) as e:
         api.find_image(spec(image=None))
     assert "hyper image build --provider gcp" in e.value.hint
     labels = {"hyper-image": "node", "hyper-variant": "cpu"}
-    fake.add_image("old", labels, "2026-01-01T00:00:00.000-00:00")
-    fake.add_image("new", labels, "2026-06-01T00:00:00.000-00:00")
-    fake.add_image("gpu", {**labels, "hyper-variant": "gpu"}, "2026-09-01T00:00:00.000-00:00")
-    assert api.find_image(spec(image=None)).endswith("/global/images/new")
+    fake.add_image("old", labels, "2026-01-01T00:00:00.000-08:00", family="hyper-node-cpu")
+    fake.add_image("new", labels, "2026-06-01T10:00:00.000-07:00", family="hyper-node-cpu")
+    fake.add_image("newer-same-day", labels, "2026-06-01T09:30:00.000-08:00")
+    fake.add_image("gpu", {**labels, "hyper-variant": "gpu"}, "2026-09-01T00:00:00.000-07:00")
+    fake.add_image("dropped", labels, "2026-12-01T00:00:00.000-08:00",
+                   deprecated="DEPRECATED")
+    # 09:30 -08:00 is later than 10:00 -07:00: the offsets count, not the text
+    assert api.find_image(spec(image=None)).endswith("/global/images/newer-same-day")
+    assert api.find_image(spec(image=None, variant="gpu")).endswith("/global/images/gpu")
     assert api.find_image(spec(image="old")).endswith("/global/images/old")
-    with pytest.raises(UsageError, match="does not exist"):
+    assert api.find_image(spec(image="hyper-node-cpu")).endswith("/global/images/new")
+    assert api.find_image(spec()) == IMAGE  # a link is taken as it is
+    with pytest.raises(UsageError, match="no image or image family nope"):
         api.find_image(spec(image="nope"))
 
 
-def test_teardown_and_gc_leave_nothing(fake):
-    api = GCPAPI("proj", "us-central1")
+def test_teardown_and_gc_leave_nothing(fake, api):
     launch(api, spec())
     launch(api, spec(cluster="other", count=1), nodes=("other-0",))
-    kinds = {r.kind for r in api.resources("c1")}
-    assert kinds == {"instance", "disk", "firewall"}
+    held = api.resources("c1")
+    assert sorted((r.kind, r.id) for r in held) == [
+        ("disk", "c1-0"), ("disk", "c1-1"), ("firewall", "hyper-c1-ssh"),
+        ("instance", "c1-0"), ("instance", "c1-1")]
+    assert [r.kind for r in held][:2] == ["instance", "instance"]  # deletion order
     removed = remove_all(api, "c1")
-    assert "instance c1-0" in removed and any(x.startswith("firewall ") for x in removed)
+    assert {"instance c1-0", "instance c1-1", "firewall hyper-c1-ssh"} <= set(removed)
     assert api.resources("c1") == [] and api.describe("c1") == []
-    assert {r.cluster for r in api.resources(None)} == {"other"}
+    assert "hyper-c1-ssh" not in fake.firewalls and "c1-0" not in fake.disks["us-central1-a"]
+    others = api.resources(None)
+    assert {r.cluster for r in others} == {"other"} and len(others) == 3
+    assert api.delete([r for r in held if r.kind == "instance"]) == []  # already gone
     remove_all(api, None)
     assert api.resources(None) == [] and not fake.firewalls
+    assert all(not z for z in fake.instances.values()) and all(not z for z in fake.disks.values())
 
 
-def test_names_are_valid_gce_names():
-    assert gce_name("My_Cluster.1-0") == "my-cluster-1-0"
-    assert gce_name("9lab-0") == "h-9lab-0"
+def test_spot_price_is_not_in_the_compute_api(api):
+    assert api.spot_price(spec()) == {}

@@ -1,27 +1,46 @@
 """Google Compute Engine through google-cloud-compute: the CloudAPI of provider ``gcp``.
 
-What a cluster gets:
+What a cluster gets (the tags of :mod:`hypercli.providers.cloud` as GCP labels, ``-`` for
+``:``; label values made valid: lower case, ``[a-z0-9_-]``, 63 characters):
 
-* a firewall rule ``hyper-<cluster>-ssh`` on the ``default`` network: TCP 22 from
-  ``ssh_cidr`` to instances with the network tag ``hyper-<cluster>`` (firewall rules take no
-  labels: the rule's description carries ``hyper:cluster=<cluster>`` for ``hyper gc``);
-* per node one instance named after the node (made a valid GCE name), SPOT with
-  ``instanceTerminationAction: DELETE`` (or STANDARD), labels ``hyper-cluster``,
-  ``hyper-node``, ``hyper-owner`` (label values made valid: lower case, ``[a-z0-9_-]``; the
-  exact names are kept in metadata ``hyper-cluster``/``hyper-node``), metadata ``ssh-keys``
-  and ``user-data`` (the cloud-config, which cloud-init reads from GCE metadata), a boot disk of
-  ``disk_gb`` GiB deleted with the instance, an ephemeral external IP; zones are tried in
-  ``zones`` order (default: every zone of the region) while the insert operation ends in
-  ``ZONE_RESOURCE_POOL_EXHAUSTED``; the project's default service account with the compute
-  scope, with which the node watcher deletes its own idle instance.
+* a firewall rule ``hyper-<cluster>-ssh`` on the ``default`` network: TCP 22 from ``ssh_cidr``
+  only, to instances with the network tag ``hyper-<cluster>``. Firewall rules take no labels,
+  so the rule's description carries ``hyper:cluster=<cluster>``; a rule that already exists
+  with another source range (the caller's address changed) is patched to ``ssh_cidr``;
+* per node one instance named after the node (made a valid GCE name), labelled
+  ``hyper-cluster``, ``hyper-node``, ``hyper-owner`` (the exact names are also kept in metadata
+  ``hyper-cluster`` / ``hyper-node``), SPOT with ``instanceTerminationAction: DELETE`` (or
+  STANDARD), an ephemeral external IP, a boot disk of ``disk_gb`` GiB deleted with the
+  instance and labelled like it, the project's default service account with the compute scope
+  (the node watcher deletes its own idle instance with it), and metadata ``ssh-keys`` =
+  ``<ssh_user>:<public key>`` plus the boot document: a cloud-config (text starting
+  ``#cloud-config``, what :mod:`hypercli.providers.cloud_provider` makes) goes to
+  ``user-data``, which cloud-init reads on GCE; a shell script goes to ``startup-script``,
+  which the guest agent runs as root at every boot.
 
-Every insert and delete waits for its zone or global operation (``operations.wait``).
-A spot instance is reported ``preempted`` when it is TERMINATED (GCE deletes preempted
-instances with the DELETE action, so usually it is simply gone). The Compute API has no prices:
-:meth:`spot_price` returns nothing (the Cloud Billing Catalog is another API).
+Zones are tried in ``zones`` order (default: the region's zones in the API's order) while the
+insert operation ends in ``ZONE_RESOURCE_POOL_EXHAUSTED`` (or ``..._WITH_DETAILS``, or says
+the zone "does not have enough resources"); ``QUOTA_EXCEEDED`` (an operation error or an HTTP
+403 ``quotaExceeded``) is a :class:`QuotaError` and is not retried elsewhere. Every insert and
+delete made here waits for its zone or global operation with ``operations.wait`` (the API
+answers when the operation is DONE or after at most two minutes; it is asked again until
+DONE or :data:`OP_TIMEOUT`); :meth:`GCPAPI.terminate` does not wait.
 
-Credentials: Google application default credentials. Test seam: ``HYPER_GCP_ENDPOINT``
-(``http://127.0.0.1:PORT``) sends every call there with anonymous credentials.
+Preemption: a SPOT instance that is STOPPING or TERMINATED is reported ``preempted`` when its
+zone lists an operation of type ``compute.instances.preempted`` whose target is that instance
+(same instance id); otherwise it is ``stopping`` / ``terminated`` (e.g. the idle watchdog
+powered it off). With the DELETE action GCE deletes a preempted instance shortly after, and
+from then on it is simply gone from :meth:`GCPAPI.describe`.
+
+Prices: the Compute API has none (they are in the Cloud Billing Catalog API, another
+service), so :meth:`GCPAPI.spot_price` returns ``{}``; ``max_price`` has no GCE equivalent
+(a SPOT instance has no bid) and is not used.
+
+Credentials: Google application default credentials (``google.auth.default()``); the project is
+the ``project`` argument, else the credentials' project, else ``GOOGLE_CLOUD_PROJECT``.
+Test seam: ``HYPER_GCP_ENDPOINT`` (``http://127.0.0.1:PORT``) is given to every client as its
+``api_endpoint`` (the REST transport keeps an ``http://`` scheme); with it set and no
+``credentials`` passed, anonymous credentials are used (a local stand-in needs none).
 """
 
 from __future__ import annotations
@@ -31,9 +50,14 @@ import re
 import threading
 import time
 from contextlib import contextmanager
+from datetime import datetime, timezone
 
+import google.auth
+import requests
 from google.api_core import exceptions as gexc
+from google.api_core.client_options import ClientOptions
 from google.auth import exceptions as auth_exc
+from google.auth.credentials import AnonymousCredentials
 from google.cloud import compute_v1
 
 from hypercli.errors import UsageError
@@ -42,18 +66,32 @@ from hypercli.providers.cloud import (TAG_CLUSTER, TAG_IMAGE, TAG_NODE, TAG_OWNE
                                       CredentialsError, QuotaError, Resource, label_key, owner)
 
 CREDENTIALS_HINT = ("run `gcloud auth application-default login`, or set "
-                    "GOOGLE_APPLICATION_CREDENTIALS to a service-account key file")
-CAPACITY_CODES = {"ZONE_RESOURCE_POOL_EXHAUSTED", "ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS",
-                  "RESOURCE_POOL_EXHAUSTED", "UNSUPPORTED_OPERATION"}
-QUOTA_CODES = {"QUOTA_EXCEEDED", "QUOTA_LIMIT"}
+                    "GOOGLE_APPLICATION_CREDENTIALS to a service-account key file; the project "
+                    "is `project:` in the recipe's cluster, or GOOGLE_CLOUD_PROJECT")
+PROJECT_HINT = "set `project:` in the recipe's cluster, or GOOGLE_CLOUD_PROJECT"
+SCOPES = ["https://www.googleapis.com/auth/compute"]
+#: operation error codes (cloud.google.com/compute/docs/troubleshooting/troubleshooting-vm-creation)
+CAPACITY_CODES = {"ZONE_RESOURCE_POOL_EXHAUSTED", "ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS"}
+CAPACITY_TEXT = "does not have enough resources"
+QUOTA_CODES = {"QUOTA_EXCEEDED", "quotaExceeded"}
+#: HTTP error reasons (errors[].reason or ErrorInfo.reason) that mean the caller's identity
+AUTH_REASONS = {"authError", "forbidden", "insufficientPermissions", "required",
+                "IAM_PERMISSION_DENIED", "ACCESS_TOKEN_TYPE_UNSUPPORTED", "CREDENTIALS_MISSING",
+                "ACCESS_TOKEN_EXPIRED", "accessNotConfigured", "SERVICE_DISABLED",
+                "accountDisabled"}
+NOT_FOUND = "notFound"
+IN_USE = "resourceInUseByAnotherResource"
 STATES = {"PROVISIONING": "pending", "STAGING": "pending", "RUNNING": "running",
           "STOPPING": "stopping", "SUSPENDING": "stopping", "SUSPENDED": "stopping",
           "REPAIRING": "stopping", "TERMINATED": "terminated"}
-OP_TIMEOUT = 600.0  # s an operation may take
+PREEMPTED_OP = "compute.instances.preempted"
+OP_TIMEOUT = 600.0  # s an insert or delete operation may take
+CLOUD_INIT_STARTS = ("#cloud-config", "#include", "#cloud-boothook", "Content-Type: multipart")
 
 
 def gce_name(text: str) -> str:
-    """A valid GCE resource name (``[a-z]([-a-z0-9]{0,61}[a-z0-9])?``) for ``text``."""
+    """A valid GCE resource name (``[a-z]([-a-z0-9]{0,61}[a-z0-9])?``) for ``text``: lower
+    case, other characters made ``-``, ``h-`` in front when it does not start with a letter."""
     s = re.sub(r"[^a-z0-9-]", "-", text.lower()).strip("-") or "x"
     if not s[0].isalpha():
         s = "h-" + s
@@ -61,31 +99,55 @@ def gce_name(text: str) -> str:
 
 
 def label_value(text: str) -> str:
-    """A valid label value (``[a-z0-9_-]{0,63}``) for ``text``."""
+    """A valid GCP label value (``[a-z0-9_-]{0,63}``) for ``text``: lower case, other
+    characters made ``-``."""
     return re.sub(r"[^a-z0-9_-]", "-", text.lower())[:63]
+
+
+def _reasons(e: gexc.GoogleAPICallError) -> list[str]:
+    """The reasons of an HTTP error: ``errors[].reason``, then ErrorInfo's reason."""
+    out = [d["reason"] for d in e.errors if isinstance(d, dict) and d.get("reason")]
+    return out + ([e.reason] if e.reason else [])
+
+
+def _text(e: gexc.GoogleAPICallError) -> str:
+    """The API's message without the ``METHOD URL:`` prefix the REST transport adds."""
+    return re.sub(r"^[A-Z]+ \S+: ", "", str(e.message or ""))
 
 
 @contextmanager
 def _calls(what: str):
-    """Turn google-api-core's and google-auth's errors into hypercli's."""
+    """Turn google-api-core's, google-auth's and requests' errors into hypercli's.
+
+    401, and 403 with an identity reason (:data:`AUTH_REASONS`, or none) → CredentialsError;
+    403 quotaExceeded → QuotaError; "not enough resources" → CapacityError; any other API
+    error → CloudError whose ``code`` is the API's reason (``notFound``, ``alreadyExists``,
+    ...) or else the HTTP status."""
     try:
         yield
     except (auth_exc.DefaultCredentialsError, auth_exc.RefreshError) as e:
         raise CredentialsError(f"no usable Google credentials ({e})", CREDENTIALS_HINT) from None
-    except gexc.Unauthorized as e:
-        raise CredentialsError(f"Google refused the credentials ({e.message})",
-                               CREDENTIALS_HINT) from None
-    except gexc.Forbidden as e:
-        reasons = {getattr(d, "reason", "") or "" for d in (e.details or [])}
-        text = f"{e.message} {' '.join(reasons)}".lower()
-        if "quota" in text:
-            raise QuotaError(f"{what}: {e.message}", code="QUOTA_EXCEEDED") from None
-        raise CredentialsError(f"{what}: permission denied ({e.message})",
-                               "give the account the Compute Admin role, or " +
-                               CREDENTIALS_HINT) from None
+    except auth_exc.TransportError as e:
+        raise CloudError(f"{what}: cannot reach Google's token service ({e})") from None
     except gexc.GoogleAPICallError as e:
-        raise CloudError(f"{what}: {e.message}", code=str(e.code)) from None
-    except gexc.GoogleAPIError as e:
+        reasons, msg = _reasons(e), _text(e)
+        code = reasons[0] if reasons else str(e.code or "")
+        if isinstance(e, gexc.Unauthorized):
+            raise CredentialsError(f"Google refused the credentials ({msg})",
+                                   CREDENTIALS_HINT) from None
+        if set(reasons) & QUOTA_CODES:
+            raise QuotaError(f"{what}: {msg}", code="QUOTA_EXCEEDED") from None
+        if isinstance(e, gexc.Forbidden) and (not reasons or set(reasons) & AUTH_REASONS):
+            hint = ("enable it: gcloud services enable compute.googleapis.com"
+                    if set(reasons) & {"accessNotConfigured", "SERVICE_DISABLED"} else
+                    "give the account the Compute Admin role, or " + CREDENTIALS_HINT)
+            raise CredentialsError(f"{what}: permission denied ({msg})", hint) from None
+        if CAPACITY_TEXT in msg:
+            raise CapacityError(f"{what}: {msg}", code=code) from None
+        if isinstance(e, gexc.NotFound):
+            code = NOT_FOUND
+        raise CloudError(f"{what}: {code}: {msg}", code=code) from None
+    except (gexc.GoogleAPIError, requests.RequestException) as e:
         raise CloudError(f"{what}: {e}") from None
 
 
@@ -96,12 +158,25 @@ def _metadata(inst, key: str) -> str | None:
     return None
 
 
+def _when(stamp: str) -> datetime:
+    """An RFC 3339 timestamp of the API (``2026-01-01T00:00:00.000-08:00``) as a datetime."""
+    try:
+        when = datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+        return when if when.tzinfo else when.replace(tzinfo=timezone.utc)
+    except ValueError:
+        return datetime.min.replace(tzinfo=timezone.utc)
+
+
+def _last(link: str) -> str:
+    return link.rstrip("/").rsplit("/", 1)[-1]
+
+
 class GCPAPI:
     """Compute Engine in one project and region (see the module docstring).
 
     Args:
-        project: project id, or None for the credentials' project / GOOGLE_CLOUD_PROJECT.
-        region: e.g. ``us-central1``.
+        project: project id, or None for the credentials' project / ``GOOGLE_CLOUD_PROJECT``.
+        region: e.g. ``us-central1`` (may be empty when every spec names its zones).
         credentials: google-auth credentials (default: application default credentials).
     """
 
@@ -112,100 +187,142 @@ class GCPAPI:
         self.endpoint = os.environ.get("HYPER_GCP_ENDPOINT") or None
         self._credentials = credentials
         self._project = project
+        self._found_project: str | None = None
+        self._zones_of_region: list[str] | None = None
         self._local = threading.local()
         self._lock = threading.Lock()
 
     # -- plumbing ------------------------------------------------------------------------------
     def _creds(self):
+        """The credentials (module docstring). Raises CredentialsError."""
         with self._lock:
             if self._credentials is None:
                 if self.endpoint:
-                    from google.auth.credentials import AnonymousCredentials
                     self._credentials = AnonymousCredentials()
                 else:
-                    import google.auth
-                    with _calls("loading credentials"):
-                        self._credentials, found = google.auth.default(
-                            scopes=["https://www.googleapis.com/auth/compute"])
-                    self._project = self._project or found
+                    with _calls("loading Google application default credentials"):
+                        self._credentials, self._found_project = google.auth.default(
+                            scopes=SCOPES)
             return self._credentials
 
     @property
     def project(self) -> str:
-        self._creds()
-        p = self._project or os.environ.get("GOOGLE_CLOUD_PROJECT")
-        if not p:
-            raise CredentialsError("no Google Cloud project",
-                                   "set cluster.project, or GOOGLE_CLOUD_PROJECT")
-        return p
+        """The project id. Raises CredentialsError when neither the argument, the credentials
+        nor ``GOOGLE_CLOUD_PROJECT`` name one."""
+        if not self._project:
+            self._creds()
+            self._project = self._found_project or os.environ.get("GOOGLE_CLOUD_PROJECT")
+            if not self._project:
+                raise CredentialsError("no Google Cloud project", PROJECT_HINT)
+        return self._project
 
     def _client(self, cls):
-        key = cls.__name__
-        c = getattr(self._local, key, None)
+        """One client of ``cls`` per thread, on the REST transport."""
+        c = getattr(self._local, cls.__name__, None)
         if c is None:
-            opts = {"api_endpoint": self.endpoint} if self.endpoint else None
-            c = cls(credentials=self._creds(), client_options=opts, transport="rest")
-            setattr(self._local, key, c)
+            opts = ClientOptions(api_endpoint=self.endpoint) if self.endpoint else None
+            with _calls("creating the Compute Engine client"):
+                c = cls(credentials=self._creds(), client_options=opts, transport="rest")
+            setattr(self._local, cls.__name__, c)
         return c
 
+    @property
+    def instances(self) -> compute_v1.InstancesClient:
+        return self._client(compute_v1.InstancesClient)
+
     def _wait(self, op, what: str, zone: str | None = None) -> None:
-        """Wait for a zone (or global) operation to be DONE; raise its error."""
+        """Wait until a zone operation (``zone`` given) or global operation is DONE.
+
+        Raises:
+            CapacityError, QuotaError, CloudError: the operation ended in that error (``code``:
+            the operation's error code), or is not done after :data:`OP_TIMEOUT` s.
+        """
         deadline = time.monotonic() + OP_TIMEOUT
         ops = self._client(compute_v1.ZoneOperationsClient if zone
                            else compute_v1.GlobalOperationsClient)
+        where = {"zone": zone} if zone else {}
         while op.status != compute_v1.Operation.Status.DONE:
             if time.monotonic() > deadline:
-                raise CloudError(f"{what}: operation {op.name} not done after {OP_TIMEOUT:.0f} s")
+                raise CloudError(f"{what}: operation {op.name} not done after "
+                                 f"{OP_TIMEOUT:.0f} s")
             with _calls(what):
-                op = ops.wait(project=self.project, zone=zone, operation=op.name) if zone \
-                    else ops.wait(project=self.project, operation=op.name)
+                op = ops.wait(project=self.project, operation=op.name, **where)
         errors = list(op.error.errors) if op.error else []
         if errors:
             code, msg = errors[0].code, errors[0].message
-            cls = CapacityError if code in CAPACITY_CODES else \
+            cls = CapacityError if code in CAPACITY_CODES or CAPACITY_TEXT in msg else \
                 QuotaError if code in QUOTA_CODES else CloudError
             raise cls(f"{what}: {code}: {msg}", code=code)
 
+    def _region_zones(self) -> list[str]:
+        """The region's zones in the API's order. Raises UsageError for an unknown region."""
+        if self._zones_of_region is None:
+            if not self.region:
+                raise UsageError("provider gcp needs cluster.region or cluster.zone",
+                                 "e.g. region: us-central1")
+            try:
+                with _calls(f"reading region {self.region}"):
+                    region = self._client(compute_v1.RegionsClient).get(
+                        project=self.project, region=self.region)
+            except CloudError as e:
+                if e.code != NOT_FOUND:
+                    raise
+                raise UsageError(f"region {self.region} not found in project {self.project}",
+                                 "set cluster.region, e.g. us-central1") from None
+            self._zones_of_region = [_last(z) for z in region.zones]
+        return self._zones_of_region
+
     # -- the contract --------------------------------------------------------------------------
     def check(self) -> str:
-        with _calls("checking the credentials"):
-            zones = [z.name for z in self._client(compute_v1.ZonesClient).list(
-                project=self.project)]
-        mine = [z for z in zones if z.startswith(self.region + "-")] if self.region else zones
-        return f"project {self.project}, region {self.region or '?'} ({len(mine)} zones)"
-
-    def _zones(self, spec: CloudSpec) -> list[str]:
-        if spec.zones:
-            return list(spec.zones)
-        if not self.region:
-            raise UsageError("provider gcp needs cluster.region or cluster.zone",
-                             "e.g. region: us-central1")
-        with _calls("listing zones"):
-            zones = sorted(z.name for z in self._client(compute_v1.ZonesClient).list(
-                project=self.project) if z.name.startswith(self.region + "-"))
-        if not zones:
-            raise UsageError(f"region {self.region} has no zones in project {self.project}")
-        return zones
+        """``project P, region R (N zones)`` after one authenticated read (the region, or the
+        project when no region is set). Raises CredentialsError, UsageError, CloudError."""
+        if self.region:
+            zones = self._region_zones()
+            return f"project {self.project}, region {self.region} ({len(zones)} zones)"
+        with _calls("reading the project"):
+            self._client(compute_v1.ProjectsClient).get(project=self.project)
+        return f"project {self.project}, no region set"
 
     def prepare(self, spec: CloudSpec, ssh_public_key: str) -> dict:
-        name = f"{gce_name('hyper-' + spec.cluster)}-ssh"
+        """Make (or find, or correct) the firewall rule ``hyper-<cluster>-ssh``: TCP 22 from
+        ``spec.ssh_cidr`` to the tag ``hyper-<cluster>``; waits for its global operation.
+
+        Returns:
+            ``{"firewall": rule name, "network_tag": tag}`` for :meth:`create`.
+        Raises:
+            UsageError: ``spec.ssh_cidr`` is not set. CredentialsError, CloudError.
+        """
+        if not spec.ssh_cidr:
+            raise UsageError("no address range for the SSH firewall rule",
+                             "set cluster.ssh_cidr, e.g. 203.0.113.7/32")
+        tag = gce_name(f"hyper-{spec.cluster}")
+        name = f"{tag[:59].rstrip('-')}-ssh"
+        allowed = [compute_v1.Allowed(I_p_protocol="tcp", ports=["22"])]
         fw = self._client(compute_v1.FirewallsClient)
         try:
             with _calls("reading the firewall rule"):
-                fw.get(project=self.project, firewall=name)
+                rule = fw.get(project=self.project, firewall=name)
         except CloudError as e:
-            if e.code != "404":
+            if e.code != NOT_FOUND:
                 raise
-            rule = compute_v1.Firewall(
+            rule = None
+        if rule is None:
+            new = compute_v1.Firewall(
                 name=name, network="global/networks/default", direction="INGRESS",
                 description=f"{TAG_CLUSTER}={spec.cluster} {TAG_OWNER}={owner()}: SSH",
-                source_ranges=[spec.ssh_cidr],
-                target_tags=[gce_name("hyper-" + spec.cluster)],
-                allowed=[compute_v1.Allowed(I_p_protocol="tcp", ports=["22"])])
+                source_ranges=[spec.ssh_cidr], target_tags=[tag], allowed=allowed)
             with _calls("creating the firewall rule"):
-                op = fw.insert_unary(project=self.project, firewall_resource=rule)
+                op = fw.insert_unary(project=self.project, firewall_resource=new)
             self._wait(op, "creating the firewall rule")
-        return {"firewall": name, "network_tag": gce_name("hyper-" + spec.cluster)}
+        elif (list(rule.source_ranges) != [spec.ssh_cidr] or list(rule.target_tags) != [tag]
+              or [(a.I_p_protocol, list(a.ports)) for a in rule.allowed] != [("tcp", ["22"])]):
+            fix = compute_v1.Firewall(source_ranges=[spec.ssh_cidr], target_tags=[tag],
+                                      allowed=allowed)
+            with _calls("updating the firewall rule"):
+                op = fw.patch_unary(project=self.project, firewall=name,
+                                    firewall_resource=fix)
+            self._wait(op, "updating the firewall rule")
+        return {"firewall": name, "network_tag": tag}
 
     def _labels(self, cluster: str, node: str | None = None) -> dict:
         labels = {label_key(TAG_CLUSTER): label_value(cluster),
@@ -216,168 +333,269 @@ class GCPAPI:
 
     def create(self, spec: CloudSpec, nodes: list[str], boot: Boot,
                prepared: dict) -> tuple[list[VM], dict[str, Exception]]:
+        """Insert one instance per node (module docstring), all of a zone at once, then wait
+        for their operations; nodes that met a CapacityError go on to the next zone.
+
+        Args:
+            spec: the cluster; nodes: node names; boot: boot documents and SSH key;
+            prepared: what :meth:`prepare` returned.
+        Returns:
+            (the VMs made, {node: its last error} for nodes that got none).
+        Raises:
+            UsageError: no image, unknown region. CredentialsError.
+        """
         image = self.find_image(spec)
-        zones = self._zones(spec)
+        zones = list(spec.zones) or self._region_zones()
         vms, errors = [], {}
-        for node in nodes:
-            last: Exception | None = None
-            for zone in zones:
+        waiting = list(nodes)
+        for zone in zones:
+            started, next_zone = {}, []
+            for node in waiting:
                 try:
-                    vms.append(self._insert(spec, node, zone, image, boot, prepared))
-                    last = None
-                    break
+                    started[node] = self._insert(spec, node, zone, image, boot, prepared)
                 except CapacityError as e:
-                    last = e
+                    errors[node] = e
+                    next_zone.append(node)
                 except CloudError as e:
-                    last = e
-                    break
-            if last is not None:
-                errors[node] = last
+                    vm = self._adopt(spec, node, zone) if e.code == "alreadyExists" else None
+                    if vm:
+                        vms.append(vm)
+                        errors.pop(node, None)
+                    else:
+                        errors[node] = e
+            for node, op in started.items():
+                what = f"launching {node} in {zone}"
+                try:
+                    self._wait(op, what, zone)
+                    with _calls(what):
+                        vms.append(self._vm(self.instances.get(
+                            project=self.project, zone=zone, instance=gce_name(node)), zone))
+                    errors.pop(node, None)
+                except CapacityError as e:
+                    errors[node] = e
+                    next_zone.append(node)
+                except CloudError as e:
+                    errors[node] = e
+            waiting = next_zone
+            if not waiting:
+                break
         return vms, errors
 
+    def _adopt(self, spec: CloudSpec, node: str, zone: str) -> VM | None:
+        """The instance of ``node`` that already exists in ``zone`` when it is this
+        cluster's (a create repeated after a partial failure), else None."""
+        try:
+            with _calls(f"reading {node}"):
+                inst = self.instances.get(project=self.project, zone=zone,
+                                          instance=gce_name(node))
+        except CloudError:
+            return None
+        return self._vm(inst, zone) if _metadata(inst, "hyper-cluster") == spec.cluster \
+            else None
+
     def _insert(self, spec: CloudSpec, node: str, zone: str, image: str, boot: Boot,
-                prepared: dict) -> VM:
-        scheduling = compute_v1.Scheduling(
-            provisioning_model="SPOT", instance_termination_action="DELETE",
-            automatic_restart=False, on_host_maintenance="TERMINATE") if spec.spot else \
-            compute_v1.Scheduling(provisioning_model="STANDARD")
+                prepared: dict):
+        """Send one instance insert; returns its (not yet DONE) zone operation."""
+        if spec.spot:
+            scheduling = compute_v1.Scheduling(
+                provisioning_model="SPOT", instance_termination_action="DELETE",
+                automatic_restart=False, on_host_maintenance="TERMINATE")
+        else:  # GPUs cannot live-migrate
+            scheduling = compute_v1.Scheduling(
+                provisioning_model="STANDARD", automatic_restart=True,
+                on_host_maintenance="TERMINATE" if spec.variant == "gpu" else "MIGRATE")
+        doc = boot.user_data[node]
         meta = {"ssh-keys": f"{boot.ssh_user}:{boot.ssh_public_key}",
-                "user-data": boot.user_data[node], "hyper-cluster": spec.cluster,
-                "hyper-node": node}
+                "user-data" if doc.lstrip().startswith(CLOUD_INIT_STARTS)
+                else "startup-script": doc,
+                "hyper-cluster": spec.cluster, "hyper-node": node}
+        labels = self._labels(spec.cluster, node)
         inst = compute_v1.Instance(
             name=gce_name(node), machine_type=f"zones/{zone}/machineTypes/{spec.instance_type}",
-            labels=self._labels(spec.cluster, node),
-            tags=compute_v1.Tags(items=[prepared["network_tag"]]),
+            labels=labels, tags=compute_v1.Tags(items=[prepared["network_tag"]]),
             disks=[compute_v1.AttachedDisk(
                 boot=True, auto_delete=True,
                 initialize_params=compute_v1.AttachedDiskInitializeParams(
-                    source_image=image, disk_size_gb=spec.disk_gb,
-                    labels=self._labels(spec.cluster, node)))],
+                    source_image=image, disk_size_gb=spec.disk_gb, labels=labels))],
             network_interfaces=[compute_v1.NetworkInterface(
                 network="global/networks/default",
                 access_configs=[compute_v1.AccessConfig(name="External NAT",
                                                         type_="ONE_TO_ONE_NAT")])],
             metadata=compute_v1.Metadata(items=[compute_v1.Items(key=k, value=v)
                                                 for k, v in meta.items()]),
-            # the default service account, scope compute: the node watcher's idle watchdog
-            # deletes its own instance with it
-            service_accounts=[compute_v1.ServiceAccount(
-                email="default", scopes=["https://www.googleapis.com/auth/compute"])],
+            service_accounts=[compute_v1.ServiceAccount(email="default", scopes=SCOPES)],
             scheduling=scheduling)
-        what = f"launching {node} in {zone}"
-        with _calls(what):
-            op = self._client(compute_v1.InstancesClient).insert_unary(
-                project=self.project, zone=zone, instance_resource=inst)
-        self._wait(op, what, zone)
-        with _calls(what):
-            got = self._client(compute_v1.InstancesClient).get(
-                project=self.project, zone=zone, instance=gce_name(node))
-        return self._vm(got, zone)
+        with _calls(f"launching {node} in {zone}"):
+            return self.instances.insert_unary(project=self.project, zone=zone,
+                                               instance_resource=inst)
 
-    def _vm(self, inst, zone: str) -> VM:
+    def _vm(self, inst, zone: str, preempted: set | None = None) -> VM:
         state = STATES.get(inst.status, "pending")
-        spot = inst.scheduling.provisioning_model == "SPOT" if inst.scheduling else False
-        if state == "terminated" and spot:
+        spot = bool(inst.scheduling) and inst.scheduling.provisioning_model == "SPOT"
+        if spot and preempted and inst.id in preempted:
             state = "preempted"
         nic = inst.network_interfaces[0] if inst.network_interfaces else None
         public = nic.access_configs[0].nat_i_p if nic and nic.access_configs else None
         return VM(id=inst.name, node=_metadata(inst, "hyper-node") or inst.name,
                   zone=zone, state=state, public_ip=public or None,
                   private_ip=(nic.network_i_p or None) if nic else None,
-                  instance_type=inst.machine_type.rsplit("/", 1)[-1], spot=spot,
-                  extra={"zone": zone})
+                  instance_type=_last(inst.machine_type), spot=spot,
+                  extra={"instance_id": str(inst.id), "created": inst.creation_timestamp,
+                         "status": inst.status})
+
+    def _filter(self, cluster: str | None) -> str:
+        key = label_key(TAG_CLUSTER)
+        return f'labels.{key} = "{label_value(cluster)}"' if cluster else f"labels.{key}:*"
 
     def _instances(self, cluster: str | None) -> list[tuple[str, object]]:
-        key = label_key(TAG_CLUSTER)
-        flt = f'labels.{key} = "{label_value(cluster)}"' if cluster else f"labels.{key}:*"
+        """(zone, instance) of the cluster's instances (of every cluster when None)."""
         out = []
         with _calls("listing instances"):
-            for scope, listing in self._client(compute_v1.InstancesClient).aggregated_list(
-                    request={"project": self.project, "filter": flt}):
+            for scope, listing in self.instances.aggregated_list(
+                    request={"project": self.project, "filter": self._filter(cluster)}):
                 for inst in listing.instances:
                     if cluster is None or _metadata(inst, "hyper-cluster") in (None, cluster):
-                        out.append((scope.rsplit("/", 1)[-1], inst))
+                        out.append((_last(scope), inst))
         return out
 
+    def _preempted(self, found: list[tuple[str, object]]) -> set[int]:
+        """Ids of the SPOT instances among ``found`` that are STOPPING or TERMINATED and
+        that a ``compute.instances.preempted`` operation of their zone names."""
+        stopped = [(z, i) for z, i in found if i.status in ("STOPPING", "TERMINATED")
+                   and i.scheduling and i.scheduling.provisioning_model == "SPOT"]
+        out: set[int] = set()
+        ops = self._client(compute_v1.ZoneOperationsClient) if stopped else None
+        for zone in sorted({z for z, _ in stopped}):
+            with _calls(f"listing preemptions in {zone}"):
+                for op in ops.list(request={"project": self.project, "zone": zone,
+                                            "filter": f'operationType = "{PREEMPTED_OP}"'}):
+                    out.add(op.target_id)
+        return {i.id for _, i in stopped if i.id in out}
+
     def describe(self, cluster: str) -> list[VM]:
-        return [self._vm(i, z) for z, i in self._instances(cluster)]
+        """The cluster's instances, any state (preemption rule: module docstring).
+        Raises CredentialsError, CloudError."""
+        found = self._instances(cluster)
+        preempted = self._preempted(found)
+        return [self._vm(i, z, preempted) for z, i in found]
 
     def terminate(self, cluster: str, ids: list[str]) -> None:
+        """Delete the instances named ``ids`` (instance names) without waiting; one already
+        gone is skipped. Raises CredentialsError, CloudError."""
         zones = {vm.id: vm.zone for vm in self.describe(cluster)}
         for i in ids:
             if i in zones:
-                with _calls(f"deleting {i}"):
-                    self._client(compute_v1.InstancesClient).delete_unary(
-                        project=self.project, zone=zones[i], instance=i)
+                self._gone(lambda: self.instances.delete_unary(
+                    project=self.project, zone=zones[i], instance=i), f"deleting {i}")
 
     def resources(self, cluster: str | None = None) -> list[Resource]:
-        out = [Resource("instance", i.name, _metadata(i, "hyper-cluster") or
-                        i.labels.get(label_key(TAG_CLUSTER)), z)
-               for z, i in self._instances(cluster)]
+        """Instances and disks labelled ``hyper-cluster`` (= ``cluster``), and firewall rules
+        whose description says ``hyper:cluster=`` (or named ``hyper-<cluster>-ssh``; a
+        ``hyper-*`` rule without that description is listed with cluster None), in deletion
+        order. Raises CredentialsError, CloudError."""
         key = label_key(TAG_CLUSTER)
-        flt = f'labels.{key} = "{label_value(cluster)}"' if cluster else f"labels.{key}:*"
+        out = [Resource("instance", i.name, _metadata(i, "hyper-cluster") or
+                        i.labels.get(key), z) for z, i in self._instances(cluster)]
         with _calls("listing disks"):
             for scope, listing in self._client(compute_v1.DisksClient).aggregated_list(
-                    request={"project": self.project, "filter": flt}):
-                out += [Resource("disk", d.name, cluster or d.labels.get(key),
-                                 scope.rsplit("/", 1)[-1]) for d in listing.disks]
+                    request={"project": self.project, "filter": self._filter(cluster)}):
+                out += [Resource("disk", d.name, cluster or d.labels.get(key), _last(scope))
+                        for d in listing.disks]
+        mine = gce_name(f"hyper-{cluster}")[:59].rstrip("-") + "-ssh" if cluster else None
         with _calls("listing firewall rules"):
             for f in self._client(compute_v1.FirewallsClient).list(project=self.project):
-                m = re.match(rf"{re.escape(TAG_CLUSTER)}=(\S+) ", f.description or "")
-                if m and (cluster is None or m[1] == cluster):
-                    out.append(Resource("firewall", f.name, m[1], "global"))
+                m = re.match(rf"{re.escape(TAG_CLUSTER)}=(\S+)", f.description or "")
+                owner_ = m[1] if m else None
+                if cluster is None and (owner_ or f.name.startswith("hyper-")):
+                    out.append(Resource("firewall", f.name, owner_, "global"))
+                elif cluster is not None and (owner_ == cluster or
+                                              (owner_ is None and f.name == mine)):
+                    out.append(Resource("firewall", f.name, cluster, "global"))
         return out
 
+    def _gone(self, call, what: str):
+        """Run a delete; returns its operation, or None when the resource is already gone
+        (or, for a disk, still in use by an instance being deleted: the next round takes
+        it)."""
+        try:
+            with _calls(what):
+                return call()
+        except CloudError as e:
+            if e.code in (NOT_FOUND, IN_USE):
+                return None
+            raise
+
     def delete(self, resources: list[Resource]) -> list[str]:
+        """Delete instances (all at once, then waiting for each), then disks, then firewall
+        rules; kinds not made here are skipped. Returns ``"<kind> <id>"`` per resource
+        removed. Raises CredentialsError, CloudError."""
+        calls = {
+            "instance": lambda r: self.instances.delete_unary(
+                project=self.project, zone=r.region, instance=r.id),
+            "disk": lambda r: self._client(compute_v1.DisksClient).delete_unary(
+                project=self.project, zone=r.region, disk=r.id),
+            "firewall": lambda r: self._client(compute_v1.FirewallsClient).delete_unary(
+                project=self.project, firewall=r.id),
+        }
         removed = []
-        order = {"instance": 0, "disk": 1, "firewall": 2}
-        for r in sorted(resources, key=lambda r: order.get(r.kind, 3)):
-            what = f"deleting {r.kind} {r.id}"
-            try:
-                with _calls(what):
-                    if r.kind == "instance":
-                        op = self._client(compute_v1.InstancesClient).delete_unary(
-                            project=self.project, zone=r.region, instance=r.id)
-                    elif r.kind == "disk":
-                        op = self._client(compute_v1.DisksClient).delete_unary(
-                            project=self.project, zone=r.region, disk=r.id)
-                    elif r.kind == "firewall":
-                        op = self._client(compute_v1.FirewallsClient).delete_unary(
-                            project=self.project, firewall=r.id)
-                    else:
-                        continue
-                self._wait(op, what, r.region if r.kind != "firewall" else None)
-            except CloudError as e:
-                if e.code != "404":
-                    raise
-                continue  # already gone
-            removed.append(f"{r.kind} {r.id}")
+        for kind, call in calls.items():
+            ops = []
+            for r in resources:
+                if r.kind == kind:
+                    op = self._gone(lambda: call(r), f"deleting {kind} {r.id}")
+                    if op is not None:
+                        ops.append((r, op))
+            for r, op in ops:
+                try:
+                    self._wait(op, f"deleting {kind} {r.id}",
+                               r.region if kind != "firewall" else None)
+                except CloudError as e:
+                    if e.code != "RESOURCE_NOT_FOUND":
+                        raise
+                removed.append(f"{kind} {r.id}")
         return removed
 
     def spot_price(self, spec: CloudSpec) -> dict[str, float]:
+        """Always ``{}``: the Compute API has no prices (the Cloud Billing Catalog API,
+        cloudbilling.googleapis.com, is another service)."""
         return {}
 
     def find_image(self, spec: CloudSpec) -> str:
+        """``spec.image`` when it is a link (``projects/P/global/images/NAME``, ``.../family/F``
+        or a URL); an image name or family of the project (its link); else the newest image
+        (``creationTimestamp``) labelled ``hyper-image=node``, ``hyper-variant=<variant>``
+        that is READY and not deprecated.
+
+        Raises:
+            UsageError: no such image, or no baked image (how to bake one).
+            CredentialsError, CloudError.
+        """
         images = self._client(compute_v1.ImagesClient)
         if spec.image:
             if "/" in spec.image:
-                return spec.image  # a link: projects/P/global/images/NAME or a family link
-            try:
-                with _calls("finding the image"):
-                    return images.get(project=self.project, image=spec.image).self_link
-            except CloudError as e:
-                if e.code == "404":
-                    raise UsageError(f"image {spec.image} does not exist in project "
-                                     f"{self.project}",
-                                     "set cluster.image to an image name or link") from None
-                raise
-        flt = (f'labels.{label_key(TAG_IMAGE)} = "node" AND '
-               f'labels.{label_key(TAG_VARIANT)} = "{spec.variant}"')
+                return spec.image
+            for how, call in (("image", lambda: images.get(
+                                  project=self.project, image=spec.image)),
+                              ("image family", lambda: images.get_from_family(
+                                  project=self.project, family=spec.image))):
+                try:
+                    with _calls(f"finding the {how} {spec.image}"):
+                        return call().self_link
+                except CloudError as e:
+                    if e.code != NOT_FOUND:
+                        raise
+            raise UsageError(f"no image or image family {spec.image} in project "
+                             f"{self.project}",
+                             "set cluster.image to an image name, family or link "
+                             "(projects/P/global/images/NAME)")
+        flt = (f'(labels.{label_key(TAG_IMAGE)} = "node") AND '
+               f'(labels.{label_key(TAG_VARIANT)} = "{label_value(spec.variant)}")')
         with _calls("finding the baked image"):
-            found = list(images.list(request={"project": self.project, "filter": flt}))
+            found = [i for i in images.list(request={"project": self.project, "filter": flt})
+                     if i.status in ("", "READY") and i.deprecated.state in ("", "ACTIVE")]
         if not found:
             raise UsageError(f"no baked hypercli {spec.variant} image in project "
                              f"{self.project}",
                              "bake one: hyper image build --provider gcp "
                              "(or set image: projects/P/global/images/NAME)")
-        return max(found, key=lambda i: i.creation_timestamp).self_link
+        return max(found, key=lambda i: _when(i.creation_timestamp)).self_link
