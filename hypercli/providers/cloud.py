@@ -157,11 +157,12 @@ class Boot:
     """What a node needs at first boot, given to :meth:`CloudAPI.create`.
 
     Attributes:
-        user_data: node name → its boot script (shell text that cloud-init, GCP's
-            ``startup-script`` or Azure's custom data runs as root). The same script on every
-            cloud: it installs the node's own host key (generated here, so the client pins it
-            without trusting a first contact) and the cluster's SSH key, and starts the
-            preemption watcher and the idle watchdog.
+        user_data: node name → its boot document: a ``#cloud-config`` YAML document
+            (:func:`hypercli.providers.cloud_provider.boot_document`) that cloud-init applies
+            at first boot — AWS user data, GCP ``user-data`` metadata, Azure custom data. The
+            same on every cloud: it installs the node's own host key (generated here, so the
+            client pins it without trusting a first contact) before sshd starts and the
+            cluster's SSH key, and starts the preemption watcher and the idle watchdog.
         ssh_user: the login user the script sets up.
         ssh_public_key: the cluster's public key, OpenSSH one-line form.
     """
