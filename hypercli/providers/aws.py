@@ -1,19 +1,28 @@
 """AWS EC2 through boto3: the :class:`~hypercli.providers.cloud.CloudAPI` of provider ``aws``.
 
-What a cluster gets (all tagged ``hyper:cluster``, ``hyper:node`` where it belongs to one node,
-``hyper:owner``, and ``Name``):
+What a cluster gets, every piece tagged ``hyper:cluster``, ``hyper:owner`` and ``Name`` (and
+``hyper:node`` where it belongs to one node):
 
-* a key pair ``hyper-<cluster>`` (the public half of the key made by hypercli);
-* a security group ``hyper-<cluster>`` in the default VPC with one rule: TCP 22 from
-  ``ssh_cidr``;
-* per node one instance, spot (one-time request, terminated on interruption, ``MaxPrice`` when
-  ``max_price`` is set) or on-demand, shutting down = terminating (so the node watcher's idle
-  power-off removes it), its root volume of ``disk_gb`` GiB (gp3, deleted with the instance);
-  zones are tried in ``zones`` order while the answer is a capacity error.
+* a key pair ``hyper-<cluster>``: the public half of the cluster key made by hypercli
+  (replaced when the local key changed);
+* a security group ``hyper-<cluster>`` in the region's default VPC whose only inbound rule is
+  TCP 22 from ``ssh_cidr`` (other inbound rules are revoked, so a new caller address
+  replaces the old one);
+* per node one instance, spot (a one-time request, terminated on interruption, ``MaxPrice``
+  when ``max_price`` is set) or on-demand; shutdown from inside terminates it (so the idle
+  watchdog's power-off removes it); its root volume is ``disk_gb`` GiB, gp3, deleted with
+  the instance; the boot document is its user data.
 
-Credentials: boto3's standard chain (``AWS_PROFILE``, ``AWS_ACCESS_KEY_ID``..., ``~/.aws``,
-instance roles). Test seam: ``HYPER_AWS_ENDPOINT_URL`` sends every EC2 and STS call to that
-endpoint (moto's server in the test suite).
+Zones: ``zones`` are tried in order while EC2 answers with a capacity error; with no zones,
+EC2 picks first, then each zone of the default VPC is tried by name.
+
+Errors (codes from docs.aws.amazon.com/AWSEC2/latest/APIReference/errors-overview.html): missing
+or refused credentials → :class:`CredentialsError`; capacity → :class:`CapacityError`;
+account limits → :class:`QuotaError`; anything else → :class:`CloudError` with the AWS code.
+
+Credentials and region: boto3's standard chain (``AWS_PROFILE``, ``AWS_ACCESS_KEY_ID`` /
+``AWS_SECRET_ACCESS_KEY``, ``~/.aws``, instance roles). Test seam: ``HYPER_AWS_ENDPOINT_URL``
+sends every EC2 and STS call to that endpoint (a moto server in the test suite).
 """
 
 from __future__ import annotations
@@ -21,62 +30,89 @@ from __future__ import annotations
 import os
 import threading
 import time
+import uuid
 from contextlib import contextmanager
+from datetime import datetime, timezone
 
 import boto3
+from botocore.config import Config
 from botocore.exceptions import (BotoCoreError, ClientError, NoCredentialsError,
-                                 NoRegionError, PartialCredentialsError)
+                                 NoRegionError, PartialCredentialsError, ProfileNotFound)
 
 from hypercli.errors import UsageError
 from hypercli.providers.cloud import (TAG_CLUSTER, TAG_IMAGE, TAG_NODE, TAG_OWNER, TAG_VARIANT,
                                       VM, Boot, CapacityError, CloudError, CloudSpec,
                                       CredentialsError, QuotaError, Resource, owner)
 
+ENDPOINT_ENV = "HYPER_AWS_ENDPOINT_URL"
 CREDENTIALS_HINT = ("run `aws configure`, or set AWS_PROFILE, or AWS_ACCESS_KEY_ID and "
                     "AWS_SECRET_ACCESS_KEY")
-#: error codes of EC2 (docs.aws.amazon.com/AWSEC2/latest/APIReference/errors-overview.html)
+PERMISSION_HINT = ("the credentials work but may not do this: give their IAM user or role "
+                   "the EC2 permissions (or use another AWS_PROFILE)")
+#: refused credentials (EC2 and STS codes)
 AUTH_CODES = {"AuthFailure", "UnrecognizedClientException", "InvalidClientTokenId",
-              "ExpiredToken", "RequestExpired", "SignatureDoesNotMatch",
-              "UnauthorizedOperation", "OptInRequired"}
+              "ExpiredToken", "ExpiredTokenException", "RequestExpired",
+              "SignatureDoesNotMatch", "InvalidAccessKeyId", "IncompleteSignature"}
+#: credentials that work but lack a permission
+DENIED_CODES = {"UnauthorizedOperation", "AccessDenied", "AccessDeniedException"}
+#: no room for the request in that zone: the next zone is tried
 CAPACITY_CODES = {"InsufficientInstanceCapacity", "InsufficientCapacity",
-                  "InsufficientHostCapacity", "Unsupported", "SpotMaxPriceTooLow",
-                  "InsufficientFreeAddressesInSubnet"}
+                  "InsufficientHostCapacity", "InsufficientReservedInstanceCapacity",
+                  "Unsupported", "SpotMaxPriceTooLow", "InsufficientFreeAddressesInSubnet"}
+#: account limits: not retried elsewhere
 QUOTA_CODES = {"VcpuLimitExceeded", "MaxSpotInstanceCountExceeded", "InstanceLimitExceeded",
-               "ResourceLimitExceeded"}
+               "ResourceLimitExceeded", "AddressLimitExceeded", "VolumeLimitExceeded"}
+#: the resource is already gone: deleting it again is no error
 GONE_CODES = {"InvalidInstanceID.NotFound", "InvalidGroup.NotFound", "InvalidKeyPair.NotFound",
               "InvalidVolume.NotFound", "InvalidNetworkInterfaceID.NotFound",
               "InvalidAllocationID.NotFound", "InvalidSpotInstanceRequestID.NotFound"}
+#: still used by something that is going away: retried after a pause
+BUSY_CODES = {"DependencyViolation", "VolumeInUse", "InvalidNetworkInterface.InUse",
+              "InvalidIPAddress.InUse"}
 STATES = {"pending": "pending", "running": "running", "stopping": "stopping",
           "shutting-down": "stopping", "stopped": "stopping", "terminated": "terminated"}
-TERMINATE_WAIT = 300.0  # s that ``delete`` waits for instances to be terminated
+SPOT_TERMINATION = "Server.SpotInstanceTermination"  # StateReason code of a preempted node
+USER_DATA_MAX = 16384  # bytes before base64 (RunInstances ``UserData``)
+TERMINATE_WAIT = 600.0  # s that ``delete`` waits for instances to be terminated
+POLL = 2.0  # s between looks while waiting
+BUSY_TRIES, BUSY_PAUSE = 5, 2.0  # tries, s between them, for a resource still in use
 
 
 @contextmanager
-def _calls(what: str):
-    """Turn boto3's errors into hypercli's (module docstring): credentials, capacity,
-    quota, other cloud errors."""
+def aws_errors(what: str):
+    """Turn boto3's errors raised inside the block into hypercli's (module docstring).
+
+    Args:
+        what: the action, for the message (``launching c1-0 in us-east-1a``).
+    Raises:
+        CredentialsError: no credentials, an unknown profile, refused credentials, or an
+            operation the credentials may not do.
+        UsageError: no region configured.
+        CapacityError, QuotaError, CloudError: other API errors; ``code`` is AWS's.
+    """
     try:
         yield
-    except (NoCredentialsError, PartialCredentialsError) as e:
-        raise CredentialsError(f"no AWS credentials ({e})", CREDENTIALS_HINT) from None
+    except (NoCredentialsError, PartialCredentialsError, ProfileNotFound) as e:
+        raise CredentialsError(f"no usable AWS credentials ({e})", CREDENTIALS_HINT) from None
     except NoRegionError:
         raise UsageError("no AWS region", "set cluster.region, or AWS_DEFAULT_REGION") from None
     except ClientError as e:
         err = e.response.get("Error", {})
         code, msg = err.get("Code", "?"), err.get("Message", str(e))
         if code in AUTH_CODES:
-            raise CredentialsError(f"AWS refused the credentials ({code}: {msg})",
+            raise CredentialsError(f"AWS refused the credentials while {what} ({code}: {msg})",
                                    CREDENTIALS_HINT) from None
-        cls = CapacityError if code in CAPACITY_CODES else \
-            QuotaError if code in QUOTA_CODES else CloudError
+        if code in DENIED_CODES:
+            raise CredentialsError(f"{what}: {code}: {msg}", PERMISSION_HINT) from None
+        cls = (CapacityError if code in CAPACITY_CODES else
+               QuotaError if code in QUOTA_CODES else CloudError)
         raise cls(f"{what}: {code}: {msg}", code=code) from None
-    except BotoCoreError as e:
+    except BotoCoreError as e:  # endpoint unreachable, bad response, waiter failure ...
         raise CloudError(f"{what}: {e}") from None
 
 
-def _tags(cluster: str, node: str | None = None, name: str | None = None) -> list[dict]:
-    tags = {TAG_CLUSTER: cluster, TAG_OWNER: owner(), "Name": name or node or
-            f"hyper-{cluster}"}
+def _tags(cluster: str, node: str | None = None) -> list[dict]:
+    tags = {TAG_CLUSTER: cluster, TAG_OWNER: owner(), "Name": node or f"hyper-{cluster}"}
     if node:
         tags[TAG_NODE] = node
     return [{"Key": k, "Value": v} for k, v in tags.items()]
@@ -86,110 +122,212 @@ def _tag(obj: dict, key: str) -> str | None:
     return next((t["Value"] for t in obj.get("Tags") or [] if t["Key"] == key), None)
 
 
-def _code(e: CloudError) -> str:
-    return e.code or ""
+def _cluster_filter(cluster: str | None) -> list[dict]:
+    if cluster is None:
+        return [{"Name": "tag-key", "Values": [TAG_CLUSTER]}]
+    return [{"Name": f"tag:{TAG_CLUSTER}", "Values": [cluster]}]
+
+
+def _chunks(items: list, n: int = 100):
+    for i in range(0, len(items), n):
+        yield items[i:i + n]
 
 
 class AWSAPI:
     """EC2 in one region (see the module docstring).
 
     Args:
-        region: e.g. ``us-east-1``; empty: boto3's configured default.
+        region: e.g. ``us-east-1``; empty: the profile's or ``AWS_DEFAULT_REGION``.
         session: a boto3 Session (default: a new one from the standard chain).
+    Raises:
+        CredentialsError: ``AWS_PROFILE`` names a profile that does not exist.
+    Clients are made on first use, once, and shared between threads (boto3 clients are
+    thread-safe, their creation is not).
     """
 
     name = "aws"
 
     def __init__(self, region: str = "", session: boto3.Session | None = None):
-        self.session = session or boto3.Session()
-        self.region = region or self.session.region_name or os.environ.get(
-            "AWS_DEFAULT_REGION") or ""
-        self._local = threading.local()
+        with aws_errors("reading the AWS configuration"):
+            self.session = session or boto3.Session()
+            self.region = region or self.session.region_name or ""
+        self._clients: dict = {}
+        self._lock = threading.Lock()
 
-    def _client(self, service: str):
-        key = f"c_{service}"
-        c = getattr(self._local, key, None)
-        if c is None:  # boto3 clients are thread-safe but not their creation: one per thread
-            if not self.region:
-                raise UsageError("no AWS region", "set cluster.region, or AWS_DEFAULT_REGION")
-            with _calls("creating the EC2 client"):
-                c = self.session.client(service, region_name=self.region,
-                                        endpoint_url=os.environ.get("HYPER_AWS_ENDPOINT_URL")
-                                        or None)
-            setattr(self._local, key, c)
-        return c
+    def client(self, service: str):
+        """The boto3 client of ``service`` (``ec2``, ``sts``) in this region, made once.
+        Raises UsageError when no region is known."""
+        with self._lock:
+            if service not in self._clients:
+                if not self.region:
+                    raise UsageError("no AWS region",
+                                     "set cluster.region, or AWS_DEFAULT_REGION")
+                config = Config(retries={"mode": "standard", "max_attempts": 5},
+                                user_agent_extra="hypercli")
+                with aws_errors(f"creating the {service} client"):
+                    self._clients[service] = self.session.client(
+                        service, region_name=self.region, config=config,
+                        endpoint_url=os.environ.get(ENDPOINT_ENV) or None)
+            return self._clients[service]
 
     @property
     def ec2(self):
-        return self._client("ec2")
+        """The EC2 client (see :meth:`client`)."""
+        return self.client("ec2")
+
+    def _all(self, op: str, key: str, **kw) -> list[dict]:
+        """Every item under ``key`` of the paginated EC2 call ``op``; call inside
+        :func:`aws_errors`."""
+        if self.ec2.can_paginate(op):
+            return [x for page in self.ec2.get_paginator(op).paginate(**kw) for x in page[key]]
+        return getattr(self.ec2, op)(**kw)[key]
 
     # -- the contract ----------------------------------------------------------------------
     def check(self) -> str:
-        with _calls("checking the credentials"):
-            ident = self._client("sts").get_caller_identity()
+        """``account <id>, region <region>`` from STS GetCallerIdentity.
+        Raises CredentialsError (with how to configure them) or CloudError."""
+        with aws_errors("checking the credentials"):
+            ident = self.client("sts").get_caller_identity()
         return f"account {ident['Account']}, region {self.region}"
 
     def prepare(self, spec: CloudSpec, ssh_public_key: str) -> dict:
+        """Make or find, idempotently, the key pair and the security group of
+        ``spec.cluster`` (module docstring).
+
+        Args:
+            spec: the cluster; ``spec.ssh_cidr`` (e.g. ``203.0.113.7/32``) is who may SSH.
+            ssh_public_key: the cluster's public key, OpenSSH one-line form.
+        Returns:
+            ``{"key_name": str, "security_group": sg id, "vpc": vpc id,
+            "subnets": {zone: default subnet id}}``.
+        Raises:
+            UsageError: no ``ssh_cidr``. CloudError: the region has no default VPC, or an
+            API error. CredentialsError.
+        """
+        if not spec.ssh_cidr:
+            raise UsageError("no address range allowed to reach port 22",
+                             "set cluster.ssh_cidr, e.g. 203.0.113.7/32")
         name = f"hyper-{spec.cluster}"
         ec2 = self.ec2
-        with _calls("finding the default VPC"):
+        with aws_errors("finding the default VPC"):
             vpcs = ec2.describe_vpcs(Filters=[{"Name": "is-default", "Values": ["true"]}])["Vpcs"]
         if not vpcs:
             raise CloudError(f"region {self.region} has no default VPC",
                              "create one: aws ec2 create-default-vpc")
         vpc = vpcs[0]["VpcId"]
-        with _calls("importing the key pair"):
+        self._key_pair(spec.cluster, name, ssh_public_key)
+        group = self._security_group(spec, name, vpc)
+        with aws_errors("listing the default subnets"):
+            subnets = self._all("describe_subnets", "Subnets", Filters=[
+                {"Name": "vpc-id", "Values": [vpc]},
+                {"Name": "default-for-az", "Values": ["true"]}])
+        return {"key_name": name, "security_group": group, "vpc": vpc,
+                "subnets": {s["AvailabilityZone"]: s["SubnetId"] for s in subnets}}
+
+    def _key_pair(self, cluster: str, name: str, public_key: str) -> None:
+        ec2 = self.ec2
+        with aws_errors(f"importing the key pair {name}"):
+            found = ec2.describe_key_pairs(Filters=[{"Name": "key-name", "Values": [name]}],
+                                           IncludePublicKey=True)["KeyPairs"]
+            if found:
+                theirs = (found[0].get("PublicKey") or "").split()[1:2]
+                if not theirs or theirs == public_key.split()[1:2]:
+                    return
+                ec2.delete_key_pair(KeyName=name)  # the cluster's local key was made anew
             try:
-                ec2.import_key_pair(KeyName=name, PublicKeyMaterial=ssh_public_key.encode(),
+                ec2.import_key_pair(KeyName=name, PublicKeyMaterial=public_key.encode(),
                                     TagSpecifications=[{"ResourceType": "key-pair",
-                                                        "Tags": _tags(spec.cluster)}])
-            except ClientError as e:
-                if e.response["Error"]["Code"] != "InvalidKeyPair.Duplicate":
+                                                        "Tags": _tags(cluster)}])
+            except ClientError as e:  # imported meanwhile by another `hyper up`
+                if e.response.get("Error", {}).get("Code") != "InvalidKeyPair.Duplicate":
                     raise
-        with _calls("creating the security group"):
-            groups = ec2.describe_security_groups(Filters=[
-                {"Name": "group-name", "Values": [name]},
-                {"Name": "vpc-id", "Values": [vpc]}])["SecurityGroups"]
+
+    def _security_group(self, spec: CloudSpec, name: str, vpc: str) -> str:
+        ec2 = self.ec2
+        cidr = spec.ssh_cidr or ""
+        v6 = ":" in cidr
+        find = [{"Name": "group-name", "Values": [name]}, {"Name": "vpc-id", "Values": [vpc]}]
+        with aws_errors(f"preparing the security group {name}"):
+            groups = ec2.describe_security_groups(Filters=find)["SecurityGroups"]
             if groups:
-                sg = groups[0]["GroupId"]
+                group = groups[0]["GroupId"]
             else:
-                sg = ec2.create_security_group(
-                    GroupName=name, VpcId=vpc,
-                    Description=f"hypercli cluster {spec.cluster}: SSH from {spec.ssh_cidr}",
-                    TagSpecifications=[{"ResourceType": "security-group",
-                                        "Tags": _tags(spec.cluster)}])["GroupId"]
-                ec2.authorize_security_group_ingress(GroupId=sg, IpPermissions=[{
-                    "IpProtocol": "tcp", "FromPort": 22, "ToPort": 22,
-                    "IpRanges": [{"CidrIp": spec.ssh_cidr, "Description": "hyper SSH"}]}])
-            subnets = ec2.describe_subnets(Filters=[{"Name": "vpc-id", "Values": [vpc]}])
-        by_zone = {}
-        for s in subnets["Subnets"]:
-            if s.get("DefaultForAz", True):
-                by_zone.setdefault(s["AvailabilityZone"], s["SubnetId"])
-        return {"key_name": name, "security_group": sg, "subnets": by_zone}
+                try:
+                    group = ec2.create_security_group(
+                        GroupName=name, VpcId=vpc,
+                        Description=f"hypercli cluster {spec.cluster}",
+                        TagSpecifications=[{"ResourceType": "security-group",
+                                            "Tags": _tags(spec.cluster)}])["GroupId"]
+                except ClientError as e:  # made meanwhile by another `hyper up`
+                    if e.response.get("Error", {}).get("Code") != "InvalidGroup.Duplicate":
+                        raise
+                    group = ec2.describe_security_groups(Filters=find)[
+                        "SecurityGroups"][0]["GroupId"]
+            rules = ec2.describe_security_group_rules(
+                Filters=[{"Name": "group-id", "Values": [group]}])["SecurityGroupRules"]
+            ours = [r for r in rules if not r.get("IsEgress") and r.get("IpProtocol") == "tcp"
+                    and r.get("FromPort") == 22 and r.get("ToPort") == 22
+                    and r.get("CidrIpv6" if v6 else "CidrIpv4") == cidr]
+            others = [r["SecurityGroupRuleId"] for r in rules
+                      if not r.get("IsEgress") and r not in ours]
+            if others:
+                ec2.revoke_security_group_ingress(GroupId=group, SecurityGroupRuleIds=others)
+            if not ours:
+                ranges = ({"Ipv6Ranges": [{"CidrIpv6": cidr, "Description": "hypercli SSH"}]}
+                          if v6 else
+                          {"IpRanges": [{"CidrIp": cidr, "Description": "hypercli SSH"}]})
+                ec2.authorize_security_group_ingress(GroupId=group, IpPermissions=[{
+                    "IpProtocol": "tcp", "FromPort": 22, "ToPort": 22, **ranges}])
+        return group
 
     def create(self, spec: CloudSpec, nodes: list[str], boot: Boot,
                prepared: dict) -> tuple[list[VM], dict[str, Exception]]:
-        image = self.find_image(spec)
-        with _calls("describing the image"):
-            img = self.ec2.describe_images(ImageIds=[image])["Images"][0]
-        root = img.get("RootDeviceName") or "/dev/xvda"
-        zones = list(spec.zones) or [None]
-        vms, errors = [], {}
+        """Launch one instance per node (one RunInstances call each), trying the zones in
+        order on capacity errors (module docstring).
+
+        Args:
+            spec: the cluster; nodes: node names; boot: their user data;
+            prepared: what :meth:`prepare` returned.
+        Returns:
+            (the VMs launched, {node: the error that left it without one}): a zone that
+            answered with a capacity error is not asked again for later nodes, a quota
+            error ends the launch (the remaining nodes get it too), and a node's error is
+            the last one it met.
+        Raises:
+            UsageError: no image (see :meth:`find_image`). CredentialsError.
+        """
+        image = self._image(spec)
+        root = image.get("RootDeviceName") or "/dev/xvda"
+        zones = list(spec.zones) or [None, *sorted(prepared.get("subnets") or {})]
+        full: set = set()  # zones that answered with a capacity error
+        vms: list[VM] = []
+        errors: dict[str, Exception] = {}
+        last: Exception | None = None  # the latest error of any node
+        quota: Exception | None = None
         for node in nodes:
-            last: Exception | None = None
-            for zone in zones:
+            size = len(boot.user_data[node].encode())
+            if size > USER_DATA_MAX:
+                errors[node] = CloudError(f"the boot document of {node} is {size} bytes; "
+                                          f"EC2 user data holds at most {USER_DATA_MAX}")
+                continue
+            left = [z for z in zones if z not in full]
+            if quota is not None or not left:
+                errors[node] = quota or last  # the same answer again: not asked
+                continue
+            for zone in left:
                 try:
-                    vms.append(self._run(spec, node, zone, image, root, boot, prepared))
-                    last = None
+                    vms.append(self._run(spec, node, zone, image["ImageId"], root, boot,
+                                         prepared))
+                    errors.pop(node, None)  # an earlier zone's capacity error
                     break
                 except CapacityError as e:
-                    last = e  # the next zone may have room
+                    errors[node] = last = e
+                    full.add(zone)
                 except CloudError as e:
-                    last = e
+                    errors[node] = last = e
+                    if isinstance(e, QuotaError):
+                        quota = e
                     break
-            if last is not None:
-                errors[node] = last
         return vms, errors
 
     def _run(self, spec: CloudSpec, node: str, zone: str | None, image: str, root: str,
@@ -198,36 +336,38 @@ class AWSAPI:
             "ImageId": image, "InstanceType": spec.instance_type, "MinCount": 1, "MaxCount": 1,
             "KeyName": prepared["key_name"], "UserData": boot.user_data[node],
             "InstanceInitiatedShutdownBehavior": "terminate",
+            "ClientToken": f"{node}-{uuid.uuid4().hex}"[-64:],  # retried calls launch once
             "BlockDeviceMappings": [{"DeviceName": root, "Ebs": {
                 "VolumeSize": spec.disk_gb, "VolumeType": "gp3",
                 "DeleteOnTermination": True}}],
             "TagSpecifications": [{"ResourceType": r, "Tags": _tags(spec.cluster, node)}
                                   for r in ("instance", "volume", "network-interface")],
         }
-        subnet = prepared["subnets"].get(zone) if zone else None
+        subnet = (prepared.get("subnets") or {}).get(zone) if zone else None
         if subnet:
             args["NetworkInterfaces"] = [{"DeviceIndex": 0, "SubnetId": subnet,
                                           "Groups": [prepared["security_group"]],
-                                          "AssociatePublicIpAddress": True}]
+                                          "AssociatePublicIpAddress": True,
+                                          "DeleteOnTermination": True}]
         else:
             args["SecurityGroupIds"] = [prepared["security_group"]]
             if zone:
                 args["Placement"] = {"AvailabilityZone": zone}
         if spec.spot:
-            opts = {"SpotInstanceType": "one-time",
-                    "InstanceInterruptionBehavior": "terminate"}
+            opts = {"SpotInstanceType": "one-time", "InstanceInterruptionBehavior": "terminate"}
             if spec.max_price:
-                opts["MaxPrice"] = f"{spec.max_price:.4f}"
+                opts["MaxPrice"] = f"{spec.max_price:.6f}"
             args["InstanceMarketOptions"] = {"MarketType": "spot", "SpotOptions": opts}
             args["TagSpecifications"].append({"ResourceType": "spot-instances-request",
                                               "Tags": _tags(spec.cluster, node)})
-        with _calls(f"launching {node}" + (f" in {zone}" if zone else "")):
+        with aws_errors(f"launching {node}" + (f" in {zone}" if zone else "")):
             inst = self.ec2.run_instances(**args)["Instances"][0]
         return self._vm(inst)
 
-    def _vm(self, inst: dict) -> VM:
+    @staticmethod
+    def _vm(inst: dict) -> VM:
         state = STATES.get(inst["State"]["Name"], "pending")
-        if (inst.get("StateReason") or {}).get("Code") == "Server.SpotInstanceTermination":
+        if (inst.get("StateReason") or {}).get("Code") == SPOT_TERMINATION:
             state = "preempted"
         return VM(id=inst["InstanceId"], node=_tag(inst, TAG_NODE) or "",
                   zone=(inst.get("Placement") or {}).get("AvailabilityZone", ""),
@@ -235,137 +375,206 @@ class AWSAPI:
                   private_ip=inst.get("PrivateIpAddress"),
                   instance_type=inst.get("InstanceType", ""),
                   spot=inst.get("InstanceLifecycle") == "spot",
-                  extra={"image": inst.get("ImageId"),
-                         "launched": str(inst.get("LaunchTime", ""))})
+                  extra={"image": inst.get("ImageId"), "launched": str(inst.get("LaunchTime", "")),
+                         "spot_request": inst.get("SpotInstanceRequestId"),
+                         "state_reason": (inst.get("StateReason") or {}).get("Message")})
 
     def _instances(self, cluster: str | None) -> list[dict]:
-        f = [{"Name": f"tag:{TAG_CLUSTER}", "Values": [cluster]}] if cluster else \
-            [{"Name": "tag-key", "Values": [TAG_CLUSTER]}]
-        out = []
-        with _calls("listing instances"):
-            for page in self.ec2.get_paginator("describe_instances").paginate(Filters=f):
-                out += [i for r in page["Reservations"] for i in r["Instances"]]
-        return out
+        with aws_errors("listing instances"):
+            reservations = self._all("describe_instances", "Reservations",
+                                     Filters=_cluster_filter(cluster))
+        return [i for r in reservations for i in r["Instances"]]
 
     def describe(self, cluster: str) -> list[VM]:
+        """The cluster's instances that are not terminated, plus the spot ones EC2 took back
+        (state ``preempted``; EC2 lists terminated instances for about an hour).
+        Raises CredentialsError / CloudError."""
         return [self._vm(i) for i in self._instances(cluster)
                 if i["State"]["Name"] != "terminated"
-                or (i.get("StateReason") or {}).get("Code") == "Server.SpotInstanceTermination"]
+                or (i.get("StateReason") or {}).get("Code") == SPOT_TERMINATION]
 
     def terminate(self, cluster: str, ids: list[str]) -> None:
-        if ids:
-            with _calls("terminating instances"):
-                self.ec2.terminate_instances(InstanceIds=ids)
+        """Terminate instances by id, without waiting; ids EC2 no longer knows are skipped.
+        Raises CredentialsError / CloudError."""
+        for chunk in _chunks(list(ids)):
+            if not self._gone(f"terminating {', '.join(chunk)}",
+                              lambda c=chunk: self.ec2.terminate_instances(InstanceIds=c)):
+                for i in chunk:  # one unknown id fails the whole call: each alone
+                    self._gone(f"terminating {i}",
+                               lambda i=i: self.ec2.terminate_instances(InstanceIds=[i]))
 
     def resources(self, cluster: str | None = None) -> list[Resource]:
-        ec2 = self.ec2
-        f = [{"Name": f"tag:{TAG_CLUSTER}", "Values": [cluster]}] if cluster else \
-            [{"Name": "tag-key", "Values": [TAG_CLUSTER]}]
-        out = [Resource("instance", i["InstanceId"], _tag(i, TAG_CLUSTER), self.region)
-               for i in self._instances(cluster) if i["State"]["Name"] != "terminated"]
-        with _calls("listing resources"):
-            out += [Resource("spot_request", r["SpotInstanceRequestId"],
-                             _tag(r, TAG_CLUSTER), self.region)
-                    for r in ec2.describe_spot_instance_requests(Filters=f)[
-                        "SpotInstanceRequests"] if r["State"] in ("open", "active")]
-            out += [Resource("network_interface", n["NetworkInterfaceId"],
-                             _tag(n, TAG_CLUSTER), self.region)
-                    for n in ec2.describe_network_interfaces(Filters=f)["NetworkInterfaces"]]
-            out += [Resource("volume", v["VolumeId"], _tag(v, TAG_CLUSTER), self.region)
-                    for v in ec2.describe_volumes(Filters=f)["Volumes"]]
-            out += [Resource("address", a["AllocationId"], _tag(a, TAG_CLUSTER), self.region)
-                    for a in ec2.describe_addresses(Filters=f)["Addresses"]
-                    if a.get("AllocationId")]
-            out += [Resource("key_pair", k["KeyName"], _tag(k, TAG_CLUSTER), self.region)
-                    for k in ec2.describe_key_pairs(Filters=f)["KeyPairs"]]
-            out += [Resource("security_group", g["GroupId"], _tag(g, TAG_CLUSTER), self.region)
-                    for g in ec2.describe_security_groups(Filters=f)["SecurityGroups"]]
+        """What carries the tag ``hyper:cluster`` (= ``cluster``; any value when None) and
+        still exists, in deletion order: ``instance``, ``spot_request`` (open or active),
+        ``nic``, ``disk``, ``public_ip``, ``key_pair``, ``security_group``.
+        Raises CredentialsError / CloudError."""
+        f = _cluster_filter(cluster)
+
+        def res(kind, items, key):
+            return [Resource(kind, x[key], _tag(x, TAG_CLUSTER), self.region) for x in items]
+        out = res("instance", [i for i in self._instances(cluster)
+                               if i["State"]["Name"] != "terminated"], "InstanceId")
+        with aws_errors("listing the cluster's resources"):
+            out += res("spot_request", [r for r in self._all(
+                "describe_spot_instance_requests", "SpotInstanceRequests", Filters=f)
+                if r["State"] in ("open", "active")], "SpotInstanceRequestId")
+            out += res("nic", self._all("describe_network_interfaces", "NetworkInterfaces",
+                                        Filters=f), "NetworkInterfaceId")
+            out += res("disk", self._all("describe_volumes", "Volumes", Filters=f), "VolumeId")
+            out += res("public_ip", [a for a in self.ec2.describe_addresses(Filters=f)[
+                "Addresses"] if a.get("AllocationId")], "AllocationId")
+            out += res("key_pair", self.ec2.describe_key_pairs(Filters=f)["KeyPairs"],
+                       "KeyName")
+            out += res("security_group", self._all("describe_security_groups",
+                                                   "SecurityGroups", Filters=f), "GroupId")
         return out
 
     def delete(self, resources: list[Resource]) -> list[str]:
-        ec2 = self.ec2
-        removed = []
-        instances = [r.id for r in resources if r.kind == "instance"]
-        if instances:
-            self._gone(lambda: ec2.terminate_instances(InstanceIds=instances))
-            deadline = time.monotonic() + TERMINATE_WAIT
-            while time.monotonic() < deadline:
-                with _calls("waiting for instances to terminate"):
-                    left = [i for r in ec2.describe_instances(InstanceIds=instances)[
-                        "Reservations"] for i in r["Instances"]
-                        if i["State"]["Name"] != "terminated"]
-                if not left:
-                    break
-                time.sleep(2.0)
-            removed += [f"instance {i}" for i in instances]
-        actions = {
-            "spot_request": lambda i: ec2.cancel_spot_instance_requests(
-                SpotInstanceRequestIds=[i]),
-            "network_interface": lambda i: ec2.delete_network_interface(NetworkInterfaceId=i),
-            "volume": lambda i: ec2.delete_volume(VolumeId=i),
-            "address": lambda i: ec2.release_address(AllocationId=i),
-            "key_pair": lambda i: ec2.delete_key_pair(KeyName=i),
-            "security_group": lambda i: ec2.delete_security_group(GroupId=i),
-        }
+        """Delete resources as :meth:`resources` lists them: instances are terminated and
+        waited for (at most TERMINATE_WAIT s), then the rest go in list order, each retried
+        BUSY_TRIES times while still in use (a group whose instance's interface is going).
+
+        Returns:
+            ``"<kind> <id>"`` per resource removed by this call (one already gone is
+            skipped, not an error).
+        Raises:
+            CloudError: instances still not terminated at the deadline, or resources that
+            could not be deleted (named). CredentialsError.
+        """
+        removed = self._delete_instances([r.id for r in resources if r.kind == "instance"])
+        failed = []
         for r in resources:
-            if r.kind in actions:
-                for attempt in range(5):
-                    try:
-                        self._gone(lambda: actions[r.kind](r.id))
+            if r.kind == "instance":
+                continue
+            for attempt in range(BUSY_TRIES):
+                try:
+                    if self._gone(f"deleting {r}", lambda: self._delete_one(r)):
                         removed.append(f"{r.kind} {r.id}")
+                    break
+                except CloudError as e:
+                    if e.code not in BUSY_CODES or attempt == BUSY_TRIES - 1:
+                        failed.append(e)
                         break
-                    except CloudError as e:  # e.g. a group still used by a vanishing ENI
-                        if _code(e) != "DependencyViolation" or attempt == 4:
-                            raise
-                        time.sleep(2.0)
+                    time.sleep(BUSY_PAUSE)
+        if failed:
+            raise CloudError("; ".join(str(e) for e in failed),
+                             "run `hyper down` again, or remove them in the AWS console",
+                             code=failed[0].code)
         return removed
 
+    def _delete_one(self, r: Resource) -> bool:
+        """Delete one resource that is not an instance: True when this call removed it (key
+        pairs and spot requests are looked up first: deleting them again is no error)."""
+        ec2 = self.ec2
+        if r.kind == "key_pair":
+            if not ec2.describe_key_pairs(
+                    Filters=[{"Name": "key-name", "Values": [r.id]}])["KeyPairs"]:
+                return False
+            ec2.delete_key_pair(KeyName=r.id)
+        elif r.kind == "spot_request":
+            if not ec2.describe_spot_instance_requests(Filters=[
+                    {"Name": "spot-instance-request-id", "Values": [r.id]},
+                    {"Name": "state", "Values": ["open", "active"]}])["SpotInstanceRequests"]:
+                return False
+            ec2.cancel_spot_instance_requests(SpotInstanceRequestIds=[r.id])
+        elif r.kind == "nic":
+            ec2.delete_network_interface(NetworkInterfaceId=r.id)
+        elif r.kind == "disk":
+            ec2.delete_volume(VolumeId=r.id)
+        elif r.kind == "public_ip":
+            ec2.release_address(AllocationId=r.id)
+        elif r.kind == "security_group":
+            ec2.delete_security_group(GroupId=r.id)
+        else:
+            return False
+        return True
+
+    def _delete_instances(self, ids: list[str]) -> list[str]:
+        """Terminate the instances of ``ids`` not yet terminated and wait until they are;
+        returns a line per instance this call terminated."""
+        live = self._not_terminated(ids)
+        if not live:
+            return []
+        self.terminate("", live)
+        deadline = time.monotonic() + TERMINATE_WAIT
+        while left := self._not_terminated(live):
+            if time.monotonic() > deadline:
+                raise CloudError(f"instances not terminated after {TERMINATE_WAIT:.0f} s: "
+                                 + ", ".join(left), "run `hyper down` again later")
+            time.sleep(POLL)
+        return [f"instance {i}" for i in live]
+
+    def _not_terminated(self, ids: list[str]) -> list[str]:
+        with aws_errors("looking at instances"):
+            return [i["InstanceId"] for chunk in _chunks(ids) for r in self._all(
+                "describe_instances", "Reservations", Filters=[
+                    {"Name": "instance-id", "Values": chunk},
+                    {"Name": "instance-state-name", "Values": [
+                        "pending", "running", "shutting-down", "stopping", "stopped"]}])
+                for i in r["Instances"]]
+
     @staticmethod
-    def _gone(call) -> None:
-        """Run a delete; a resource already gone is not an error."""
+    def _gone(what: str, call) -> bool:
+        """Run a delete call; its result, or False when the resource was already gone."""
         try:
-            with _calls("deleting"):
-                call()
+            with aws_errors(what):
+                return call() is not False
         except CloudError as e:
-            if _code(e) not in GONE_CODES:
-                raise
+            if e.code in GONE_CODES:
+                return False
+            raise
 
     def spot_price(self, spec: CloudSpec) -> dict[str, float]:
+        """The spot price in effect now (USD per hour, Linux/UNIX) of ``spec.instance_type``
+        by zone (only ``spec.zones`` when set), from DescribeSpotPriceHistory with start
+        and end time now, which returns each zone's latest price. On-demand (``spot``
+        false): ``{}``, EC2 has no on-demand price call (the Pricing API is another
+        service and is not used). Raises CredentialsError / CloudError."""
         if not spec.spot or not spec.instance_type:
             return {}
-        with _calls("reading spot prices"):
-            hist = self.ec2.describe_spot_price_history(
-                InstanceTypes=[spec.instance_type], ProductDescriptions=["Linux/UNIX"],
-                MaxResults=100)["SpotPriceHistory"]
+        now = datetime.now(timezone.utc)
+        with aws_errors("reading spot prices"):
+            history = self._all("describe_spot_price_history", "SpotPriceHistory",
+                                InstanceTypes=[spec.instance_type], StartTime=now,
+                                EndTime=now, ProductDescriptions=["Linux/UNIX"])
         newest: dict[str, tuple] = {}
-        for h in hist:
-            z = h["AvailabilityZone"]
-            if spec.zones and z not in spec.zones:
+        for h in history:
+            zone = h["AvailabilityZone"]
+            if spec.zones and zone not in spec.zones:
                 continue
-            if z not in newest or h["Timestamp"] > newest[z][0]:
-                newest[z] = (h["Timestamp"], float(h["SpotPrice"]))
-        return {z: p for z, (_, p) in newest.items()}
+            stamp = h.get("Timestamp") or now
+            if zone not in newest or stamp > newest[zone][0]:
+                newest[zone] = (stamp, float(h["SpotPrice"]))
+        return {z: p for z, (_, p) in sorted(newest.items())}
 
     def find_image(self, spec: CloudSpec) -> str:
-        ec2 = self.ec2
+        """The AMI id to boot: ``spec.image`` (checked to exist in the region), else the
+        newest (by CreationDate) available image of this account tagged ``hyper:image`` =
+        ``node`` and ``hyper:variant`` = ``spec.variant``.
+        Raises UsageError naming the AMI or saying how to bake one; CredentialsError."""
+        return self._image(spec)["ImageId"]
+
+    def _image(self, spec: CloudSpec) -> dict:
         if spec.image:
             try:
-                with _calls("finding the image"):
-                    found = ec2.describe_images(ImageIds=[spec.image])["Images"]
+                with aws_errors(f"finding the image {spec.image}"):
+                    found = self.ec2.describe_images(ImageIds=[spec.image])["Images"]
             except CloudError as e:
-                if "InvalidAMIID" not in _code(e):
+                if not (e.code or "").startswith("InvalidAMIID"):
                     raise
                 found = []
             if not found:
                 raise UsageError(f"image {spec.image} does not exist in {self.region}",
-                                 "set cluster.image to an AMI of that region")
-            return spec.image
-        with _calls("finding the baked image"):
-            images = ec2.describe_images(Owners=["self"], Filters=[
+                                 "set cluster.image to an AMI of that region, or remove it "
+                                 "to use the newest image baked by `hyper image build`")
+            return found[0]
+        with aws_errors("finding the baked image"):
+            images = self.ec2.describe_images(Owners=["self"], Filters=[
                 {"Name": f"tag:{TAG_IMAGE}", "Values": ["node"]},
-                {"Name": f"tag:{TAG_VARIANT}", "Values": [spec.variant]}])["Images"]
+                {"Name": f"tag:{TAG_VARIANT}", "Values": [spec.variant]},
+                {"Name": "state", "Values": ["available"]}])["Images"]
         if not images:
             raise UsageError(f"no baked hypercli {spec.variant} image in {self.region}",
                              "bake one: hyper image build --provider aws "
                              "(or set image: ami-...)")
-        return max(images, key=lambda i: i.get("CreationDate", ""))["ImageId"]
+        return max(images, key=lambda i: i.get("CreationDate", ""))
