@@ -1,35 +1,56 @@
-"""A local stand-in for Azure Resource Manager's REST API, over TLS on 127.0.0.1 (azure-core
-sends bearer tokens over https only), for the real azure-mgmt clients (``HYPER_AZURE_ENDPOINT``
-and ``HYPER_AZURE_CA_BUNDLE``).
+"""A local stand-in for Azure Resource Manager's REST API, over TLS on 127.0.0.1, for the real
+azure-mgmt clients (``HYPER_AZURE_ENDPOINT`` and ``HYPER_AZURE_CA_BUNDLE``; azure-core sends
+bearer tokens over https only, so the stand-in serves a self-signed certificate made here).
 
 In memory: resource groups and, inside them, virtual networks, network security groups, public
-IPs, NICs and VMs (plus a list of images). Answers the real paths (``resourcegroups`` and
-``resourceGroups`` alike) with JSON shaped like ARM's (``id``, ``name``, ``type``, ``location``,
-``tags``, ``properties.provisioningState``). PUT and DELETE are long-running: 201/202 with an
-``Azure-AsyncOperation`` header whose status reads ``InProgress`` first and ``Succeeded`` (or
-``Failed`` with the error) on the next read. Faults: ``no_sku_in(zone)`` (``SkuNotAvailable``
-for VMs in that zone; ``"*"`` for every zone), ``quota = True`` (``QuotaExceeded``),
-``auth_fail = True`` (401 ``InvalidAuthenticationToken``). ``requests`` records (method, path,
-body) of every call.
+IPs, NICs, VMs and their OS disks (plus a list of images and role assignments). Answers ARM's
+paths (``resourcegroups`` in any case) with JSON shaped like ARM's (``id``, ``name``, ``type``,
+``location``, ``tags``, ``properties.provisioningState``), lists in pages joined by
+``nextLink``, and ARM's rules where a client could get them wrong: ``api-version`` and a bearer
+token are required; a NIC's subnet, security group and public IP, and a VM's NIC, must exist;
+a NIC in use by a VM, a public IP, security group or subnet in use by a NIC cannot be deleted;
+a VM's zones cannot change; an admin user name like ``root`` is refused; eviction policy and
+max price are for Spot VMs only. A VM whose NIC and OS disk have ``deleteOption: Delete``
+takes them along when it is deleted.
+
+Long-running operations: a PUT or DELETE answers 201/202 with an ``Azure-AsyncOperation``
+header (resource group deletes: a ``Location`` header, as ARM does) that reads ``InProgress``
+on the first read and until ``lro_seconds`` have passed, then ``Succeeded`` (or ``Failed``
+with the error); the change is made when the operation ends, whether anyone polls or not.
+
+Faults: ``no_sku_in(zone)`` (409 ``SkuNotAvailable`` at once, ``"*"``: every zone),
+``no_capacity_in(zone)`` (the VM's operation fails with ``ZonalAllocationFailed``, or
+``AllocationFailed`` without a zone, and the VM stays in state Failed, as ARM leaves it),
+``vm_limit`` (VMs beyond it: 409 ``quota_code`` with ARM's quota text), ``vm_error`` (status,
+code, message for every VM PUT), ``auth_fail`` (401 ``InvalidAuthenticationToken``). Records:
+``requests`` (method, path with query, body), ``tokens`` (bearer tokens seen), ``polls``
+(operation status → how often it was read).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import datetime
 import ipaddress
 import itertools
 import json
+import re
 import ssl
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import urlparse
+from urllib.parse import parse_qs, urlencode, urlparse
 
 TYPES = {"virtualnetworks": "Microsoft.Network/virtualNetworks",
          "networksecuritygroups": "Microsoft.Network/networkSecurityGroups",
          "publicipaddresses": "Microsoft.Network/publicIPAddresses",
          "networkinterfaces": "Microsoft.Network/networkInterfaces",
-         "virtualmachines": "Microsoft.Compute/virtualMachines"}
+         "virtualmachines": "Microsoft.Compute/virtualMachines",
+         "disks": "Microsoft.Compute/disks"}
+#: user names Azure refuses for a Linux VM's admin (a part of the documented list)
+RESERVED_USERS = {"root", "admin", "administrator", "guest", "owner", "sys", "test", "user"}
 
 
 def make_cert(folder: Path) -> tuple[Path, Path]:
@@ -57,227 +78,486 @@ def make_cert(folder: Path) -> tuple[Path, Path]:
     return cert_path, key_path
 
 
+class ArmError(Exception):
+    """An ARM error answer: HTTP status, error code, message."""
+
+    def __init__(self, status: int, code: str, message: str):
+        super().__init__(message)
+        self.status, self.code, self.message = status, code, message
+
+
+def _ref(obj: dict | None) -> str | None:
+    """The lower-cased ``id`` of a reference object, or None."""
+    return (obj or {}).get("id", "").lower() or None
+
+
 class ArmFake:
     """See the module docstring. ``url``, ``ca`` (certificate file); ``close()`` stops it."""
 
     def __init__(self, folder: Path, subscription: str = "sub-1"):
         self.sub = subscription
         self.groups: dict[str, dict] = {}       # lower name → group
-        self.res: dict[str, dict] = {}          # lower id → resource
+        self.res: dict[str, dict] = {}          # lower id → resource (VMs keep customData)
         self.images: list[dict] = []
         self.role_assignments: list[dict] = []
         self.ops: dict[str, dict] = {}
+        self.lro_seconds = 0.03
+        self.page_size = 2
         self.no_sku: set[str] = set()
-        self.quota = False
+        self.no_capacity: set[str] = set()
+        self.vm_limit: int | None = None
+        self.quota_code = "QuotaExceeded"
+        self.vm_error: tuple[int, str, str] | None = None
         self.auth_fail = False
         self.requests: list[tuple[str, str, dict | None]] = []
+        self.tokens: set[str] = set()
+        self.polls: dict[str, int] = {}
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self.ca, key = make_cert(folder)
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(self.ca, key)
+        self.server.socket = ctx.wrap_socket(self.server.socket, server_side=True)
+        self.url = f"https://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,),
+                                       daemon=True)
+        self.thread.start()
+
+    def _handler(self):
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True  # headers and body leave in separate writes
 
             def log_message(self, *a):
                 pass
 
-            def _go(self, method):
-                url = urlparse(self.path)
+            def _go(self):
                 n = int(self.headers.get("Content-Length") or 0)
                 body = json.loads(self.rfile.read(n)) if n else None
-                fake.requests.append((method, url.path, body))
+                fake.requests.append((self.command, self.path, body))
                 with fake._lock:
-                    code, obj, headers = fake.route(method, url.path, body,
-                                                    f"https://{self.headers['Host']}")
+                    try:
+                        code, obj, headers = fake.handle(
+                            self.command, self.path, body, self.headers.get("Authorization"),
+                            f"https://{self.headers['Host']}")
+                    except ArmError as e:
+                        code, obj = e.status, {"error": {"code": e.code, "message": e.message}}
+                        headers = {"WWW-Authenticate": 'Bearer authorization_uri="https://'
+                                   'login.windows.net/", error="invalid_token"'} \
+                            if e.status == 401 else {}
                 data = json.dumps(obj).encode() if obj is not None else b""
                 self.send_response(code)
-                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Type", "application/json; charset=utf-8")
                 self.send_header("Content-Length", str(len(data)))
+                self.send_header("x-ms-request-id", f"req-{next(fake._ids)}")
                 for k, v in headers.items():
                     self.send_header(k, v)
                 self.end_headers()
                 self.wfile.write(data)
 
-            def do_GET(self):
-                self._go("GET")
+            do_GET = do_PUT = do_DELETE = do_POST = do_PATCH = _go
 
-            def do_PUT(self):
-                self._go("PUT")
-
-            def do_DELETE(self):
-                self._go("DELETE")
-
-            def do_POST(self):
-                self._go("POST")
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        ctx.load_cert_chain(self.ca, key)
-        self.server.socket = ctx.wrap_socket(self.server.socket, server_side=True)
-        self.url = f"https://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
+        return Handler
 
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
         self.thread.join(5)
 
+    # -- test controls ---------------------------------------------------------------------------
     def no_sku_in(self, zone: str) -> None:
         self.no_sku.add(zone)
 
-    def add_image(self, name: str, tags: dict) -> None:
-        self.images.append({"id": f"/subscriptions/{self.sub}/resourceGroups/img/providers/"
-                                  f"Microsoft.Compute/images/{name}", "name": name,
-                            "type": "Microsoft.Compute/images", "location": "eastus",
-                            "tags": tags, "properties": {"provisioningState": "Succeeded"}})
+    def no_capacity_in(self, zone: str | None) -> None:
+        self.no_capacity.add(zone or "")
+
+    def add_image(self, name: str, tags: dict, location: str = "eastus") -> str:
+        rid = f"/subscriptions/{self.sub}/resourceGroups/img/providers/Microsoft.Compute/" \
+              f"images/{name}"
+        self.images.append({"id": rid, "name": name, "type": "Microsoft.Compute/images",
+                            "location": location, "tags": tags,
+                            "properties": {"provisioningState": "Succeeded"}})
+        return rid
 
     def resources_in(self, group: str) -> list[dict]:
-        prefix = f"/subscriptions/{self.sub}/resourcegroups/{group.lower()}/"
+        prefix = f"/subscriptions/{self.sub}/resourcegroups/{group.lower()}/".lower()
         return [r for k, r in self.res.items() if k.startswith(prefix)]
 
-    # -- routing ---------------------------------------------------------------------------------
-    @staticmethod
-    def _err(code: int, err: str, msg: str):
-        return code, {"error": {"code": err, "message": msg}}, {}
+    def vm(self, group: str, name: str) -> dict | None:
+        return self.res.get(self._rid(group, "virtualmachines", name).lower())
 
-    def _lro(self, base: str, error: dict | None, then=None) -> dict:
-        op = f"op{next(self._ids)}"
-        self.ops[op] = {"reads": 0, "error": error, "then": then}
-        return {"Azure-AsyncOperation": f"{base}/subscriptions/{self.sub}/providers/"
-                                        f"Microsoft.Fake/operations/{op}?api-version=2024-01-01"}
+    def set_power(self, group: str, name: str, state: str) -> None:
+        """Set a VM's power state (``running``, ``deallocated``, ...)."""
+        self.vm(group, name)["_power"] = state
 
-    def route(self, method, path, body, base):
-        if self.auth_fail:
-            return self._err(401, "InvalidAuthenticationToken",
-                             "The access token is invalid.")
-        p = path.rstrip("/")
-        lp = p.lower()
-        sub = f"/subscriptions/{self.sub.lower()}"
-        if not lp.startswith(sub):
-            return self._err(404, "SubscriptionNotFound", f"subscription of {path} not found")
-        rest = lp[len(sub):]
-        if rest.startswith("/providers/microsoft.fake/operations/"):
-            op = self.ops.get(rest.rsplit("/", 1)[1])
-            if op is None:
-                return self._err(404, "NotFound", "operation not found")
-            op["reads"] += 1
-            if op["reads"] < 2:
-                return 200, {"status": "InProgress"}, {}
-            if op["error"]:
-                return 200, {"status": "Failed", "error": op["error"]}, {}
-            if op["then"]:
-                op["then"]()
-                op["then"] = None
-            return 200, {"status": "Succeeded"}, {}
+    def wait(self) -> None:
+        """Let every operation in flight end."""
+        time.sleep(self.lro_seconds + 0.02)
+        with self._lock:
+            self._settle()
+
+    # -- request handling ------------------------------------------------------------------------
+    def _rid(self, group: str, kind: str, name: str) -> str:
+        return f"/subscriptions/{self.sub}/resourceGroups/{group}/providers/{TYPES[kind]}/{name}"
+
+    def handle(self, method, raw, body, auth, base):
+        url = urlparse(raw)
+        q = {k: v[0] for k, v in parse_qs(url.query).items()}
+        if self.auth_fail or not (auth or "").startswith("Bearer "):
+            raise ArmError(401, "InvalidAuthenticationToken", "The access token is invalid.")
+        self.tokens.add(auth.split(" ", 1)[1])
+        if "api-version" not in q:
+            raise ArmError(400, "MissingApiVersionParameter",
+                           "The api-version query parameter (?api-version=) is required for "
+                           "all requests.")
+        self._settle()
+        p = url.path.rstrip("/")
+        sub = f"/subscriptions/{self.sub}".lower()
+        if not p.lower().startswith(sub):
+            raise ArmError(404, "SubscriptionNotFound", f"The subscription of {p} was not found.")
+        rest = p[len(sub):].lower()
+        if rest.startswith("/operationresults/") or "/operations/" in rest:
+            return self._operation(p.rsplit("/", 1)[1])
         if "/providers/microsoft.authorization/roleassignments/" in rest and method == "PUT":
             self.role_assignments.append(body)
-            return 201, {"id": p, "properties": body["properties"]}, {}
+            return 201, {"id": p, "type": "Microsoft.Authorization/roleAssignments",
+                         "properties": body["properties"]}, {}
         if rest == "/providers/microsoft.compute/images":
-            return 200, {"value": self.images}, {}
+            return self._page(self.images, base, p, q)
         if rest == "/resourcegroups":
-            return 200, {"value": list(self.groups.values())}, {}
-        parts = p.split("/")
-        # /subscriptions/S/resourcegroups/G[/resources | /providers/NS/TYPE/NAME[/instanceView]]
+            return self._page(self._filter_groups(q.get("$filter")), base, p, q)
+        parts = p.split("/")  # '', subscriptions, S, resourcegroups, G, ...
         if len(parts) < 5 or parts[3].lower() != "resourcegroups":
-            return self._err(404, "NotFound", f"no route for {path}")
+            raise ArmError(404, "InvalidResourceType", f"no route for {p}")
         group = parts[4]
-        gid = f"/subscriptions/{self.sub}/resourceGroups/{group}"
         if len(parts) == 5:
-            return self._group(method, group, gid, body, base)
+            return self._group(method, group, body, base, q)
         if group.lower() not in self.groups:
-            return self._err(404, "ResourceGroupNotFound",
-                             f"Resource group '{group}' could not be found.")
+            raise ArmError(404, "ResourceGroupNotFound",
+                           f"Resource group '{group}' could not be found.")
         if len(parts) == 6 and parts[5].lower() == "resources":
-            return 200, {"value": [{"id": r["id"], "name": r["name"], "type": r["type"],
-                                    "location": r.get("location")}
-                                   for r in self.resources_in(group)]}, {}
-        if len(parts) >= 8 and parts[5].lower() == "providers":
-            kind = parts[7].lower()
-            if kind not in TYPES:
-                return self._err(404, "NotFound", f"type {parts[7]} not served")
-            if len(parts) == 8:
-                return 200, {"value": [r for r in self.resources_in(group)
-                                       if r["type"] == TYPES[kind]]}, {}
-            name = parts[8]
-            rid = f"{gid}/providers/{TYPES[kind]}/{name}"
-            if len(parts) == 10 and parts[9].lower() == "instanceview":
-                r = self.res.get(rid.lower())
-                if r is None:
-                    return self._err(404, "ResourceNotFound", f"{name} not found")
-                return 200, {"statuses": [
-                    {"code": "ProvisioningState/succeeded"},
-                    {"code": f"PowerState/{r.get('_power', 'running')}"}]}, {}
-            return self._resource(method, kind, rid, name, body, base)
-        return self._err(404, "NotFound", f"no route for {path}")
-
-    def _group(self, method, group, gid, body, base):
-        key = group.lower()
-        if method == "PUT":
-            self.groups[key] = {"id": gid, "name": group, "type":
-                                "Microsoft.Resources/resourceGroups",
-                                "location": body["location"], "tags": body.get("tags") or {},
-                                "properties": {"provisioningState": "Succeeded"}}
-            return 201, self.groups[key], {}
-        if key not in self.groups:
-            return self._err(404, "ResourceGroupNotFound",
-                             f"Resource group '{group}' could not be found.")
+            return self._page([{k: r[k] for k in ("id", "name", "type", "location", "tags")}
+                               for r in self.resources_in(group)], base, p, q)
+        if len(parts) < 8 or parts[5].lower() != "providers" or parts[7].lower() not in TYPES:
+            raise ArmError(404, "InvalidResourceType", f"no route for {p}")
+        kind = parts[7].lower()
+        if len(parts) == 8:
+            items = [r for r in self.resources_in(group) if r["type"] == TYPES[kind]]
+            return self._page([self._view(r, q.get("$expand") == "instanceView")
+                               for r in items], base, p, q)
+        rid = self._rid(self.groups[group.lower()]["name"], kind, parts[8])
+        if len(parts) == 10 and parts[9].lower() == "instanceview":
+            return 200, self._instance_view(self._get(rid)), {}
+        if len(parts) != 9:
+            raise ArmError(404, "InvalidResourceType", f"no route for {p}")
         if method == "GET":
-            return 200, self.groups[key], {}
+            return 200, self._view(self._get(rid)), {}
         if method == "DELETE":
+            return self._delete(kind, rid, base)
+        if method == "PUT":
+            return self._put(kind, rid, parts[8], body, base)
+        raise ArmError(405, "MethodNotAllowed", f"{method} is not supported here")
+
+    def _page(self, items: list, base: str, path: str, q: dict):
+        start = int(q.get("$skiptoken", 0))
+        page = {"value": items[start:start + self.page_size]}
+        if start + self.page_size < len(items):
+            page["nextLink"] = f"{base}{path}?" + urlencode(
+                {**q, "$skiptoken": start + self.page_size})
+        return 200, page, {}
+
+    def _filter_groups(self, flt: str | None) -> list[dict]:
+        groups = list(self.groups.values())
+        if not flt:
+            return groups
+        m = re.fullmatch(r"tagName eq '([^']*)'(?: and tagValue eq '([^']*)')?", flt.strip())
+        if not m:
+            raise ArmError(400, "InvalidFilterInQueryString", f"Invalid $filter '{flt}'.")
+        name, value = m.groups()
+        return [g for g in groups if name in g["tags"]
+                and (value is None or g["tags"][name] == value)]
+
+    def _get(self, rid: str) -> dict:
+        r = self.res.get(rid.lower())
+        if r is None:
+            raise ArmError(404, "ResourceNotFound",
+                           f"The Resource '{rid.split('/providers/')[1]}' under resource group "
+                           f"'{rid.split('/')[4]}' was not found.")
+        return r
+
+    @staticmethod
+    def _view(r: dict, instance_view: bool = False) -> dict:
+        """What ARM answers of a stored resource: no private fields, no VM custom data."""
+        out = {k: v for k, v in r.items() if not k.startswith("_")}
+        if r["type"] == TYPES["virtualmachines"]:
+            props = json.loads(json.dumps(out["properties"]))
+            props.get("osProfile", {}).pop("customData", None)
+            if instance_view:
+                props["instanceView"] = ArmFake._instance_view(r)
+            out["properties"] = props
+        return out
+
+    @staticmethod
+    def _instance_view(r: dict) -> dict:
+        state = r["properties"]["provisioningState"].lower()
+        statuses = [{"code": f"ProvisioningState/{state}", "level": "Info"}]
+        if r.get("_power"):
+            statuses.append({"code": f"PowerState/{r['_power']}", "level": "Info"})
+        return {"statuses": statuses}
+
+    # -- long-running operations -----------------------------------------------------------------
+    def _lro(self, base: str, error: dict | None = None, then=None, location=False,
+             provider: str = "Microsoft.Compute") -> dict:
+        op = f"{next(self._ids):08d}-0000-4000-8000-000000000000"
+        self.ops[op] = {"due": time.monotonic() + self.lro_seconds, "error": error,
+                        "then": then, "location": location}
+        if location:
+            return {"Location": f"{base}/subscriptions/{self.sub}/operationresults/{op}"
+                                "?api-version=2025-04-01", "Retry-After": "0"}
+        return {"Azure-AsyncOperation": f"{base}/subscriptions/{self.sub}/providers/"
+                f"{provider}/locations/eastus/operations/{op}?api-version=2024-11-01"}
+
+    def _settle(self) -> None:
+        """Apply the changes of operations that have ended."""
+        now = time.monotonic()
+        for op in self.ops.values():
+            if op["then"] and now >= op["due"]:
+                then, op["then"] = op["then"], None
+                then()
+
+    def _operation(self, op_id: str):
+        op = self.ops.get(op_id)
+        if op is None:
+            raise ArmError(404, "NotFound", f"Operation {op_id} was not found.")
+        op["reads"] = op.get("reads", 0) + 1
+        status = "InProgress" if time.monotonic() < op["due"] or op["reads"] == 1 else \
+            "Failed" if op["error"] else "Succeeded"
+        self.polls[status] = self.polls.get(status, 0) + 1
+        if op["location"]:
+            return (202, None, {"Retry-After": "0"}) if status == "InProgress" else (200, None, {})
+        out = {"name": op_id, "status": status}
+        if status == "Failed":
+            out["error"] = op["error"]
+        return 200, out, {}
+
+    # -- resource groups -------------------------------------------------------------------------
+    def _group(self, method, group, body, base, q):
+        key = group.lower()
+        g = self.groups.get(key)
+        if method == "PUT":
+            if g and g["location"] != body["location"]:
+                raise ArmError(409, "InvalidResourceGroupLocation",
+                               f"Invalid resource group location '{body['location']}'. The "
+                               f"Resource group already exists in location '{g['location']}'.")
+            new = {"id": f"/subscriptions/{self.sub}/resourceGroups/{group}", "name": group,
+                   "type": "Microsoft.Resources/resourceGroups", "location": body["location"],
+                   "tags": body.get("tags") or {},
+                   "properties": {"provisioningState": "Succeeded"}}
+            self.groups[key] = new
+            return (200 if g else 201), new, {}
+        if g is None:
+            raise ArmError(404, "ResourceGroupNotFound",
+                           f"Resource group '{group}' could not be found.")
+        if method == "GET":
+            return 200, g, {}
+        if method == "DELETE":
+            g["properties"]["provisioningState"] = "Deleting"
+            g["_force"] = q.get("forceDeletionTypes")
+
             def gone():
                 self.groups.pop(key, None)
                 for r in self.resources_in(group):
                     self.res.pop(r["id"].lower(), None)
-            return 202, None, self._lro(base, None, gone)
-        return self._err(405, "MethodNotAllowed", method)
+            return 202, None, self._lro(base, None, gone, location=True)
+        raise ArmError(405, "MethodNotAllowed", f"{method} is not supported here")
 
-    def _resource(self, method, kind, rid, name, body, base):
-        key = rid.lower()
-        if method == "GET":
-            r = self.res.get(key)
-            return (200, r, {}) if r else self._err(404, "ResourceNotFound",
-                                                    f"The Resource '{name}' was not found.")
-        if method == "DELETE":
-            if key not in self.res:
-                return 204, None, {}
-            return 202, None, self._lro(base, None, lambda: self.res.pop(key, None))
-        if method != "PUT":
-            return self._err(405, "MethodNotAllowed", method)
-        props = dict(body.get("properties") or {})
+    # -- resources -------------------------------------------------------------------------------
+    def _users(self, rid: str) -> list[str]:
+        """Ids of the resources that reference ``rid`` (lower case)."""
+        rid, out = rid.lower(), []
+        for r in self.res.values():
+            props = r["properties"]
+            refs = [_ref(props.get("networkSecurityGroup")), _ref(props.get("virtualMachine"))]
+            for c in props.get("ipConfigurations", []):
+                cp = c.get("properties", {})
+                refs += [_ref(cp.get("publicIPAddress")),
+                         (_ref(cp.get("subnet")) or "").rsplit("/subnets/", 1)[0] or None,
+                         _ref(cp.get("subnet"))]
+            for n in props.get("networkProfile", {}).get("networkInterfaces", []):
+                refs.append(_ref(n))
+            if rid in refs:
+                out.append(r["id"])
+        return out
+
+    def _delete(self, kind, rid, base):
+        r = self.res.get(rid.lower())
+        if r is None:
+            return 204, None, {}
+        users = [u for u in self._users(rid) if kind != "virtualmachines"]
+        if kind == "networkinterfaces" and _ref(r["properties"].get("virtualMachine")):
+            raise ArmError(400, "NicInUse", f"Network Interface {rid} is used by existing "
+                           f"resource {r['properties']['virtualMachine']['id']}. In order to "
+                           "delete the network interface, it must be dissociated from the "
+                           "resource.")
+        if users and kind != "networkinterfaces":
+            code = {"publicipaddresses": "PublicIPAddressCannotBeDeleted",
+                    "networksecuritygroups": "InUseNetworkSecurityGroupCannotBeDeleted",
+                    "virtualnetworks": "InUseSubnetCannotBeDeleted"}.get(kind, "InUse")
+            raise ArmError(400, code, f"{rid} can not be deleted since it is in use by "
+                           f"{users[0]}.")
+        r["properties"]["provisioningState"] = "Deleting"
+        return 202, None, self._lro(base, None, lambda: self._remove(rid),
+                                    provider=TYPES[kind].split("/")[0])
+
+    def _remove(self, rid: str) -> None:
+        r = self.res.pop(rid.lower(), None)
+        if r is None or r["type"] != TYPES["virtualmachines"]:
+            return
+        props = r["properties"]
+        for n in props["networkProfile"]["networkInterfaces"]:
+            nic = self.res.get(_ref(n))
+            if nic:
+                nic["properties"].pop("virtualMachine", None)
+                if (n.get("properties") or {}).get("deleteOption") == "Delete":
+                    self.res.pop(_ref(n), None)
+        disk = props["storageProfile"]["osDisk"]
+        if _ref(disk.get("managedDisk")) and disk.get("deleteOption") == "Delete":
+            self.res.pop(_ref(disk["managedDisk"]), None)
+
+    def _put(self, kind, rid, name, body, base):
+        props = json.loads(json.dumps(body.get("properties") or {}))
+        old = self.res.get(rid.lower())
+        n = next(self._ids)
         error = None
         if kind == "virtualmachines":
-            zone = (body.get("zones") or [None])[0]
-            if "*" in self.no_sku or zone in self.no_sku:
-                error = {"code": "SkuNotAvailable", "message": (
-                    f"The requested VM size {props['hardwareProfile']['vmSize']} is currently "
-                    f"not available in location '{body['location']}' zones '{zone}'.")}
-            elif self.quota:
-                error = {"code": "QuotaExceeded", "message": (
-                    "Operation could not be completed as it results in exceeding approved "
-                    "standardDSv5Family Cores quota.")}
-        n = next(self._ids)
-        if kind == "publicipaddresses":
-            props["ipAddress"] = f"20.0.{n // 250}.{n % 250}"
-        if kind == "virtualnetworks":
+            error = self._check_vm(rid, name, body, props, old)
+        elif kind == "virtualnetworks":
             for s in props.get("subnets", []):
                 s["id"] = f"{rid}/subnets/{s['name']}"
-        if kind == "networkinterfaces":
-            for c in props.get("ipConfigurations", []):
-                c["id"] = f"{rid}/ipConfigurations/{c['name']}"
-                c.setdefault("properties", {})["privateIPAddress"] = f"10.77.0.{n % 250}"
-        props["provisioningState"] = "Succeeded" if error is None else "Failed"
+        elif kind == "networksecuritygroups":
+            for s in props.get("securityRules", []):
+                s["id"] = f"{rid}/securityRules/{s['name']}"
+        elif kind == "publicipaddresses":
+            if (body.get("sku") or {}).get("name") == "Standard" and \
+                    props.get("publicIPAllocationMethod") != "Static":
+                raise ArmError(400, "StandardSkuPublicIPAddressesCannotBeDynamic",
+                               "Standard sku publicIp addresses cannot be dynamic.")
+            props["ipAddress"] = (old or {}).get("properties", {}).get("ipAddress") or \
+                f"20.0.{n // 250}.{n % 250 + 1}"
+        elif kind == "networkinterfaces":
+            self._check_nic(rid, props, n)
         obj = {"id": rid, "name": name, "type": TYPES[kind], "location": body.get("location"),
                "tags": body.get("tags") or {}, "properties": props}
-        if body.get("zones"):
-            obj["zones"] = body["zones"]
-        if (body.get("identity") or {}).get("type") == "SystemAssigned":
-            obj["identity"] = {"type": "SystemAssigned", "principalId": f"principal-{n}",
-                               "tenantId": "tenant-1"}
-        if error is None:
-            self.res[key] = obj
-        else:
-            self.res.pop(key, None)
-        return 201, dict(obj, properties=dict(props, provisioningState="Creating")), \
-            self._lro(base, error)
+        for k in ("zones", "sku"):
+            if body.get(k):
+                obj[k] = body[k]
+        if kind == "virtualmachines":
+            obj["_power"] = "running" if error is None else None
+            if (body.get("identity") or {}).get("type") == "SystemAssigned":
+                obj["identity"] = {"type": "SystemAssigned", "principalId": f"principal-{n}",
+                                   "tenantId": "tenant-1"}
+        props["provisioningState"] = "Updating" if old else "Creating"
+        self.res[rid.lower()] = obj
+
+        def done():
+            props["provisioningState"] = "Failed" if error else "Succeeded"
+        return (200 if old else 201), self._view(obj), self._lro(
+            base, error, done, provider=TYPES[kind].split("/")[0])
+
+    def _check_nic(self, rid, props, n):
+        if _ref(props.get("networkSecurityGroup")) and \
+                _ref(props["networkSecurityGroup"]) not in self.res:
+            raise ArmError(400, "InvalidResourceReference",
+                           f"Resource {props['networkSecurityGroup']['id']} referenced by "
+                           f"resource {rid} was not found.")
+        for c in props.get("ipConfigurations", []):
+            cp = c.setdefault("properties", {})
+            subnet = _ref(cp.get("subnet")) or ""
+            vnet = self.res.get(subnet.rsplit("/subnets/", 1)[0])
+            if vnet is None or subnet not in {s["id"].lower()
+                                              for s in vnet["properties"]["subnets"]}:
+                raise ArmError(400, "InvalidResourceReference",
+                               f"Resource {subnet} referenced by resource {rid} was not found.")
+            ip = _ref(cp.get("publicIPAddress"))
+            if ip and ip not in self.res:
+                raise ArmError(400, "InvalidResourceReference",
+                               f"Resource {ip} referenced by resource {rid} was not found.")
+            c["id"] = f"{rid}/ipConfigurations/{c['name']}"
+            cp["privateIPAddress"] = f"10.77.0.{n % 250 + 4}"
+
+    def _check_vm(self, rid, name, body, props, old) -> dict | None:
+        """Validate a VM PUT; raise ArmError for answers given at once, return the error of
+        the operation for failures found later (allocation), None for success."""
+        if old and (old.get("zones") or None) != (body.get("zones") or None):
+            raise ArmError(409, "PropertyChangeNotAllowed",
+                           "Changing property 'zones' is not allowed.")
+        osp = props.get("osProfile", {})
+        if osp.get("adminUsername", "").lower() in RESERVED_USERS:
+            raise ArmError(400, "InvalidParameter",
+                           "The Admin Username specified is not allowed. Target: "
+                           "'adminUsername'.")
+        try:
+            base64.b64decode(osp.get("customData", ""), validate=True)
+        except binascii.Error:
+            raise ArmError(400, "InvalidParameter", "Custom data in OSProfile must be in "
+                           "Base64 encoding. Target: 'customData'.") from None
+        if props.get("priority") != "Spot" and (props.get("evictionPolicy")
+                                                or props.get("billingProfile")):
+            raise ArmError(400, "InvalidParameter", "Eviction policy and max price can be set "
+                           "only for Azure Spot Virtual Machines.")
+        if props.get("priority") == "Spot" and not props.get("evictionPolicy"):
+            raise ArmError(400, "InvalidParameter", "Eviction policy is required for Azure "
+                           "Spot Virtual Machines.")
+        for ref in props.get("networkProfile", {}).get("networkInterfaces", []):
+            nic = self.res.get(_ref(ref))
+            if nic is None:
+                raise ArmError(400, "InvalidResourceReference",
+                               f"Resource {ref['id']} referenced by resource {rid} was not "
+                               "found.")
+            used = _ref(nic["properties"].get("virtualMachine"))
+            if used and used != rid.lower():
+                raise ArmError(400, "NicInUse", f"Network Interface {ref['id']} is used by "
+                               f"existing resource {used}.")
+        zone = (body.get("zones") or [""])[0]
+        size = props["hardwareProfile"]["vmSize"]
+        if self.vm_error:
+            raise ArmError(*self.vm_error)
+        if "*" in self.no_sku or (zone and zone in self.no_sku):
+            raise ArmError(409, "SkuNotAvailable",
+                           f"The requested VM size for resource 'Following SKUs have failed for "
+                           f"Capacity Restrictions: {size}' is currently not available in "
+                           f"location '{body['location']}' zones '{zone}'. Please try another "
+                           "size or deploy to a different location or zones. See "
+                           "https://aka.ms/azureskunotavailable for details.")
+        vms = [r for r in self.res.values() if r["type"] == TYPES["virtualmachines"]]
+        if not old and self.vm_limit is not None and len(vms) >= self.vm_limit:
+            raise ArmError(409, self.quota_code,
+                           "Operation could not be completed as it results in exceeding "
+                           f"approved standardDSv5Family Cores quota. Additional details - "
+                           f"Location: {body['location']}, Current Limit: "
+                           f"{4 * self.vm_limit}, Current Usage: {4 * len(vms)}, Additional "
+                           "Required: 4. Submit a request for Quota increase at "
+                           "https://aka.ms/ProdportalCRP.")
+        for ref in props.get("networkProfile", {}).get("networkInterfaces", []):
+            self.res[_ref(ref)]["properties"]["virtualMachine"] = {"id": rid}
+        if zone in self.no_capacity or "*" in self.no_capacity:
+            code = "ZonalAllocationFailed" if zone else "AllocationFailed"
+            return {"code": code, "message": "Allocation failed. We do not have sufficient "
+                    f"capacity for the requested VM size in this {'zone' if zone else 'region'}"
+                    ". Read more about improving likelihood of allocation success at "
+                    "http://aka.ms/allocation-guidance"}
+        disk = props["storageProfile"]["osDisk"]
+        disk_id = (f"{rid.split('/providers/')[0]}/providers/Microsoft.Compute/disks/"
+                   f"{name}_OsDisk_1_{next(self._ids):032x}")
+        disk.setdefault("name", disk_id.rsplit("/", 1)[1])
+        disk["managedDisk"] = {**disk.get("managedDisk", {}), "id": disk_id}
+        self.res[disk_id.lower()] = {
+            "id": disk_id, "name": disk["name"], "type": TYPES["disks"],
+            "location": body["location"], "tags": {}, "zones": body.get("zones"),
+            "properties": {"diskSizeGB": disk.get("diskSizeGB"), "provisioningState":
+                           "Succeeded", "diskState": "Attached"}}
+        props["vmId"] = f"{next(self._ids):08x}-0000-4000-8000-000000000000"
+        return None

@@ -1,7 +1,8 @@
 """The azure CloudAPI (hypercli/providers/azure.py) through the real azure-mgmt clients against
 a local TLS stand-in for Azure Resource Manager (tests/azurefake.py): spot and regular VMs in a
 resource group with network, security group, public IPs and NICs, long-running operations, zone
-failover on SkuNotAvailable, quota and auth errors, teardown by resource group, and gc."""
+failover on SkuNotAvailable and allocation failures, quota and auth errors, power states,
+teardown by resource group, and gc across clusters."""
 
 from __future__ import annotations
 
@@ -13,12 +14,13 @@ import pytest
 pytest.importorskip("azure.mgmt.compute")
 
 from azure.core.credentials import AccessToken  # noqa: E402
+from azure.identity import CredentialUnavailableError  # noqa: E402
 
 from azurefake import ArmFake  # noqa: E402
 from hypercli.errors import UsageError  # noqa: E402
 from hypercli.providers.azure import AzureAPI  # noqa: E402
-from hypercli.providers.cloud import (Boot, CapacityError, CloudSpec,  # noqa: E402
-                                      CredentialsError, QuotaError)
+from hypercli.providers.cloud import (Boot, CapacityError, CloudError,  # noqa: E402
+                                      CloudSpec, CredentialsError, QuotaError)
 from hypercli.providers.cloud_provider import remove_all  # noqa: E402
 
 KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOMqqnkVzrm0SdG6UOoqKLsabgH5C9okWi0dh2l9GKJl hyper-c1"
@@ -26,10 +28,22 @@ URN = "Canonical:ubuntu-24_04-lts:server:latest"
 
 
 class Token:
-    """A TokenCredential that hands out a fixed token (the stand-in checks none)."""
+    """A TokenCredential that hands out a fixed token and records the scopes asked for."""
+
+    def __init__(self):
+        self.scopes: set[str] = set()
 
     def get_token(self, *scopes, **kw):
-        return AccessToken("token", int(time.time()) + 3600)
+        self.scopes.update(scopes)
+        return AccessToken("token-1", int(time.time()) + 3600)
+
+
+class NoCredential:
+    """A TokenCredential with nothing configured, as DefaultAzureCredential's chain ends."""
+
+    def get_token(self, *scopes, **kw):
+        raise CredentialUnavailableError("EnvironmentCredential: environment variables are "
+                                         "not fully configured")
 
 
 @pytest.fixture
@@ -37,14 +51,15 @@ def fake(monkeypatch, tmp_path):
     f = ArmFake(tmp_path)
     monkeypatch.setenv("HYPER_AZURE_ENDPOINT", f.url)
     monkeypatch.setenv("HYPER_AZURE_CA_BUNDLE", str(f.ca))
+    monkeypatch.delenv("HYPER_AZURE_TOKEN", raising=False)
     try:
         yield f
     finally:
         f.close()
 
 
-def api() -> AzureAPI:
-    return AzureAPI("sub-1", "eastus", credential=Token())
+def api(credential=None) -> AzureAPI:
+    return AzureAPI("sub-1", "eastus", credential=credential or Token())
 
 
 def spec(**kw) -> CloudSpec:
@@ -64,40 +79,73 @@ def vm_puts(fake) -> list[tuple[str, dict]]:
             if m == "PUT" and "/virtualMachines/" in p]
 
 
+def kinds_in(fake, group: str) -> list[str]:
+    return sorted(r["type"].rsplit("/", 1)[1] for r in fake.resources_in(group))
+
+
 def test_spot_vms_in_their_resource_group(fake):
-    a = api()
+    token = Token()
+    a = api(token)
     vms, errors = launch(a, spec())
     assert errors == {} and sorted(v.node for v in vms) == ["c1-0", "c1-1"]
-    assert all(v.spot and v.public_ip for v in vms)
+    assert token.scopes == {"https://management.azure.com/.default"}
+    assert fake.tokens == {"token-1"}
     path, body = vm_puts(fake)[0]
-    assert "/resourceGroups/hyper-c1/" in path
+    assert "/resourceGroups/hyper-c1/providers/Microsoft.Compute/virtualMachines/c1-0" in path
     props = body["properties"]
     assert props["priority"] == "Spot" and props["evictionPolicy"] == "Delete"
     assert props["billingProfile"] == {"maxPrice": 0.05}
+    assert props["hardwareProfile"] == {"vmSize": "Standard_D4s_v5"}
     assert base64.b64decode(props["osProfile"]["customData"]).decode() == "#cloud-config\n# c1-0\n"
-    assert props["osProfile"]["linuxConfiguration"]["disablePasswordAuthentication"] is True
-    assert props["storageProfile"]["osDisk"]["diskSizeGB"] == 64
-    assert props["storageProfile"]["osDisk"]["deleteOption"] == "Delete"
-    assert props["storageProfile"]["imageReference"]["offer"] == "ubuntu-24_04-lts"
+    # Azure refuses "root" as the admin; the cloud-config authorizes root's key
+    linux = props["osProfile"]["linuxConfiguration"]
+    assert props["osProfile"]["adminUsername"] == "hyper"
+    assert linux["disablePasswordAuthentication"] is True
+    assert linux["ssh"]["publicKeys"] == [{"path": "/home/hyper/.ssh/authorized_keys",
+                                           "keyData": KEY}]
+    disk = props["storageProfile"]["osDisk"]
+    assert (disk["diskSizeGB"], disk["deleteOption"]) == (64, "Delete")
+    assert props["storageProfile"]["imageReference"] == {
+        "publisher": "Canonical", "offer": "ubuntu-24_04-lts", "sku": "server",
+        "version": "latest"}
+    assert "zones" not in body
     assert body["tags"]["hyper:cluster"] == "c1" and body["tags"]["hyper:node"] == "c1-0"
+    assert body["tags"]["hyper:owner"]
     assert body["identity"] == {"type": "SystemAssigned"}
-    # each VM's identity may delete VMs of its group (the idle watchdog deletes itself)
+    # the idle watchdog may delete its own VM: role on the group for each VM's identity
     assert len(fake.role_assignments) == 2
     ra = fake.role_assignments[0]["properties"]
     assert ra["roleDefinitionId"].endswith("9980e02c-c2be-4d73-94e8-173b1dc7cf3c")
-    assert ra["principalId"].startswith("principal-")
-    group = fake.groups["hyper-c1"]
-    assert group["tags"]["hyper:cluster"] == "c1"
-    kinds = sorted(r["type"].rsplit("/", 1)[1] for r in fake.resources_in("hyper-c1"))
-    assert kinds == ["networkInterfaces"] * 2 + ["networkSecurityGroups"] + \
-        ["publicIPAddresses"] * 2 + ["virtualMachines"] * 2 + ["virtualNetworks"]
-    assert sorted(v.node for v in a.describe("c1")) == ["c1-0", "c1-1"]
-    assert {v.state for v in a.describe("c1")} == {"running"}
+    assert fake.groups["hyper-c1"]["tags"]["hyper:cluster"] == "c1"
+    assert kinds_in(fake, "hyper-c1") == ["disks"] * 2 + ["networkInterfaces"] * 2 + [
+        "networkSecurityGroups"] + ["publicIPAddresses"] * 2 + ["virtualMachines"] * 2 + [
+        "virtualNetworks"]
+    for r in fake.resources_in("hyper-c1"):
+        if r["type"] != "Microsoft.Compute/disks":  # ARM does not copy a VM's tags to disks
+            assert r["tags"]["hyper:cluster"] == "c1", r["id"]
+    # each create of a security group, network, IP, NIC, VM: an operation polled to its end
+    assert fake.polls.get("InProgress", 0) >= 8 and fake.polls["Succeeded"] == 8
+    ips = {r["name"]: r["properties"]["ipAddress"] for r in fake.resources_in("hyper-c1")
+           if r["type"].endswith("publicIPAddresses")}
+    assert {v.node: v.public_ip for v in vms} == {"c1-0": ips["c1-0-ip"],
+                                                  "c1-1": ips["c1-1-ip"]}
+    seen = a.describe("c1")
+    assert {(v.node, v.state, v.public_ip, v.spot) for v in seen} == {
+        (v.node, "running", v.public_ip, True) for v in vms}
+    assert all(v.private_ip and v.private_ip.startswith("10.77.") for v in seen)
 
 
 def test_regular_vm(fake):
-    vms, _ = launch(api(), spec(spot=False), nodes=("c1-0",))
-    assert vm_puts(fake)[0][1]["properties"]["priority"] == "Regular" and not vms[0].spot
+    vms, errors = launch(api(), spec(spot=False), nodes=("c1-0",))
+    assert errors == {} and not vms[0].spot
+    props = vm_puts(fake)[0][1]["properties"]
+    assert props["priority"] == "Regular"
+    assert "evictionPolicy" not in props and "billingProfile" not in props
+
+
+def test_spot_without_max_price_pays_up_to_on_demand(fake):
+    launch(api(), spec(max_price=None), nodes=("c1-0",))
+    assert vm_puts(fake)[0][1]["properties"]["billingProfile"] == {"maxPrice": -1}
 
 
 def test_security_group_admits_ssh_from_the_cidr_only(fake):
@@ -105,43 +153,97 @@ def test_security_group_admits_ssh_from_the_cidr_only(fake):
     [nsg] = [b for m, p, b in fake.requests if m == "PUT" and "networkSecurityGroups" in p]
     [rule] = nsg["properties"]["securityRules"]
     p = rule["properties"]
-    assert (p["sourceAddressPrefix"], p["destinationPortRange"], p["protocol"],
-            p["access"], p["direction"]) == ("203.0.113.0/24", "22", "Tcp", "Allow", "Inbound")
+    assert (p["sourceAddressPrefix"], p["destinationPortRange"], p["protocol"], p["access"],
+            p["direction"], p["priority"]) == ("203.0.113.0/24", "22", "Tcp", "Allow",
+                                               "Inbound", 1000)
+    assert nsg["tags"]["hyper:cluster"] == "c1"
+
+
+def test_prepare_is_idempotent_and_follows_a_new_cidr(fake):
+    a = api()
+    first = a.prepare(spec(), KEY)
+    assert a.prepare(spec(ssh_cidr="198.51.100.7/32"), KEY) == first
+    assert kinds_in(fake, "hyper-c1") == ["networkSecurityGroups", "virtualNetworks"]
+    [nsg] = [r for r in fake.resources_in("hyper-c1") if r["name"] == "hyper-c1-nsg"]
+    assert [r["properties"]["sourceAddressPrefix"]
+            for r in nsg["properties"]["securityRules"]] == ["198.51.100.7/32"]
+    with pytest.raises(UsageError, match="source address"):
+        a.prepare(spec(ssh_cidr=None), KEY)
 
 
 def test_zone_failover_on_sku_not_available(fake):
     fake.no_sku_in("1")
-    vms, errors = launch(api(), spec(zones=("1", "2"), count=1), nodes=("c1-0",))
+    vms, errors = launch(api(), spec(zones=("1", "2")), nodes=("c1-0",))
     assert errors == {} and vms[0].zone == "2"
     assert [b["zones"] for _, b in vm_puts(fake)] == [["1"], ["2"]]
+    assert fake.vm("hyper-c1", "c1-0")["zones"] == ["2"]
 
 
-def test_no_sku_anywhere_is_a_capacity_error_and_cleans_up(fake):
-    fake.no_sku_in("*")
-    vms, errors = launch(api(), spec(zones=("1", "2"), count=1), nodes=("c1-0",))
+def test_zone_failover_after_an_allocation_failure(fake):
+    # the operation fails later and leaves a Failed VM, whose zone cannot change: it must go
+    fake.no_capacity_in("1")
+    vms, errors = launch(api(), spec(zones=("1", "3")), nodes=("c1-0",))
+    assert errors == {} and vms[0].zone == "3"
+    assert fake.polls.get("Failed") == 1
+    vm = fake.vm("hyper-c1", "c1-0")
+    assert vm["zones"] == ["3"] and vm["properties"]["provisioningState"] == "Succeeded"
+
+
+def test_no_capacity_anywhere_cleans_up_the_node(fake):
+    fake.no_sku_in("1")
+    fake.no_capacity_in("2")
+    vms, errors = launch(api(), spec(zones=("1", "2")), nodes=("c1-0",))
     assert vms == [] and isinstance(errors["c1-0"], CapacityError)
-    assert "SkuNotAvailable" in str(errors["c1-0"])
-    left = {r["type"].rsplit("/", 1)[1] for r in fake.resources_in("hyper-c1")}
-    assert "networkInterfaces" not in left and "publicIPAddresses" not in left
+    assert errors["c1-0"].code == "ZonalAllocationFailed"
+    assert kinds_in(fake, "hyper-c1") == ["networkSecurityGroups", "virtualNetworks"]
 
 
-def test_quota_is_not_retried(fake):
-    fake.quota = True
-    _, errors = launch(api(), spec(zones=("1", "2"), count=1), nodes=("c1-0",))
-    assert isinstance(errors["c1-0"], QuotaError) and len(vm_puts(fake)) == 1
+def test_quota_is_not_retried_and_others_still_launch(fake):
+    fake.vm_limit = 1
+    vms, errors = launch(api(), spec(zones=("1", "2")))
+    assert [v.node for v in vms] == ["c1-0"]
+    assert isinstance(errors["c1-1"], QuotaError) and errors["c1-1"].code == "QuotaExceeded"
+    assert "Cores quota" in str(errors["c1-1"])
+    assert [p.rsplit("/", 1)[1].split("?")[0] for p, _ in vm_puts(fake)] == ["c1-0", "c1-1"]
+    assert "c1-1-nic" not in {r["name"] for r in fake.resources_in("hyper-c1")}
+
+
+@pytest.mark.parametrize("code,message,cls", [
+    ("OperationNotAllowed", "Operation could not be completed as it results in exceeding "
+     "approved LowPriorityCores quota.", QuotaError),
+    ("OperationNotAllowed", "The subscription is disabled.", CloudError),
+    ("OverconstrainedAllocationRequest", "Allocation failed.", CapacityError),
+])
+def test_error_codes(fake, code, message, cls):
+    fake.vm_error = (409, code, message)
+    _, errors = launch(api(), spec(zones=("1", "2")), nodes=("c1-0",))
+    e = errors["c1-0"]
+    assert type(e) is cls and e.code == code and message in str(e)
+    assert len(vm_puts(fake)) == (2 if cls is CapacityError else 1)
 
 
 def test_auth_failure_says_how_to_configure(fake):
     fake.auth_fail = True
     with pytest.raises(CredentialsError) as e:
         api().check()
-    assert "az login" in e.value.hint
+    assert "InvalidAuthenticationToken" in str(e.value)
+    assert "az login" in e.value.hint and "AZURE_CLIENT_ID" in e.value.hint
+
+
+def test_no_credentials_at_all(fake):
+    with pytest.raises(CredentialsError) as e:
+        api(NoCredential()).prepare(spec(), KEY)
+    assert "environment variables" in str(e.value) and "AZURE_TENANT_ID" in e.value.hint
+    assert fake.requests == []
 
 
 def test_missing_subscription(fake, monkeypatch):
     monkeypatch.delenv("AZURE_SUBSCRIPTION_ID", raising=False)
-    with pytest.raises(CredentialsError, match="no Azure subscription"):
+    with pytest.raises(CredentialsError, match="no Azure subscription") as e:
         AzureAPI(None, "eastus", credential=Token()).check()
+    assert "AZURE_SUBSCRIPTION_ID" in e.value.hint
+    monkeypatch.setenv("AZURE_SUBSCRIPTION_ID", "sub-1")
+    assert AzureAPI(None, "eastus", credential=Token()).check().startswith("subscription sub-1")
 
 
 def test_image_lookup(fake):
@@ -149,22 +251,63 @@ def test_image_lookup(fake):
     with pytest.raises(UsageError) as e:
         a.find_image(spec(image=None))
     assert "hyper image build --provider azure" in e.value.hint
-    tags = {"hyper:image": "node", "hyper:variant": "cpu"}
-    fake.add_image("hyper-node-cpu-1-202601010000", tags)
-    fake.add_image("hyper-node-cpu-1-202606010000", tags)
-    assert a.find_image(spec(image=None)).endswith("hyper-node-cpu-1-202606010000")
+    cpu = {"hyper:image": "node", "hyper:variant": "cpu"}
+    fake.add_image("hyper-node-cpu-1-202601010000", cpu)
+    newest = fake.add_image("hyper-node-cpu-1-202606010000", cpu)
+    fake.add_image("hyper-node-cpu-1-202612010000", cpu, location="westus")  # other region
+    fake.add_image("hyper-node-gpu-1-202612010000", {**cpu, "hyper:variant": "gpu"})
+    fake.page_size = 1  # the image list comes in pages
+    assert a.find_image(spec(image=None)) == newest
+    launch(a, spec(image=None), nodes=("c1-0",))
+    assert vm_puts(fake)[0][1]["properties"]["storageProfile"]["imageReference"] == {
+        "id": newest}
     with pytest.raises(UsageError, match="PUBLISHER:OFFER:SKU:VERSION"):
         a.find_image(spec(image="not-an-urn"))
 
 
-def test_teardown_deletes_the_group_and_gc_the_rest(fake):
+def test_describe_reads_power_states(fake):
+    a = api()
+    nodes = ("c1-0", "c1-1", "c1-2", "c1-3")
+    launch(a, spec(count=4), nodes=nodes)
+    for node, power in zip(nodes, ("starting", "running", "stopped", "deallocated")):
+        fake.set_power("hyper-c1", node, power)
+    states = {v.node: v.state for v in a.describe("c1")}
+    assert states == {"c1-0": "pending", "c1-1": "running", "c1-2": "terminated",
+                      "c1-3": "preempted"}
+    assert a.describe("nobody") == []
+
+
+def test_terminate_deletes_only_the_named_vms_with_their_nic_and_disk(fake):
     a = api()
     launch(a, spec())
-    launch(a, spec(cluster="other", count=1), nodes=("other-0",))
+    fake.lro_seconds = 0.5  # deletes take a while: terminate does not wait
+    a.terminate("c1", ["c1-0"])
+    assert {v.node: v.state for v in a.describe("c1")}["c1-0"] == "stopping"
+    fake.wait()
+    assert [v.node for v in a.describe("c1")] == ["c1-1"]
+    assert kinds_in(fake, "hyper-c1") == ["disks", "networkInterfaces",
+                                          "networkSecurityGroups", "publicIPAddresses",
+                                          "publicIPAddresses", "virtualMachines",
+                                          "virtualNetworks"]
+
+
+def test_teardown_deletes_the_group_and_gc_finds_other_clusters(fake):
+    a = api()
+    launch(a, spec())
+    launch(a, spec(cluster="other"), nodes=("other-0",))
+    fake.page_size = 1  # groups and resources come in pages
+    held = a.resources("c1")
+    assert [r.kind for r in held] == ["instance"] * 2 + ["nic"] * 2 + ["public_ip"] * 2 + [
+        "disk"] * 2 + ["security_group", "network", "resource_group"]
+    assert {r.cluster for r in held} == {"c1"} and {r.region for r in held} == {"eastus"}
     removed = remove_all(a, "c1")
-    assert "resource_group hyper-c1" in removed and "virtualMachines c1-0" in removed
+    assert "resource_group hyper-c1" in removed and "instance c1-0" in removed
+    assert len(removed) == len(held)
     assert "hyper-c1" not in fake.groups and fake.resources_in("hyper-c1") == []
-    assert a.resources("c1") == []
+    assert any("forceDeletionTypes=Microsoft.Compute" in p for m, p, _ in fake.requests
+               if m == "DELETE")
+    assert a.resources("c1") == [] and a.describe("c1") == []
     assert {r.cluster for r in a.resources(None)} == {"other"}
+    assert a.delete(held) == []  # already gone
     remove_all(a, None)
-    assert fake.groups == {}
+    assert fake.groups == {} and fake.res == {}

@@ -4,37 +4,58 @@ What a cluster gets, all in one resource group (``resource_group``, default
 ``hyper-<cluster>``) tagged ``hyper:cluster`` and ``hyper:owner``:
 
 * a virtual network ``hyper-<cluster>-vnet`` with subnet ``nodes`` and a network security group
-  ``hyper-<cluster>-nsg`` with one inbound rule: TCP 22 from ``ssh_cidr``;
-* per node a static Standard public IP ``<node>-ip``, a NIC ``<node>-nic`` and a VM ``<node>``
-  with priority Spot, eviction policy Delete and ``max_price`` (-1: up to the on-demand
-  price) or priority Regular; its OS disk of ``disk_gb`` GiB is deleted with it; custom data is
-  the cloud-config, a system-assigned managed identity with the role Virtual Machine
-  Contributor on the group (the node watcher deletes its idle VM with it); zones are tried in
-  ``zones`` order while the answer is a capacity error (``SkuNotAvailable``,
-  ``AllocationFailed``, ``ZonalAllocationFailed``, ...).
+  ``hyper-<cluster>-nsg`` with one inbound rule: TCP 22 from ``ssh_cidr`` (priority 1000);
+* per node a static Standard public IP ``<node>-ip``, a NIC ``<node>-nic`` and a VM ``<node>``,
+  each tagged ``hyper:cluster``/``hyper:node``/``hyper:owner``: priority Spot, eviction policy
+  Delete and ``max_price`` (-1: up to the on-demand price), or priority Regular; its OS disk of
+  ``disk_gb`` GiB and its NIC are deleted with it; custom data is the node's cloud-config
+  (:class:`~hypercli.providers.cloud.Boot`: host key, root's key, node watcher); the admin
+  user is ``ssh_user`` with the cluster key and no password, or ``hyper`` where Azure refuses
+  the name (``root``); a
+  system-assigned managed identity with the role Virtual Machine Contributor on the group (the
+  node watcher deletes its idle VM with it). Zones are tried in ``zones`` order while the
+  answer is a capacity error (``SkuNotAvailable``, ``AllocationFailed``,
+  ``ZonalAllocationFailed``, ``Overconstrained*AllocationRequest``); a VM whose allocation
+  failed is deleted first (ARM leaves it in state Failed, and its zones cannot change).
 
-Teardown deletes the resource group, which removes everything in it. Each create and delete
-waits for its long-running operation. Azure's prices come from the public Retail Prices API,
-not from these SDKs: :meth:`spot_price` returns nothing.
+Teardown deletes the resource group (VMs force-deleted), which removes everything in it.
+Each create and delete waits for its long-running operation (ARM's ``Azure-AsyncOperation``
+or ``Location`` polling, through azure-core's pollers).
+
+Preemption: with eviction policy Delete an evicted Spot VM is deleted, so ARM mostly shows it
+gone (the node watcher reads the ``Preempt`` scheduled event inside the VM first). A VM being
+deleted is ``stopping``; a Spot VM ARM shows deallocating or deallocated is ``preempted``
+(hypercli never deallocates: its watchdog powers off, which ARM shows as ``stopped``).
+
+Prices: Azure publishes them through the Retail Prices API (``prices.azure.com``), a public
+HTTP API that none of these SDKs wraps, so :meth:`AzureAPI.spot_price` returns nothing.
 
 Credentials: ``DefaultAzureCredential`` (``az login``, a service principal in
 ``AZURE_CLIENT_ID``/``AZURE_TENANT_ID``/``AZURE_CLIENT_SECRET``, a managed identity) and
 ``AZURE_SUBSCRIPTION_ID``. Test seam: ``HYPER_AZURE_ENDPOINT`` (an ``https://127.0.0.1:PORT``
-stand-in for Resource Manager) with ``HYPER_AZURE_CA_BUNDLE`` (the stand-in's certificate:
-azure-core sends bearer tokens over TLS only) and ``HYPER_AZURE_TOKEN`` (a fixed bearer token
-used instead of the credential chain, only together with ``HYPER_AZURE_ENDPOINT``).
+stand-in for Resource Manager) with ``HYPER_AZURE_CA_BUNDLE`` (the stand-in's certificate,
+passed as azure-core's ``connection_verify``: azure-core's bearer-token policy refuses to send
+a token over plain http, so the stand-in speaks TLS like the real endpoint) and
+``HYPER_AZURE_TOKEN`` (a fixed bearer token used instead of the credential chain, only
+together with ``HYPER_AZURE_ENDPOINT``).
 """
 
 from __future__ import annotations
 
 import base64
+import logging
 import os
 import re
 import threading
+import time
+import uuid
 from contextlib import contextmanager
 
-from azure.core.exceptions import (ClientAuthenticationError, HttpResponseError,
-                                   ResourceNotFoundError, ServiceRequestError)
+from azure.core.credentials import AccessToken
+from azure.core.exceptions import (AzureError, ClientAuthenticationError, HttpResponseError,
+                                   ResourceNotFoundError)
+from azure.core.rest import HttpRequest
+from azure.identity import CredentialUnavailableError, DefaultAzureCredential
 from azure.mgmt.compute import ComputeManagementClient
 from azure.mgmt.compute import models as cm
 from azure.mgmt.network import NetworkManagementClient
@@ -51,16 +72,33 @@ from hypercli.providers.cloud import (TAG_CLUSTER, TAG_IMAGE, TAG_NODE, TAG_OWNE
                                       VM, Boot, CapacityError, CloudError, CloudSpec,
                                       CredentialsError, QuotaError, Resource, owner)
 
+log = logging.getLogger("hypercli")
+
 CREDENTIALS_HINT = ("run `az login`, or set AZURE_CLIENT_ID, AZURE_TENANT_ID and "
                     "AZURE_CLIENT_SECRET; AZURE_SUBSCRIPTION_ID names the subscription")
+AUTH_CODES = {"InvalidAuthenticationToken", "AuthenticationFailed",
+              "ExpiredAuthenticationToken", "InvalidAuthenticationTokenTenant"}
+#: learn.microsoft.com/troubleshoot/azure/virtual-machines/windows/allocation-failure
 CAPACITY_CODES = {"SkuNotAvailable", "AllocationFailed", "ZonalAllocationFailed",
                   "OverconstrainedAllocationRequest", "OverconstrainedZonalAllocationRequest"}
-QUOTA_CODES = {"QuotaExceeded", "OperationNotAllowed"}
 #: built-in role "Virtual Machine Contributor" (learn.microsoft.com/azure/role-based-access-
 #: control/built-in-roles): enough for a VM to delete itself
 VM_CONTRIBUTOR = "9980e02c-c2be-4d73-94e8-173b1dc7cf3c"
+#: instance view ``PowerState/<x>`` → VM.state
 POWER = {"starting": "pending", "running": "running", "stopping": "stopping",
          "deallocating": "stopping", "stopped": "terminated", "deallocated": "terminated"}
+#: admin user names Azure refuses for Linux VMs (learn.microsoft.com/azure/virtual-machines/
+#: linux/faq, "username requirements"; the common ones); the admin becomes ``hyper`` then
+RESERVED_USERS = {"root", "admin", "administrator", "guest", "owner", "sys", "test", "user",
+                  "adm", "backup", "console", "server", "sql", "support", "a", "1", "123"}
+#: ARM resource type (lower case) → Resource.kind, in deletion order
+KINDS = {"microsoft.compute/virtualmachines": "instance",
+         "microsoft.network/networkinterfaces": "nic",
+         "microsoft.network/publicipaddresses": "public_ip",
+         "microsoft.compute/disks": "disk",
+         "microsoft.network/networksecuritygroups": "security_group",
+         "microsoft.network/virtualnetworks": "network"}
+ORDER = list(KINDS.values())
 
 
 def vm_name(text: str) -> str:
@@ -68,44 +106,54 @@ def vm_name(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9-]", "-", text).strip("-")[:64] or "node"
 
 
+def error_class(code: str, message: str) -> type[CloudError]:
+    """The hypercli error for an ARM error code and message: CapacityError (try another zone),
+    QuotaError (``QuotaExceeded``, or ``OperationNotAllowed`` about a quota) or CloudError."""
+    if code in CAPACITY_CODES:
+        return CapacityError
+    if code == "QuotaExceeded" or (code == "OperationNotAllowed" and "quota" in message.lower()):
+        return QuotaError
+    return CloudError
+
+
 @contextmanager
 def _calls(what: str):
-    """Turn azure-core's and azure-identity's errors into hypercli's."""
+    """Turn azure-core's and azure-identity's errors into hypercli's (``what``: the action,
+    for the message). Raises CredentialsError, CapacityError, QuotaError or CloudError."""
     try:
         yield
+    except CredentialUnavailableError as e:
+        raise CredentialsError(f"no usable Azure credentials ({e.message})",
+                               CREDENTIALS_HINT) from None
     except ClientAuthenticationError as e:
-        raise CredentialsError(f"Azure refused the credentials ({e.message})",
+        raise CredentialsError(f"Azure refused the credentials ({_text(e)})",
                                CREDENTIALS_HINT) from None
     except HttpResponseError as e:
         code = (e.error.code if e.error else None) or str(e.status_code or "")
-        msg = (e.error.message if e.error else None) or e.message
-        if e.status_code in (401,) or code in ("InvalidAuthenticationToken",
-                                                "AuthenticationFailed",
-                                                "ExpiredAuthenticationToken"):
+        msg = (e.error.message if e.error else None) or e.message or ""
+        if code in AUTH_CODES:
             raise CredentialsError(f"Azure refused the credentials ({code}: {msg})",
                                    CREDENTIALS_HINT) from None
-        cls = CapacityError if code in CAPACITY_CODES else \
-            QuotaError if code in QUOTA_CODES or "quota" in (msg or "").lower() else CloudError
-        raise cls(f"{what}: {code}: {msg}", code=code) from None
-    except ServiceRequestError as e:
-        raise CloudError(f"{what}: {e}") from None
-    except Exception as e:
-        if type(e).__name__ == "CredentialUnavailableError":
-            raise CredentialsError(f"no usable Azure credentials ({e})",
-                                   CREDENTIALS_HINT) from None
-        raise
+        hint = ("the identity needs the role Contributor on the subscription"
+                if code == "AuthorizationFailed" else None)
+        raise error_class(code, msg)(f"{what}: {code}: {msg}", hint, code=code) from None
+    except AzureError as e:  # no answer: connection refused, TLS, timeouts
+        raise CloudError(f"{what}: {e}", "check the network and the Azure endpoint") from None
+
+
+def _text(e: ClientAuthenticationError) -> str:
+    if e.error is not None and e.error.code:
+        return f"{e.error.code}: {e.error.message}"
+    return e.message
 
 
 class _StaticToken:
-    """A TokenCredential handing out one bearer token (the test seam's stand-in takes any)."""
+    """A TokenCredential handing out one bearer token (``HYPER_AZURE_TOKEN``)."""
 
     def __init__(self, token: str):
         self.token = token
 
-    def get_token(self, *scopes, **kwargs):
-        import time
-
-        from azure.core.credentials import AccessToken
+    def get_token(self, *scopes, **kwargs) -> AccessToken:
         return AccessToken(self.token, int(time.time()) + 3600)
 
 
@@ -113,7 +161,8 @@ class AzureAPI:
     """Azure Resource Manager in one subscription and region (see the module docstring).
 
     Args:
-        subscription_id: or None for AZURE_SUBSCRIPTION_ID.
+        subscription_id: or None for AZURE_SUBSCRIPTION_ID (missing: CredentialsError on the
+            first call).
         region: location, e.g. ``eastus``.
         credential: an azure-core TokenCredential (default: DefaultAzureCredential).
         base_url: Resource Manager endpoint (default: HYPER_AZURE_ENDPOINT, else Azure's).
@@ -127,7 +176,8 @@ class AzureAPI:
         self.region = region
         self.base_url = base_url or os.environ.get("HYPER_AZURE_ENDPOINT") or None
         self.verify = os.environ.get("HYPER_AZURE_CA_BUNDLE") or None
-        self.poll = 0.05 if self.base_url else 5.0  # s between LRO polls
+        #: s between polls of a long-running operation when ARM sends no Retry-After
+        self.poll = 0.02 if self.base_url else 5.0
         self._credential = credential
         self._local = threading.local()
 
@@ -137,17 +187,13 @@ class AzureAPI:
         if c is None:
             if not self.subscription:
                 raise CredentialsError("no Azure subscription", "set AZURE_SUBSCRIPTION_ID "
-                                       "(`az account show --query id`)")
+                                       "(`az account show --query id -o tsv`)")
             if self._credential is None and self.base_url and os.environ.get(
                     "HYPER_AZURE_TOKEN"):
                 self._credential = _StaticToken(os.environ["HYPER_AZURE_TOKEN"])
             if self._credential is None:
-                from azure.identity import DefaultAzureCredential
                 self._credential = DefaultAzureCredential()
-            kw = {}
-            if self.base_url:
-                kw["base_url"] = self.base_url
-                kw["credential_scopes"] = ["https://management.azure.com/.default"]
+            kw = {"base_url": self.base_url} if self.base_url else {}
             if self.verify:
                 kw["connection_verify"] = self.verify
             c = cls(self._credential, self.subscription, **kw)
@@ -166,27 +212,43 @@ class AzureAPI:
     def compute(self) -> ComputeManagementClient:
         return self._client(ComputeManagementClient)
 
-    def _tags(self, cluster: str, node: str | None = None) -> dict:
+    @staticmethod
+    def _tags(cluster: str, node: str | None = None) -> dict:
         t = {TAG_CLUSTER: cluster, TAG_OWNER: owner()}
         if node:
             t[TAG_NODE] = node
         return t
 
     def _groups(self, cluster: str | None) -> list:
+        """Resource groups tagged ``hyper:cluster`` (= ``cluster`` unless None)."""
+        flt = f"tagName eq '{TAG_CLUSTER}'"
+        if cluster:
+            flt += " and tagValue eq '{}'".format(cluster.replace("'", "''"))
         with _calls("listing resource groups"):
-            return [g for g in self.rm.resource_groups.list()
+            return [g for g in self.rm.resource_groups.list(filter=flt)
                     if (g.tags or {}).get(TAG_CLUSTER)
                     and (cluster is None or g.tags[TAG_CLUSTER] == cluster)]
 
     # -- the contract --------------------------------------------------------------------------
     def check(self) -> str:
+        """``subscription S, region R (N hyper resource groups)``. Raises CredentialsError."""
         n = len(self._groups(None))
         return f"subscription {self.subscription}, region {self.region or '?'} " \
                f"({n} hyper resource groups)"
 
     def prepare(self, spec: CloudSpec, ssh_public_key: str) -> dict:
+        """Create or update the group, network security group and virtual network.
+
+        Returns:
+            ``{"resource_group": name, "nsg": id, "subnet": id}``.
+        Raises:
+            UsageError: no region or no ``ssh_cidr``; CredentialsError, CloudError.
+        """
         if not self.region:
             raise UsageError("provider azure needs cluster.region", "e.g. region: eastus")
+        if not spec.ssh_cidr:
+            raise UsageError("the SSH rule needs a source address range",
+                             "set cluster.ssh_cidr, e.g. 203.0.113.0/24")
         rg = spec.resource_group or f"hyper-{spec.cluster}"
         tags = self._tags(spec.cluster)
         with _calls(f"creating resource group {rg}"):
@@ -213,6 +275,14 @@ class AzureAPI:
 
     def create(self, spec: CloudSpec, nodes: list[str], boot: Boot,
                prepared: dict) -> tuple[list[VM], dict[str, Exception]]:
+        """One public IP, NIC and VM per node name, zones tried in order on capacity errors.
+
+        Returns:
+            (VMs created, node → CloudError for nodes that got none; their IP and NIC are
+            removed again).
+        Raises:
+            UsageError: no usable image; CredentialsError.
+        """
         image = self._image_reference(self.find_image(spec))
         vms, errors = [], {}
         for node in nodes:
@@ -224,81 +294,94 @@ class AzureAPI:
 
     def _create_one(self, spec: CloudSpec, node: str, image: dict, boot: Boot,
                     prepared: dict) -> VM:
+        """Public IP, NIC and VM of one node, in the first zone of ``spec.zones`` with
+        capacity. Raises CapacityError (no zone had room), QuotaError or CloudError, after
+        removing what it made."""
         rg, name = prepared["resource_group"], vm_name(node)
         tags = self._tags(spec.cluster, node)
-        with _calls(f"creating the public IP of {node}"):
-            ip = self.net.public_ip_addresses.begin_create_or_update(
-                rg, f"{name}-ip", nm.PublicIPAddress(
-                    location=self.region, tags=tags, sku=nm.PublicIPAddressSku(name="Standard"),
-                    public_ip_allocation_method="Static"),
-                polling_interval=self.poll).result()
-        with _calls(f"creating the NIC of {node}"):
-            nic = self.net.network_interfaces.begin_create_or_update(
-                rg, f"{name}-nic", nm.NetworkInterface(
-                    location=self.region, tags=tags,
-                    network_security_group=nm.NetworkSecurityGroup(id=prepared["nsg"]),
-                    ip_configurations=[nm.NetworkInterfaceIPConfiguration(
-                        name="ipconfig", subnet=nm.Subnet(id=prepared["subnet"]),
-                        public_ip_address=nm.PublicIPAddress(id=ip.id))]),
-                polling_interval=self.poll).result()
+        try:
+            with _calls(f"creating the public IP of {node}"):
+                ip = self.net.public_ip_addresses.begin_create_or_update(
+                    rg, f"{name}-ip", nm.PublicIPAddress(
+                        location=self.region, tags=tags,
+                        sku=nm.PublicIPAddressSku(name="Standard"),
+                        public_ip_allocation_method="Static"),
+                    polling_interval=self.poll).result()
+            last: CloudError | None = None
+            for zone in list(spec.zones) or [None]:
+                # (again) after a failed VM: deleting it took its NIC along (delete option)
+                with _calls(f"creating the NIC of {node}"):
+                    nic = self.net.network_interfaces.begin_create_or_update(
+                        rg, f"{name}-nic", nm.NetworkInterface(
+                            location=self.region, tags=tags,
+                            network_security_group=nm.NetworkSecurityGroup(id=prepared["nsg"]),
+                            ip_configurations=[nm.NetworkInterfaceIPConfiguration(
+                                name="ipconfig", subnet=nm.Subnet(id=prepared["subnet"]),
+                                public_ip_address=nm.PublicIPAddress(id=ip.id))]),
+                        polling_interval=self.poll).result()
+                try:
+                    with _calls(f"launching {node}" + (f" in zone {zone}" if zone else "")):
+                        vm = self.compute.virtual_machines.begin_create_or_update(
+                            rg, name, self._vm_body(spec, node, name, tags, image, boot,
+                                                    nic.id, zone),
+                            polling_interval=self.poll).result()
+                    break
+                except CapacityError as e:
+                    last = e
+                    # a VM whose allocation failed stays (state Failed) and keeps its zones
+                    self._quietly(lambda: self.compute.virtual_machines.begin_delete(
+                        rg, name, polling_interval=self.poll).result())
+            else:
+                raise last
+        except CloudError:
+            for delete, what in ((self.compute.virtual_machines.begin_delete, name),
+                                 (self.net.network_interfaces.begin_delete, f"{name}-nic"),
+                                 (self.net.public_ip_addresses.begin_delete, f"{name}-ip")):
+                self._quietly(lambda: delete(rg, what, polling_interval=self.poll).result())
+            raise
+        self._allow_self_delete(rg, vm)
+        return VM(id=vm.name, node=node, zone=zone or "", state="running",
+                  public_ip=ip.ip_address,
+                  private_ip=nic.ip_configurations[0].private_ip_address,
+                  instance_type=spec.instance_type, spot=spec.spot,
+                  extra={"resource_group": rg, "vm_id": vm.vm_id})
 
-        def body(zone: str | None) -> cm.VirtualMachine:
-            spot = dict(priority="Spot", eviction_policy="Delete",
-                        billing_profile=cm.BillingProfile(max_price=spec.max_price or -1)) \
-                if spec.spot else dict(priority="Regular")
-            return cm.VirtualMachine(
-                location=self.region, tags=tags, zones=[zone] if zone else None,
-                identity=cm.VirtualMachineIdentity(type="SystemAssigned"),
-                hardware_profile=cm.HardwareProfile(vm_size=spec.instance_type),
-                storage_profile=cm.StorageProfile(
-                    image_reference=cm.ImageReference(**image),
-                    os_disk=cm.OSDisk(create_option="FromImage", disk_size_gb=spec.disk_gb,
-                                      delete_option="Delete",
-                                      managed_disk=cm.ManagedDiskParameters(
-                                          storage_account_type="StandardSSD_LRS"))),
-                os_profile=cm.OSProfile(
-                    computer_name=name, admin_username="hyper",
-                    custom_data=base64.b64encode(boot.user_data[node].encode()).decode(),
-                    linux_configuration=cm.LinuxConfiguration(
-                        disable_password_authentication=True,
-                        ssh=cm.SshConfiguration(public_keys=[cm.SshPublicKey(
-                            path="/home/hyper/.ssh/authorized_keys",
-                            key_data=boot.ssh_public_key)]))),
-                network_profile=cm.NetworkProfile(network_interfaces=[
-                    cm.NetworkInterfaceReference(id=nic.id, delete_option="Delete")]),
-                **spot)
-        last: Exception | None = None
-        for zone in list(spec.zones) or [None]:
-            what = f"launching {node}" + (f" in zone {zone}" if zone else "")
-            try:
-                with _calls(what):
-                    vm = self.compute.virtual_machines.begin_create_or_update(
-                        rg, name, body(zone), polling_interval=self.poll).result()
-                self._allow_self_delete(rg, vm)
-                return VM(id=vm.name, node=node, zone=zone or "", state="running",
-                          public_ip=ip.ip_address, private_ip=None,
-                          instance_type=spec.instance_type, spot=spec.spot,
-                          extra={"resource_group": rg})
-            except CapacityError as e:
-                last = e
-            except CloudError as e:
-                last = e
-                break
-        self._quietly(lambda: self.net.network_interfaces.begin_delete(
-            rg, f"{name}-nic", polling_interval=self.poll).result())
-        self._quietly(lambda: self.net.public_ip_addresses.begin_delete(
-            rg, f"{name}-ip", polling_interval=self.poll).result())
-        raise last
+    def _vm_body(self, spec: CloudSpec, node: str, name: str, tags: dict, image: dict,
+                 boot: Boot, nic_id: str, zone: str | None) -> cm.VirtualMachine:
+        """The VM of ``node`` as ARM takes it (module docstring). Azure refuses ``root`` and
+        a few other admin names; the admin is then ``hyper`` (the cloud-config authorizes
+        the cluster key for root itself)."""
+        user = "hyper" if boot.ssh_user.lower() in RESERVED_USERS else boot.ssh_user
+        spot = dict(priority="Spot", eviction_policy="Delete",
+                    billing_profile=cm.BillingProfile(max_price=spec.max_price or -1)) \
+            if spec.spot else dict(priority="Regular")
+        return cm.VirtualMachine(
+            location=self.region, tags=tags, zones=[zone] if zone else None,
+            identity=cm.VirtualMachineIdentity(type="SystemAssigned"),
+            hardware_profile=cm.HardwareProfile(vm_size=spec.instance_type),
+            storage_profile=cm.StorageProfile(
+                image_reference=cm.ImageReference(**image),
+                os_disk=cm.OSDisk(create_option="FromImage", disk_size_gb=spec.disk_gb,
+                                  delete_option="Delete",
+                                  managed_disk=cm.ManagedDiskParameters(
+                                      storage_account_type="StandardSSD_LRS"))),
+            os_profile=cm.OSProfile(
+                computer_name=name, admin_username=user,
+                custom_data=base64.b64encode(boot.user_data[node].encode()).decode(),
+                linux_configuration=cm.LinuxConfiguration(
+                    disable_password_authentication=True,
+                    ssh=cm.SshConfiguration(public_keys=[cm.SshPublicKey(
+                        path=f"/home/{user}/.ssh/authorized_keys",
+                        key_data=boot.ssh_public_key)]))),
+            network_profile=cm.NetworkProfile(network_interfaces=[
+                cm.NetworkInterfaceReference(id=nic_id, primary=True, delete_option="Delete")]),
+            **spot)
 
     def _allow_self_delete(self, rg: str, vm) -> None:
         """Give the VM's managed identity the role Virtual Machine Contributor on its own
         resource group, so that the node watcher can delete the idle VM. Best effort: an
         account that may not assign roles gets a warning, and such a VM is only powered off
         when idle (``hyper down``/``hyper gc`` remove it)."""
-        import logging
-        import uuid
-
-        from azure.core.rest import HttpRequest
         principal = getattr(getattr(vm, "identity", None), "principal_id", None)
         if not principal:
             return
@@ -313,89 +396,126 @@ class AzureAPI:
             resp = self.rm.send_request(req)
             if resp.status_code >= 300 and resp.status_code != 409:  # 409: already there
                 raise HttpResponseError(response=resp)
-        except Exception as e:
-            logging.getLogger("hypercli").warning(
-                "VM %s cannot delete itself when idle (role assignment refused: %s); it will "
-                "power off instead", vm.name, e)
+        except AzureError as e:
+            log.warning("VM %s cannot delete itself when idle (role assignment refused: %s); "
+                        "it will power off instead", vm.name, e)
 
     @staticmethod
     def _quietly(call) -> None:
+        """Run a clean-up call; a failure (or the resource being gone) is only logged."""
         try:
             with _calls("cleaning up"):
                 call()
-        except (CloudError, ResourceNotFoundError):
-            pass
+        except CloudError as e:
+            log.debug("%s", e)
 
     def describe(self, cluster: str) -> list[VM]:
+        """The cluster's VMs with state (module docstring), zone, addresses. Raises
+        CredentialsError, CloudError."""
         out = []
         for g in self._groups(cluster):
             with _calls(f"listing VMs of {g.name}"):
-                ips = {p.name: p.ip_address
+                ips = {p.id.lower(): p.ip_address
                        for p in self.net.public_ip_addresses.list(g.name)}
-                for vm in self.compute.virtual_machines.list(g.name):
-                    view = self.compute.virtual_machines.instance_view(g.name, vm.name)
-                    power = next((s.code.split("/", 1)[1] for s in view.statuses or []
-                                  if (s.code or "").startswith("PowerState/")), "starting")
-                    state = POWER.get(power, "pending")
-                    spot = (vm.priority or "") == "Spot"
-                    if state == "terminated" and spot:
-                        state = "preempted"
-                    out.append(VM(id=vm.name, node=(vm.tags or {}).get(TAG_NODE, vm.name),
-                                  zone=(vm.zones or [""])[0], state=state,
-                                  public_ip=ips.get(f"{vm.name}-ip"), instance_type=(
-                                      vm.hardware_profile.vm_size if vm.hardware_profile
-                                      else ""), spot=spot, extra={"resource_group": g.name}))
+                nics = {n.id.lower(): n for n in self.net.network_interfaces.list(g.name)}
+                vms = list(self.compute.virtual_machines.list(g.name, expand="instanceView"))
+            for vm in vms:
+                public = private = None
+                for ref in (vm.network_profile.network_interfaces or []
+                            if vm.network_profile else []):
+                    nic = nics.get((ref.id or "").lower())
+                    for c in (nic.ip_configurations or []) if nic else []:
+                        private = private or c.private_ip_address
+                        if c.public_ip_address and c.public_ip_address.id:
+                            public = public or ips.get(c.public_ip_address.id.lower())
+                spot = (vm.priority or "") == "Spot"
+                out.append(VM(id=vm.name, node=(vm.tags or {}).get(TAG_NODE, vm.name),
+                              zone=(vm.zones or [""])[0], state=self._state(vm, spot),
+                              public_ip=public, private_ip=private,
+                              instance_type=(vm.hardware_profile.vm_size
+                                             if vm.hardware_profile else ""),
+                              spot=spot, extra={"resource_group": g.name}))
         return out
 
+    @staticmethod
+    def _state(vm, spot: bool) -> str:
+        """VM.state from ARM's provisioning state and instance view power state."""
+        codes = [s.code or "" for s in (vm.instance_view.statuses or []
+                                        if vm.instance_view else [])]
+        power = next((c.split("/", 1)[1] for c in codes if c.startswith("PowerState/")), None)
+        provisioning = (vm.provisioning_state or "").lower()
+        if provisioning == "deleting":
+            return "stopping"
+        if spot and power in ("deallocating", "deallocated"):
+            return "preempted"
+        if provisioning == "failed" and power in (None, "deallocated", "stopped"):
+            return "terminated"
+        return POWER.get(power or "starting", "pending")
+
     def terminate(self, cluster: str, ids: list[str]) -> None:
+        """Start deleting the VMs named ``ids`` (no wait; NIC and OS disk go with them)."""
+        wanted = set(ids)
         for g in self._groups(cluster):
-            for i in ids:
-                with _calls(f"deleting VM {i}"):
-                    try:
-                        self.compute.virtual_machines.begin_delete(g.name, i,
-                                                                   polling_interval=self.poll)
-                    except ResourceNotFoundError:
-                        pass
+            with _calls(f"deleting VMs of {g.name}"):
+                for vm in self.compute.virtual_machines.list(g.name):
+                    if vm.name in wanted:
+                        self.compute.virtual_machines.begin_delete(
+                            g.name, vm.name, polling_interval=self.poll)
 
     def resources(self, cluster: str | None = None) -> list[Resource]:
+        """Every resource in the hyper resource groups of ``cluster`` (all when None), ARM ids,
+        instances first and each group last (it takes the rest along)."""
         out = []
         for g in self._groups(cluster):
             c = g.tags[TAG_CLUSTER]
             with _calls(f"listing {g.name}"):
-                for r in self.rm.resources.list_by_resource_group(g.name):
-                    out.append(Resource(r.type.rsplit("/", 1)[-1], r.id, c, g.name))
-            out.append(Resource("resource_group", g.name, c, g.location or ""))
+                inner = [Resource(KINDS.get((r.type or "").lower(),
+                                            (r.type or "").rsplit("/", 1)[-1]),
+                                  r.id, c, r.location or g.location or "")
+                         for r in self.rm.resources.list_by_resource_group(g.name)]
+            inner.sort(key=lambda r: ORDER.index(r.kind) if r.kind in ORDER else len(ORDER))
+            out += inner + [Resource("resource_group", g.id, c, g.location or "")]
         return out
 
     def delete(self, resources: list[Resource]) -> list[str]:
+        """Delete the resource groups that hold ``resources`` (ARM ids), waiting for each;
+        a group already gone counts as deleted. Returns ``"<kind> <name>"`` per resource."""
         removed = []
-        for rg in [r for r in resources if r.kind == "resource_group"]:
-            with _calls(f"deleting resource group {rg.id}"):
+        groups = list(dict.fromkeys(r.id.split("/")[4] for r in resources
+                                    if r.id.count("/") >= 4))
+        for rg in groups:
+            with _calls(f"deleting resource group {rg}"):
                 try:
                     self.rm.resource_groups.begin_delete(
-                        rg.id, polling_interval=self.poll).result()
+                        rg, force_deletion_types="Microsoft.Compute/virtualMachines",
+                        polling_interval=self.poll).result()
                 except ResourceNotFoundError:
                     continue
             removed += [f"{r.kind} {r.id.rsplit('/', 1)[-1]}" for r in resources
-                        if r.kind != "resource_group" and r.region == rg.id]
-            removed.append(f"resource_group {rg.id}")
+                        if r.id.split("/")[4] == rg]
         return removed
 
     def spot_price(self, spec: CloudSpec) -> dict[str, float]:
+        """Nothing: Azure's prices come from its Retail Prices API, not these SDKs."""
         return {}
 
     @staticmethod
     def _image_reference(image: str) -> dict:
+        """ImageReference fields of an image id (``/subscriptions/...``) or a marketplace URN
+        ``PUBLISHER:OFFER:SKU:VERSION``. Raises UsageError for anything else."""
         if image.startswith("/"):
             return {"id": image}
         parts = image.split(":")
-        if len(parts) != 4:
+        if len(parts) != 4 or not all(parts):
             raise UsageError(f"image {image!r} is neither an image id nor "
                              "PUBLISHER:OFFER:SKU:VERSION",
                              "e.g. Canonical:ubuntu-24_04-lts:server:latest")
         return dict(zip(("publisher", "offer", "sku", "version"), parts))
 
     def find_image(self, spec: CloudSpec) -> str:
+        """``spec.image`` (checked), else the id of the newest managed image in this region
+        tagged ``hyper:image=node`` and ``hyper:variant=<variant>`` (newest: the build stamp
+        that ends its name). Raises UsageError when there is none."""
         if spec.image:
             self._image_reference(spec.image)
             return spec.image
@@ -403,9 +523,11 @@ class AzureAPI:
             found = [i for i in self.compute.images.list()
                      if (i.tags or {}).get(TAG_IMAGE) == "node"
                      and (i.tags or {}).get(TAG_VARIANT) == spec.variant]
-        if not found:
+        here = [i for i in found if (i.location or "").lower() == self.region.lower()]
+        if not here:
+            where = f" (there is one in {found[0].location})" if found else ""
             raise UsageError(f"no baked hypercli {spec.variant} image in subscription "
-                             f"{self.subscription}",
+                             f"{self.subscription}, region {self.region}{where}",
                              "bake one: hyper image build --provider azure "
                              "(or set image: PUBLISHER:OFFER:SKU:VERSION)")
-        return max(found, key=lambda i: i.name).id  # names end in the build stamp
+        return max(here, key=lambda i: i.name).id
