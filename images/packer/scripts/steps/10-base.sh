@@ -9,6 +9,10 @@ if [ -z "$missing" ]; then
   echo "hyper-provision: base: unchanged"
   exit 0
 fi
+command -v apt-get >/dev/null 2>&1 || {
+  echo "hyper-provision: base: needs apt-get (Debian, Ubuntu); HYPER_SKIP=base skips it" >&2
+  exit 1
+}
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -qq
 # shellcheck disable=SC2086  # one word per package

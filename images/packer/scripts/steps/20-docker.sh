@@ -5,6 +5,10 @@ if command -v docker >/dev/null 2>&1; then
   echo "hyper-provision: docker: unchanged"
   exit 0
 fi
+command -v apt-get >/dev/null 2>&1 || {
+  echo "hyper-provision: docker: needs apt-get (Debian, Ubuntu); HYPER_SKIP=docker skips it" >&2
+  exit 1
+}
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -qq
 apt-get install -y -qq docker.io >/dev/null

@@ -1,7 +1,9 @@
 #!/bin/sh
-# hypercli's code for the node: the chunked mount and output pushes (python3 -m
-# hypercli.mount.node), the node watcher (preemption notices, idle watchdog) and its
-# systemd unit. The boot document enables the watcher with the node's own settings.
+# hypercli's code for the node in $HYPER_PREFIX/<digest> (current: a link to it): the node
+# agent, the chunked mount and output pushes (hyper-node = python3 -m hypercli.mount.node),
+# the node watcher (preemption notices, idle watchdog) and its systemd unit. The unit is not
+# enabled here: a cloud node's boot document enables it with the node's own settings, and an
+# SSH host you own is never powered off by an idle watchdog.
 set -eu
 bundle=${HYPER_BUNDLE:?HYPER_BUNDLE names the tar of hypercli made by hyper image build}
 root=${HYPER_PREFIX:-/opt/hypercli}
@@ -46,6 +48,10 @@ RestartSec=5
 [Install]
 WantedBy=multi-user.target
 EOS
+case "$changed" in
+  *hyper-watch.service*)  # systemd reads units again only when asked (started by the boot)
+    if [ -d /run/systemd/system ]; then systemctl daemon-reload || true; fi ;;
+esac
 if [ -n "$changed" ]; then
   echo "hyper-provision: hypercli: changed ($changed )"
 else
