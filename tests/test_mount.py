@@ -273,6 +273,12 @@ def test_stdlib_tree_over_s3_reads_back_byte_for_byte(s3, mount, stdlib_tree):
     assert got == src
     assert warm.stats()["downloads"] == 0
     assert s3.proxy.requests - req0 <= 5  # the manifest (the index is cached too)
+    # read again on the same mount: the kernel sent one open (answered ENOSYS, its no-open
+    # mode) and serves every file from its page cache: no read reaches the daemon
+    hits = warm.stats()["hits"]
+    assert read_all(warm.mp, rels) == src
+    s = warm.stats()
+    assert s["open_calls"] == 1 and s["hits"] == hits
     drop_page_cache(stdlib_tree, rels)
     t0 = time.perf_counter()
     read_all(stdlib_tree, rels)
@@ -456,9 +462,12 @@ def test_every_write_fails_with_erofs(synth_tree, synth_mount, synth_url, tmp_pa
         with pytest.raises(OSError) as e:
             getattr(ops, name)(*args)
         assert e.value.errno == errno.EROFS, name
-    # opens are answered by libfuse (no Python round trip): an open for writing is refused by
-    # the kernel on the `ro` mount, as checked above through the real mount
-    assert not hasattr(ops, "open") and not hasattr(ops, "release")
+    # open answers ENOSYS (the kernel's no-open mode): an open for writing is refused by the
+    # kernel on the `ro` mount, as checked above through the real mount
+    with pytest.raises(OSError) as e:
+        ops.open("/empty", os.O_RDONLY)
+    assert e.value.errno == errno.ENOSYS
+    assert not hasattr(ops, "release") and not hasattr(ops, "opendir")
     with pytest.raises(OSError) as e:
         ops.getattr("/no/such")
     assert e.value.errno == errno.ENOENT
