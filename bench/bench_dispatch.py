@@ -23,10 +23,11 @@ Goal reported against: hyper CLI rate >= 0.5 x GNU parallel's rate, with every a
 recorded as succeeded.
 
 CPU time: the benchmark makes itself the subreaper of its descendants (Linux prctl), so the
-detached supervisors of hypercli's attempts are reaped here like parallel's children, and
-RUSAGE_CHILDREN gives each side's whole CPU cost per task -- a figure much less sensitive to
-other load on the machine than wall time. The in-process side also splits it into the
-scheduler process, the node agents, and the supervisors + task shells.
+node agents of hypercli (which detach from their connection and supervise the tasks they
+started) are reaped here like parallel's children, and RUSAGE_CHILDREN gives each side's
+whole CPU cost per task -- a figure much less sensitive to other load on the machine than
+wall time. The in-process side also splits it into the scheduler process and the node agents
+with their task shells.
 
 Each hypercli run gets a fresh HYPER_HOME (a temp folder; all are removed at the end, not
 between runs -- see new_home); ~/.hyper is never touched. Processes left behind (none
@@ -83,8 +84,9 @@ def recipe_text(n: int) -> str:
 
 def become_subreaper() -> bool:
     """Make this process the reaper of its orphaned descendants (Linux prctl
-    PR_SET_CHILD_SUBREAPER), so the detached supervisors of hypercli's attempts are reaped here
-    and their CPU time shows in RUSAGE_CHILDREN like GNU parallel's children do."""
+    PR_SET_CHILD_SUBREAPER), so hypercli's detached node agents (and, through them, their
+    task shells) are reaped here and their CPU time shows in RUSAGE_CHILDREN like GNU
+    parallel's children do."""
     try:
         import ctypes
         return ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0
@@ -318,9 +320,8 @@ def child_loop(recipe_path: str) -> dict:
     t3 = time.perf_counter()
     state.close()
     self1 = resource.getrusage(resource.RUSAGE_SELF)
-    agents = children_cpu() - kids0  # the agents were waited for when their channels closed
-    reap()
-    supervisors = children_cpu() - kids0 - agents
+    reap()  # the detached agents, once their last task has ended
+    agents = children_cpu() - kids0
     if summary.interrupted:  # a failed task is reported by verify(), an interrupt is not
         raise SystemExit(f"run ended {summary}")
     out = {"imports": t1 - t0, "setup": t2 - t1, "loop": t3 - t2,
@@ -329,7 +330,7 @@ def child_loop(recipe_path: str) -> dict:
         out["cpu_split"] = {
             "scheduler process": (self1.ru_utime + self1.ru_stime)
             - (self0.ru_utime + self0.ru_stime),
-            "agents": agents, "supervisors + task shells": supervisors}
+            "node agents + task shells": agents}
     return out
 
 

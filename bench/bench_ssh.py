@@ -151,8 +151,9 @@ HZ = os.sysconf("SC_CLK_TCK")
 
 def host_cpu(hosts) -> float:
     """CPU seconds used so far inside the hosts: each host's init (sshd -D, PID 1 of its PID
-    namespace) plus every process it reaped (sshd reaps orphans too, e.g. the agent's
-    double-forked supervisors), so processes still running are not counted yet."""
+    namespace) plus every process it reaped (sshd reaps orphans too, e.g. an agent that
+    detached from its connection, with its tasks' CPU), so processes still running are not
+    counted yet."""
     total = 0
     for h in hosts:
         f = Path(f"/proc/{h.pid}/stat").read_text().rsplit(")", 1)[1].split()

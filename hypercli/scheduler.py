@@ -11,8 +11,9 @@ running, instead of starting them again.
 Rules (paper section III-D for the re-run of lost work):
   * Experiments run in the order of their ``after`` edges; a task is ready when every experiment
     its experiment comes after has all its tasks succeeded.
-  * A failed attempt (exit code ≠ 0) or a lost one (its node or supervisor died) gives the task a
-    new attempt with the same arguments while failed + lost attempts ≤ ``retries``.
+  * A failed attempt (exit code ≠ 0) or a lost one (its node, or the agent that started it, died)
+    gives the task a new attempt with the same arguments while failed + lost attempts ≤
+    ``retries``.
   * A task out of attempts fails its experiment; the experiments after it are skipped.
   * The first successful attempt of a task wins: a later success of the same task is recorded
     as ``superseded`` and changes nothing.

@@ -278,7 +278,8 @@ def test_stdlib_tree_over_s3_reads_back_byte_for_byte(s3, mount, stdlib_tree):
     hits = warm.stats()["hits"]
     assert read_all(warm.mp, rels) == src
     s = warm.stats()
-    assert s["open_calls"] == 1 and s["hits"] == hits
+    assert s["open_calls"] == 1, s
+    assert s["hits"] == hits, (s, hits)
     drop_page_cache(stdlib_tree, rels)
     t0 = time.perf_counter()
     read_all(stdlib_tree, rels)

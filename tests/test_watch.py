@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -16,6 +14,7 @@ import pytest
 
 from conftest import wait_for
 from hypercli.node import watch
+from hypercli.node.client import local_agent
 
 
 class Metadata:
@@ -148,25 +147,22 @@ def test_watcher_writes_the_marker_once(metadata, tmp_path):
 
 def test_idle_watchdog_powers_off_only_when_idle(tmp_path):
     root = tmp_path / "node"
-    (root / "tasks" / "a.t.1").mkdir(parents=True)
     flag = tmp_path / "powered-off"
     args = ["--cloud", "none", "--root", str(root), "--idle-minutes", "0.0001", "--once",
             "--shutdown-command", f"touch {flag}"]
-    # a running attempt: its supervisor holds the lock
-    lock = subprocess.Popen([sys.executable, "-c", (
-        "import fcntl, os, sys, time\n"
-        f"fd = os.open({str(root / 'tasks' / 'a.t.1' / 'lock')!r}, os.O_CREAT | os.O_RDWR)\n"
-        "fcntl.flock(fd, fcntl.LOCK_EX)\nprint('locked', flush=True)\ntime.sleep(60)\n")],
-        stdout=subprocess.PIPE, text=True)
+    # a running attempt, started by a real agent (which holds its lock)
+    client = local_agent("n", root)
     try:
-        assert lock.stdout.readline().strip() == "locked"
+        r = client.call("launch", attempts=[{"id": "a.t.1", "script": "sleep 60", "env": {},
+                                             "cwd": str(tmp_path)}])
+        assert r["states"]["a.t.1"]["state"] == "running"
         time.sleep(0.05)
         watch.main(args)
         assert not flag.exists()  # busy: stays up
+        r = client.call("cancel", ids=["a.t.1"], grace=2)
+        assert r["states"]["a.t.1"]["state"] == "exited"
     finally:
-        lock.kill()
-        lock.wait()
-    (root / "tasks" / "a.t.1" / "exit").write_text('{"code": 0}')
+        client.close()
     time.sleep(0.05)
     watch.main(args)
     assert flag.exists()  # idle longer than idle_minutes: powered off

@@ -9,27 +9,39 @@ sees exactly what the old one saw.
 
 Attempt folder ``ROOT/tasks/<attempt id>/``::
 
-    script.sh      the task's command (run with bash when present, else sh; ``set -e``)
-    spec.json      the launch request (env, cwd, image, finish: a command run after a successful
-                   task, e.g. pushing its outputs to object storage)
-    pid            JSON {"pid": <command pid = its process group>, "started": <unix s>}
+    script.sh      the task's command (run with bash when present, else sh; ``set -e``), and
+                   the attempt's lock: flock()ed by the agent that started the attempt for as
+                   long as the attempt runs (bash opens it anew, so it never holds the lock)
+    pid            JSON {"pid": <command pid = its process group>, "started": <unix s>,
+                   "image": str?, "output": str?}, written atomically (rename) once started
     stdout,stderr  the command's output
     metrics.jsonl  JSON objects, one per line, written by the task through $HYPER_METRICS
-    lock           flock()ed by the supervisor for as long as it lives
+                   (created by the task's first write)
     exit           JSON {"code": <int>, "ended": <unix s>}, written atomically (rename) at the end
     cancelled      present when the attempt was cancelled
 
-A task is started by a supervisor process forked by the agent into a session of its own, so it
-belongs to no terminal, no SSH session and no CLI: it survives all three (the agent reaps it
-when it ends; if the agent goes first, init adopts it). The supervisor holds ``lock`` while it lives, so
-"supervisor dead and no ``exit``" (the attempt is *lost*) is told apart from "still running"
-without trusting pids, which the kernel reuses.
+Every file costs: creating one on a VM's ext4 takes ~90 µs here, the biggest part of a
+trivial task's cost on its node, so an attempt makes these and no others.
+
+The agent starts each task itself, as its own child (``vfork`` + ``exec`` of the task's
+shell, in a session of its own: no terminal, no SSH session, a process group to signal),
+holds the attempt's lock until it has reaped the task and written ``exit``, and learns of
+every end at once through SIGCHLD. So "lock free and no ``exit``" means the agent that started
+the attempt died before the task ended: the attempt is *lost* (its orphaned processes are
+killed), told apart from "still running" without trusting pids, which the kernel reuses.
+
+The agent outlives its connection while it has tasks: ``serve`` forks at start, and the
+forked process serves the requests; when the connection ends (EOF on stdin) it lets the
+original process exit, so the SSH session ends, and it goes on supervising its running
+tasks, in a session of its own, until the last one has ended and its ``exit`` is written. A
+new agent (a new connection, a restarted ``hyper run``) sees those attempts as running from
+their locks and their ends from their ``exit`` files.
 
 Requests (``{"id": N, "op": OP, ...}``) and responses (``{"id": N, "ok": true, ...}`` or
 ``{"id": N, "ok": false, "error": TEXT}``):
 
     hello                         → version, hostname, cpus, memory_bytes, disk_free_bytes, gpus,
-                                    docker (container runtime path or null)
+                                    docker (container runtime path or null), pid (the agent's)
     launch  attempts: [spec]      → states: {id: state}   (idempotent per attempt id)
     poll    ids: [id], wait: s    → states: {id: state}; with wait > 0 returns as soon as one of
                                     the ids is no longer running, a request or a ``wake``
@@ -37,7 +49,8 @@ Requests (``{"id": N, "op": OP, ...}``) and responses (``{"id": N, "ok": true, .
     cancel  ids: [id], grace: s   → states: {id: state}  (SIGTERM to the process group, then
                                     SIGKILL after ``grace`` seconds)
     read    id, stream, offset, limit → data (base64), offset, size, done
-    wake                          → no response; cuts short the current or next ``poll`` wait
+    wake                          → no response; cuts short the ``poll`` wait in progress (a
+                                    wake read before a request is stale: ignored)
 
 Answers to ``launch``, ``poll`` and ``cancel`` carry ``preempted`` (the JSON of
 ``ROOT/preempted``) once the node watcher (``watch.py``) has seen the cloud's preemption
@@ -66,15 +79,32 @@ import subprocess
 import sys
 import time
 
-VERSION = 1
-POLL_TICK = 0.005  # s between exit-file checks inside a poll wait
-FULL_EVERY = 0.25  # s between full state looks (lock, pid) inside a poll wait
+VERSION = 2
+POLL_TICK = 0.005  # s between exit-file checks of other agents' attempts inside a poll wait
+FULL_EVERY = 0.25  # s between full state looks (lock, pid) of other agents' attempts
 METRICS_MAX = 4 << 20  # bytes of metrics.jsonl read at most (the last 4 MiB)
 CONTACT_EVERY = 10.0  # s between touches of ROOT/contact (read by the node watcher)
 
 
+class _Child:
+    """A task this agent started and has not reaped yet (the attempt's lock held by ``lock``)."""
+
+    __slots__ = ("id", "dir", "spec", "env", "proc", "lock", "started", "finishing")
+
+    def __init__(self, attempt_id, d, spec, env, proc, lock, started):
+        self.id, self.dir, self.spec, self.env = attempt_id, d, spec, env
+        self.proc, self.lock, self.started = proc, lock, started
+        self.finishing = False  # the ``finish`` command runs (the task itself succeeded)
+
+
+def _no_op(signum, frame):
+    """A Python-level handler: wakes ``select`` (through the wakeup fd) and, unlike SIG_IGN,
+    is reset to the default in the tasks at exec."""
+
+
 class Agent:
-    """Serves requests for the attempt folders under ``root``."""
+    """Serves requests for the attempt folders under ``root``; the parent of the tasks it
+    starts (see the module docstring)."""
 
     def __init__(self, root):
         self.root = os.path.abspath(os.path.expanduser(root))
@@ -82,14 +112,33 @@ class Agent:
         os.makedirs(self.tasks, exist_ok=True)
         self.inbuf = b""
         self.woken = False
-        self.supervisors = set()  # pids of supervisors forked here and not yet reaped
+        self.children = {}  # attempt id -> _Child: tasks started here, not reaped yet
+        self.ended = 0  # children reaped so far (a poll wait looks again when it moves)
         self.contact = 0.0  # unix s of the last touch of ROOT/contact
+        self.base_env = dict(os.environ)
+        # SIGCHLD → a byte on _sig_w → select() returns: a task's end is seen at once
+        self._sig_r, self._sig_w = os.pipe()
+        for fd in (self._sig_r, self._sig_w):
+            os.set_blocking(fd, False)
+        signal.set_wakeup_fd(self._sig_w, warn_on_full_buffer=False)
+        signal.signal(signal.SIGCHLD, _no_op)
+        signal.signal(signal.SIGHUP, _no_op)   # a hangup of the session must not end tasks
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # a closed connection: EPIPE, not death
+        # (subprocess restores SIGPIPE's default in the tasks: restore_signals)
 
     # -- input -------------------------------------------------------------------------
     def _fill(self, timeout):
-        """Read what stdin has within timeout; False at EOF."""
-        r, _, _ = select.select([0], [], [], timeout)
-        if not r:
+        """Read what stdin has within timeout, reaping tasks that end meanwhile; False at
+        EOF. Returns early (True) when a task ended, so a poll wait can look again."""
+        r, _, _ = select.select([0, self._sig_r], [], [], timeout)
+        if self._sig_r in r:
+            try:
+                while os.read(self._sig_r, 4096):
+                    pass
+            except BlockingIOError:
+                pass
+            self._reap()
+        if 0 not in r:
             return True
         chunk = os.read(0, 65536)
         if not chunk:
@@ -109,21 +158,48 @@ class Agent:
         return False
 
     def serve(self):
+        """Answer requests until EOF on stdin; then go on reaping this agent's running tasks
+        (detached from the connection, see the module docstring) and return."""
+        parent_done = _detach_from_caller()
         out = sys.stdout.buffer
-        while True:
-            while not self._pending_request():
-                if not self._fill(None):
+        try:
+            while True:
+                while not self._pending_request():
+                    if not self._fill(None):
+                        return
+                line, self.inbuf = self.inbuf.split(b"\n", 1)
+                self.woken = False  # wakes sent before this request were for an earlier poll
+                req = {}
+                try:
+                    req = json.loads(line)
+                    resp = self.handle(req)
+                except Exception as e:  # a bad request must not kill the agent
+                    resp = {"ok": False, "error": "%s: %s" % (type(e).__name__, e)}
+                resp["id"] = req.get("id") if isinstance(req, dict) else None
+                try:
+                    out.write(json.dumps(resp, separators=(",", ":")).encode() + b"\n")
+                    out.flush()
+                except OSError:  # the connection is gone
                     return
-            line, self.inbuf = self.inbuf.split(b"\n", 1)
-            req = {}
+        finally:
+            self._orphaned(parent_done)
+
+    def _orphaned(self, parent_done):
+        """The connection ended: let the caller's process exit, keep reaping, then return."""
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(devnull, fd)  # the SSH session ends once nothing holds its pipes
+        os.close(devnull)
+        if parent_done is not None:
+            os.close(parent_done)
+        while self.children:
+            select.select([self._sig_r], [], [], 1.0)
             try:
-                req = json.loads(line)
-                resp = self.handle(req)
-            except Exception as e:  # a bad request must not kill the agent
-                resp = {"ok": False, "error": "%s: %s" % (type(e).__name__, e)}
-            resp["id"] = req.get("id") if isinstance(req, dict) else None
-            out.write(json.dumps(resp, separators=(",", ":")).encode() + b"\n")
-            out.flush()
+                while os.read(self._sig_r, 4096):
+                    pass
+            except BlockingIOError:
+                pass
+            self._reap()
 
     def handle(self, req):
         op = req.get("op")
@@ -168,7 +244,7 @@ class Agent:
                 "cpus": os.cpu_count() or 1, "memory_bytes": mem,
                 "disk_free_bytes": st.f_bavail * st.f_frsize, "gpus": gpus,
                 "docker": shutil.which("docker"), "python": sys.version.split()[0],
-                "root": self.root}
+                "root": self.root, "pid": os.getpid()}
 
     def op_launch(self, req):
         return self._inline(req, {a["id"]: self.launch(a) for a in req.get("attempts", [])})
@@ -195,12 +271,15 @@ class Agent:
                 sizes[name] = 0
         if sum(sizes.values()) <= limit:
             for name in ("stdout", "stderr"):
+                if not sizes[name]:
+                    out[name] = ""
+                    continue
                 try:
                     with open(os.path.join(d, name), "rb") as f:
                         out[name] = base64.b64encode(f.read(limit + 1)).decode()
                 except FileNotFoundError:
                     out[name] = ""
-        output = (_read_json(os.path.join(d, "spec.json")) or {}).get("output")
+        output = (_read_json(os.path.join(d, "pid")) or {}).get("output")
         try:
             with os.scandir(output) as it:
                 out["output_empty"] = next(it, None) is None
@@ -216,17 +295,21 @@ class Agent:
         last_full = time.time()
         while (all(s["state"] == "running" for s in states.values()) and ids
                and not self.woken and time.time() < deadline):
-            if not self._fill(min(POLL_TICK, max(0.0, deadline - time.time()))):
+            # this agent's own tasks wake the wait by SIGCHLD; other agents' attempts (a
+            # connection before this one) are looked at every POLL_TICK s
+            foreign = any(i not in self.children for i in ids)
+            left = max(0.0, deadline - time.time())
+            ended = self.ended
+            if not self._fill(min(POLL_TICK, left) if foreign else left):
                 break
             if self._pending_request() or self.woken:
                 break
-            # between full looks (every FULL_EVERY s, to see supervisors that died), an
-            # ``exit`` file appearing is all that can change
-            if time.time() - last_full >= FULL_EVERY or any(
-                    os.path.exists(os.path.join(self.tasks, i, "exit")) for i in ids):
+            if self.ended != ended or (foreign and (
+                    time.time() - last_full >= FULL_EVERY or any(
+                        os.path.exists(os.path.join(self.tasks, i, "exit"))
+                        for i in ids if i not in self.children))):
                 states = {i: self.state(i, with_metrics=False) for i in ids}
                 last_full = time.time()
-        self.woken = False
         for i, s in states.items():
             if s["state"] != "running":
                 s["metrics"] = self.metrics(i)
@@ -241,7 +324,7 @@ class Agent:
             if os.path.isdir(d) and not os.path.exists(os.path.join(d, "exit")):
                 open(os.path.join(d, "cancelled"), "w").close()
                 self._signal(i, signal.SIGTERM)
-                if (_read_json(os.path.join(d, "spec.json")) or {}).get("image"):
+                if (_read_json(os.path.join(d, "pid")) or {}).get("image"):
                     # the container's init ignores the docker CLI's signals: stop it by name
                     stops.append(subprocess.Popen(
                         [shutil.which("docker") or "docker", "stop", "-t", str(int(grace)),
@@ -287,9 +370,17 @@ class Agent:
 
     def state(self, attempt_id, with_metrics=True):
         d = self.dir(attempt_id)
-        # the lock is looked at BEFORE the exit file: the supervisor writes ``exit`` and only
+        child = self.children.get(attempt_id)
+        if child is not None:
+            if child.proc.poll() is None:  # started here and not ended: nothing to read
+                return {"state": "running", "started": child.started,
+                        "cancelled": os.path.exists(os.path.join(d, "cancelled"))}
+            self._reap()
+            if attempt_id in self.children:  # its ``finish`` command started
+                return self.state(attempt_id, with_metrics)
+        # the lock is looked at BEFORE the exit file: the agent writes ``exit`` and only
         # then releases the lock, so "no exit, lock free" seen in this order means it died
-        locked = _locked(os.path.join(d, "lock"))
+        locked = _locked(os.path.join(d, "script.sh"))
         s = {"state": "unknown", "cancelled": os.path.exists(os.path.join(d, "cancelled"))}
         pid = _read_json(os.path.join(d, "pid"))
         if pid:
@@ -303,7 +394,7 @@ class Agent:
             s["state"] = "running"
         else:
             s["state"] = "lost"
-            self._signal(attempt_id, signal.SIGKILL)  # orphans of a dead supervisor
+            self._signal(attempt_id, signal.SIGKILL)  # orphans of a dead agent
         if with_metrics and s["state"] != "running":
             s["metrics"] = self.metrics(attempt_id)
         return s
@@ -327,16 +418,6 @@ class Agent:
                 out.update(obj)
         return out
 
-    def _reap(self):
-        """Collect the exit status of supervisors that ended (no zombies pile up)."""
-        for pid in list(self.supervisors):
-            try:
-                done, _ = os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                done = pid
-            if done:
-                self.supervisors.discard(pid)
-
     def _signal(self, attempt_id, sig):
         pid = _read_json(os.path.join(self.dir(attempt_id), "pid"))
         if pid and pid.get("pid"):
@@ -346,38 +427,105 @@ class Agent:
                 pass
 
     def launch(self, spec):
-        d = self.dir(spec["id"])
+        """Start one attempt (idempotent per attempt id): its folder, the lock taken, the
+        task spawned as this agent's child. Returns the attempt's state."""
+        attempt_id = spec["id"]
+        d = self.dir(attempt_id)
         try:
             os.mkdir(d)
         except FileExistsError:
-            return self.state(spec["id"])  # launched before: idempotent
-        with open(os.path.join(d, "script.sh"), "w") as f:
-            f.write("set -e\n" + spec["script"] + "\n")
-        _write_json(os.path.join(d, "spec.json"), spec)
-        open(os.path.join(d, "metrics.jsonl"), "ab").close()
-        ready_r, ready_w = os.pipe()
-        self._reap()
+            return self.state(attempt_id)  # launched before: idempotent
+        lock = os.open(os.path.join(d, "script.sh"), os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC,
+                       0o600)
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a new file: nobody else holds it
+        os.write(lock, ("set -e\n" + spec["script"] + "\n").encode())
+        env = dict(self.base_env)
+        env.update(spec.get("env") or {})
+        env["HYPER_METRICS"] = os.path.join(d, "metrics.jsonl")
+        cwd = spec.get("cwd") if not spec.get("image") else None
+        started = time.time()
+        try:
+            if spec.get("output"):
+                os.makedirs(spec["output"], exist_ok=True)
+            proc = self._spawn(d, _command(d, spec, env), env, cwd, new_session=True)
+        except Exception as e:
+            with open(os.path.join(d, "stderr"), "a") as f:
+                f.write("hyper: cannot start the task: %s\n" % e)
+            _write_json(os.path.join(d, "pid"), {"pid": None, "started": started})
+            self._end(_Child(attempt_id, d, spec, env, None, lock, started), 127)
+            return self.state(attempt_id)
+        _write_json(os.path.join(d, "pid"), {"pid": proc.pid, "started": started,
+                                             "image": spec.get("image"),
+                                             "output": spec.get("output")})
+        self.children[attempt_id] = _Child(attempt_id, d, spec, env, proc, lock, started)
+        return {"state": "running", "cancelled": False, "started": started}
+
+    @staticmethod
+    def _spawn(d, argv, env, cwd, new_session):
+        """The command as a child of this agent, output appended to the attempt's logs
+        (``vfork``: no copy of this process is made)."""
+        with open(os.path.join(d, "stdout"), "ab") as out, \
+                open(os.path.join(d, "stderr"), "ab") as err:
+            return subprocess.Popen(argv, cwd=cwd or None, env=env, stdout=out, stderr=err,
+                                    stdin=subprocess.DEVNULL, start_new_session=new_session)
+
+    def _reap(self):
+        """Collect the tasks (and ``finish`` commands) of this agent that ended."""
+        for child in list(self.children.values()):
+            rc = child.proc.poll()
+            if rc is None:
+                continue
+            code = rc if rc >= 0 else 128 - rc
+            if child.finishing:
+                if code != 0:
+                    with open(os.path.join(child.dir, "stderr"), "a") as f:
+                        f.write("hyper: the task succeeded but saving its outputs failed "
+                                "(exit %d)\n" % code)
+                    code = 70
+            elif code == 0 and child.spec.get("finish") and not os.path.exists(
+                    os.path.join(child.dir, "cancelled")):
+                try:  # after a successful task: e.g. push HYPER_OUTPUT to object storage
+                    child.proc = self._spawn(child.dir, ["/bin/sh", "-c",
+                                                         child.spec["finish"]],
+                                             child.env, None, new_session=True)
+                    child.finishing = True
+                    continue
+                except OSError as e:
+                    with open(os.path.join(child.dir, "stderr"), "a") as f:
+                        f.write("hyper: cannot save the task's outputs: %s\n" % e)
+                    code = 70
+            self._end(child, code)
+
+    def _end(self, child, code):
+        """Record an attempt's end: ``exit`` written atomically, then its lock released."""
+        _write_json(os.path.join(child.dir, "exit"), {"code": code, "ended": time.time()})
+        os.close(child.lock)
+        self.children.pop(child.id, None)
+        self.ended += 1
+
+
+def _detach_from_caller():
+    """Fork: the original process (the one the SSH session or the local provider started)
+    waits until this agent's connection ends, then exits, so the session can end while the
+    forked process, in a session of its own, goes on supervising its tasks. Returns the fd
+    whose closing lets the original process go (None when forking is not possible)."""
+    r, w = os.pipe()
+    try:
         pid = os.fork()
-        if pid == 0:  # the supervisor: a session of its own (no terminal, no SSH session)
-            try:
-                os.close(ready_r)
-                os.setsid()
-                _supervise(d, spec, ready_w)
-            finally:
-                os._exit(0)
-        # one fork, not the classic two (a Python fork costs ~0.8 ms of CPU): the supervisor
-        # stays this agent's child until it ends and is reaped here, or until this agent
-        # exits and init adopts it; either way it outlives the agent
-        self.supervisors.add(pid)
-        os.close(ready_w)
-        # the supervisor writes one byte once it holds the lock: from now on "lock free and
-        # no exit file" can only mean it died
-        r, _, _ = select.select([ready_r], [], [], 30)
-        ok = bool(r) and os.read(ready_r, 1) == b"1"
-        os.close(ready_r)
-        if not ok:
-            return self.state(spec["id"])
-        return {"state": "running", "cancelled": False}
+    except OSError:
+        os.close(r)
+        os.close(w)
+        return None
+    if pid:  # the original process: wait for the connection's end (or the agent's death)
+        os.close(w)
+        try:
+            while os.read(r, 1):
+                pass
+        finally:
+            os._exit(0)
+    os.close(r)
+    os.setsid()
+    return w
 
 
 def _locked(path):
@@ -393,13 +541,6 @@ def _locked(path):
         return True
     finally:
         os.close(fd)
-
-
-def _open_fds():
-    try:
-        return [int(x) for x in os.listdir("/proc/self/fd")]
-    except OSError:
-        return list(range(3, 1024))
 
 
 def _read_json(path):
@@ -445,72 +586,9 @@ def _command(d, spec, env):
     return argv + [spec["image"], "sh", script]
 
 
-def _supervise(d, spec, ready):
-    """Body of the detached supervisor: take the lock, tell the agent (one byte on ``ready``),
-    run the command, record its pid, then its exit code atomically."""
-    devnull = os.open(os.devnull, os.O_RDWR)
-    for fd in (0, 1, 2):
-        os.dup2(devnull, fd)
-    lock = os.open(os.path.join(d, "lock"), os.O_CREAT | os.O_RDWR, 0o600)
-    fcntl.flock(lock, fcntl.LOCK_EX)
-    os.write(ready, b"1")
-    os.close(ready)
-    for fd in _open_fds():
-        if fd > 2 and fd != lock:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-    env = dict(os.environ)
-    env.update(spec.get("env") or {})
-    env["HYPER_METRICS"] = os.path.join(d, "metrics.jsonl")
-    cwd = spec.get("cwd") if not spec.get("image") else None
-    code = 127
-    try:
-        if spec.get("output"):
-            os.makedirs(spec["output"], exist_ok=True)
-        with open(os.path.join(d, "stdout"), "ab") as out, \
-                open(os.path.join(d, "stderr"), "ab") as err:
-            proc = subprocess.Popen(_command(d, spec, env), cwd=cwd or None, env=env, stdout=out,
-                                    stderr=err, stdin=subprocess.DEVNULL,
-                                    start_new_session=True)  # its own group, for killpg
-        _write_json(os.path.join(d, "pid"), {"pid": proc.pid, "started": time.time()})
-        while True:
-            try:
-                rc = proc.wait()
-                break
-            except InterruptedError:
-                continue
-        code = rc if rc >= 0 else 128 - rc
-        if code == 0 and spec.get("finish") and not os.path.exists(os.path.join(d, "cancelled")):
-            code = _finish(d, spec, env)
-    except Exception as e:
-        with open(os.path.join(d, "stderr"), "a") as f:
-            f.write("hyper: cannot start the task: %s\n" % e)
-        if not os.path.exists(os.path.join(d, "pid")):
-            _write_json(os.path.join(d, "pid"), {"pid": None, "started": time.time()})
-    _write_json(os.path.join(d, "exit"), {"code": code, "ended": time.time()})
-    os._exit(0)
-
-
-def _finish(d, spec, env):
-    """Run the attempt's ``finish`` command (e.g. push HYPER_OUTPUT to object storage) after a
-    successful task; its failure fails the attempt (exit code 70, reason in stderr)."""
-    with open(os.path.join(d, "stdout"), "ab") as out, \
-            open(os.path.join(d, "stderr"), "ab") as err:
-        rc = subprocess.call(["/bin/sh", "-c", spec["finish"]], env=env, stdout=out, stderr=err,
-                             stdin=subprocess.DEVNULL)
-    if rc == 0:
-        return 0
-    with open(os.path.join(d, "stderr"), "a") as f:
-        f.write("hyper: the task succeeded but saving its outputs failed (exit %d)\n" % rc)
-    return 70
-
-
 def main(argv):
     if len(argv) >= 2 and argv[1] == "serve":
         root = argv[argv.index("--root") + 1] if "--root" in argv else "~/.hyper"
-        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
         Agent(root).serve()
         return 0
     sys.stderr.write("usage: agent.py serve [--root DIR]\n")

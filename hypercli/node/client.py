@@ -52,12 +52,14 @@ class AgentClient:
         self._call_lock = threading.Lock()
         self._write_lock = threading.Lock()
         self._next = 0
+        self._waiting = False  # a request with a ``wait`` is out: a wake can cut it short
         self.closed = False
 
-    def _send(self, obj: dict) -> None:
+    def _send(self, obj: dict, waiting: bool = False) -> None:
         data = json.dumps(obj, separators=(",", ":")).encode() + b"\n"
         with self._write_lock:
             self._write(data)
+            self._waiting = waiting
 
     def call(self, op: str, **args) -> dict:
         """Send one request and wait for its response (dict without ``ok``/``id``)."""
@@ -69,11 +71,14 @@ class AgentClient:
                 if self._settimeout is not None:
                     self._settimeout(float(args.get("wait") or 0) + float(args.get("grace") or 0)
                                      + self.CALL_TIMEOUT)
-                self._send({"id": self._next, "op": op, **args})
+                self._send({"id": self._next, "op": op, **args}, waiting=bool(args.get("wait")))
                 line = self._readline()
             except (OSError, EOFError, ValueError) as e:
                 self.closed = True
                 raise NodeError(self.node, f"agent connection failed: {e}") from None
+            finally:
+                with self._write_lock:
+                    self._waiting = False
             if not line:
                 self.closed = True
                 raise NodeError(self.node, "agent connection closed")
@@ -90,11 +95,15 @@ class AgentClient:
             return resp
 
     def wake(self) -> None:
-        """Cut short the current (or next) ``poll`` wait. Safe from any thread."""
-        try:
-            self._send({"op": "wake"})
-        except (OSError, EOFError, ValueError):
-            pass
+        """Cut short the ``poll`` wait in progress, if one is. Safe from any thread. (Nothing
+        is sent when no wait is out: the agent ignores wakes that come before a request.)"""
+        with self._write_lock:
+            if not self._waiting:
+                return
+            try:
+                self._write(b'{"op":"wake"}\n')
+            except (OSError, EOFError, ValueError):
+                pass
 
     def read(self, attempt_id: str, stream: str, offset: int, limit: int = 1 << 20) -> dict:
         """Read a log stream by offset: dict with data (bytes), offset (next), size, done."""

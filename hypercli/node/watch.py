@@ -144,7 +144,8 @@ def _locked(path):
 
 
 def running_attempts(root):
-    """Attempt ids under ``root/tasks`` whose supervisor still holds its lock."""
+    """Attempt ids under ``root/tasks`` whose agent still holds their lock (``script.sh``,
+    see agent.py) and that have no ``exit`` yet."""
     tasks = os.path.join(root, "tasks")
     try:
         names = os.listdir(tasks)
@@ -152,7 +153,7 @@ def running_attempts(root):
         return []
     return [n for n in names
             if not os.path.exists(os.path.join(tasks, n, "exit"))
-            and _locked(os.path.join(tasks, n, "lock"))]
+            and _locked(os.path.join(tasks, n, "script.sh"))]
 
 
 def last_activity(root, now):
