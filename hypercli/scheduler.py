@@ -48,6 +48,13 @@ from hypercli.errors import HyperError, InfraError, NodeError, UsageError
 from hypercli.state import LIVE_ATTEMPT, TERMINAL_TASK, State
 
 POLL_WAIT = 1.0  # s a node's long poll waits for an attempt to end (cut short by new work)
+#: s a launch waits, as a poll, for an attempt of its node to end: a short task's launch and end
+#: come in one round trip, and a long one is reported running this long after its launch
+LAUNCH_WAIT = 0.2
+#: s a node thread that just reported ended attempts waits for the launches the scheduler
+#: answers them with, before it polls again (a poll sent first would be cut short: one more
+#: round trip per task)
+DISPATCH_GRACE = 0.02
 #: s a node may stay unreachable before its attempts are declared lost and re-queued. With
 #: the SSH layer's keepalive (~4 s to notice a silent link) and 3 s reconnect timeouts this
 #: puts a task back to work within ~10 s of its node's death (goal of the SSH issue).
@@ -86,6 +93,7 @@ class NodeWorker(threading.Thread):
         self.client = None
         self.stopping = False
         self.lost = False
+        self.freed = False  # the last answer ended attempts: launches may be on their way
         # ended attempts' logs up to this many bytes come back in the agent's answer
         limit = getattr(session, "inline_bytes", 0)
         self._inline = {"inline": limit} if limit else {}
@@ -114,6 +122,7 @@ class NodeWorker(threading.Thread):
             for v in states.values():
                 v.pop("inline", None)  # logs brought back inline: not for the events queue
         self.watch.difference_update(ended)
+        self.freed = self.freed or bool(ended)
         self.events.put(("states", self.node, states))
 
     def _collect(self, ended: dict, states: dict, collect: bool) -> None:
@@ -127,7 +136,9 @@ class NodeWorker(threading.Thread):
                     if v["state"] == "exited" and v.get("code") == 0 and not v.get("cancelled"):
                         states[k] = {"state": "failed", "error": f"collecting its results: {e}"}
 
-    def _handle(self, op: str, payload) -> None:
+    def _handle(self, op: str, payload) -> bool:
+        """Carry out one inbox entry; True when it was a launch that also waited as a poll
+        (the launch and the next poll in one round trip)."""
         if op == "launch":
             if self.session is not None:
                 try:
@@ -138,16 +149,24 @@ class NodeWorker(threading.Thread):
                     self.events.put(("states", self.node, {
                         s["id"]: {"state": "failed", "error": f"preparing the node: {e}"}
                         for s in payload}))
-                    return
-            r = self.client.call("launch", attempts=payload, **self._inline)
+                    return False
+            # nothing else to send: the launch waits as the next poll would, so a short
+            # task's cycle (launch, task, end) costs one round trip
+            wait = LAUNCH_WAIT if self.inbox.empty() and not self.stopping else 0
+            launched = {s["id"] for s in payload}
+            r = self.client.call("launch", attempts=payload, ids=sorted(self.watch), wait=wait,
+                                 **self._inline)
             self._check_preempted(r)
-            self.watch.update(r["states"])
-            self._report(r["states"])
-        elif op == "watch":
+            self.watch.update(launched)
+            self._report({k: v for k, v in r["states"].items()
+                          if k in launched or v["state"] != "running"})
+            return wait > 0
+        if op == "watch":
             self.watch.update(payload)
         elif op in ("cancel", "fence"):
             r = self.client.call("cancel", ids=list(payload), grace=5, **self._inline)
             self._report(r["states"], collect=op == "cancel")
+        return False
 
     def _step(self) -> None:
         if self.client is None:
@@ -156,20 +175,26 @@ class NodeWorker(threading.Thread):
                 self.lost = False
                 self._drop_inbox()  # launches sent while it was lost belong to no one now
                 self.events.put(("back", self.node, None))
+        waited = False
         while True:
             try:
-                op, payload = self.inbox.get_nowait() if self.watch else self.inbox.get(
-                    timeout=POLL_WAIT)
+                if not self.watch:
+                    op, payload = self.inbox.get(timeout=POLL_WAIT)
+                elif self.freed:  # give the scheduler a moment to fill the freed slots
+                    self.freed = False
+                    op, payload = self.inbox.get(timeout=DISPATCH_GRACE)
+                else:
+                    op, payload = self.inbox.get_nowait()
             except queue.Empty:
                 break
             if op == "stop":
                 return
             try:
-                self._handle(op, payload)
+                waited = self._handle(op, payload) or waited
             except NodeError:
                 self.inbox.put((op, payload))  # retried after the reconnect
                 raise
-        if self.watch and not self.stopping:
+        if self.watch and not self.stopping and not waited:
             r = self.client.call("poll", ids=sorted(self.watch), wait=POLL_WAIT, **self._inline)
             self._check_preempted(r)
             done = {k: v for k, v in r["states"].items() if v["state"] != "running"}

@@ -34,6 +34,15 @@ def _kill_leftovers(home: Path) -> None:
                 pass
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _never_the_users_hyper_home(tmp_path_factory):
+    """No test reads or writes the user's ``~/.hyper``: ``HYPER_HOME`` is a session folder
+    unless a test sets its own (``hyper_home``)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HYPER_HOME", str(tmp_path_factory.mktemp("session-hyper-home")))
+        yield
+
+
 @pytest.fixture
 def hyper_home(tmp_path, monkeypatch):
     """A fresh ``$HYPER_HOME`` for the test (also exported to subprocesses)."""

@@ -118,7 +118,8 @@ def test_container_task_with_image_pushed_from_here(ssh_hosts, tiny_image, tmp_p
     finally:
         subprocess.run([str(docker), "system", "reset", "--force"], capture_output=True)
         shutil.rmtree(store, ignore_errors=True)
-    assert summary.exit_code == 0, state.attempts(summary.workflow)
+    assert summary.exit_code == 0, [(a["id"], a["status"], a["error"])
+                                    for a in state.attempts(summary.workflow)]
     out = hyper_home / "storage" / summary.workflow
     assert {(out / t["id"] / "v").read_text() for t in state.tasks(summary.workflow)} == \
         {"a b", "$(id)"}
@@ -356,7 +357,8 @@ def test_small_logs_come_inline_large_logs_and_outputs_by_tar(ssh_hosts, tmp_pat
         "loud": {"command": "head -c 300000 /dev/zero | tr '\\0' x"},
         "saves": {"command": 'echo kept > "$HYPER_OUTPUT/result.txt"'}})
     state, summary = run_in_process(path)
-    assert summary.exit_code == 0, state.attempts(summary.workflow)
+    assert summary.exit_code == 0, [(a["id"], a["status"], a["error"])
+                                    for a in state.attempts(summary.workflow)]
     hosts[0].kill()  # everything below is read from the copies kept here
     logs = hyper_home / "logs"
     for i, task in enumerate(["quiet-0000", "quiet-0001", "quiet-0002"], 1):
@@ -364,6 +366,13 @@ def test_small_logs_come_inline_large_logs_and_outputs_by_tar(ssh_hosts, tmp_pat
         assert (d / "stdout").read_text() == f"small {i}\n"
         assert (d / "stderr").read_text() == f"err {i}\n"
     assert (logs / "lab-1.loud-0000.1" / "stdout").read_bytes() == b"x" * 300000
+    # `hyper logs` with the node gone: from the copies; empty streams have no file
+    from hypercli.workflows import log_chunks
+    quiet = state.attempts(summary.workflow, "quiet-0001")[0]
+    assert list(log_chunks(state, quiet)) == [("stdout", b"small 2\n"), ("stderr", b"err 2\n")]
+    saves = state.attempts(summary.workflow, "saves-0000")[0]
+    assert (logs / saves["id"]).is_dir() and not any((logs / saves["id"]).iterdir())
+    assert list(log_chunks(state, saves)) == []
     storage = hyper_home / "storage" / "lab-1"
     assert (storage / "saves-0000" / "result.txt").read_text() == "kept\n"
     assert (storage / "quiet-0000").is_dir() and not any((storage / "quiet-0000").iterdir())

@@ -42,7 +42,9 @@ Requests (``{"id": N, "op": OP, ...}``) and responses (``{"id": N, "ok": true, .
 
     hello                         → version, hostname, cpus, memory_bytes, disk_free_bytes, gpus,
                                     docker (container runtime path or null), pid (the agent's)
-    launch  attempts: [spec]      → states: {id: state}   (idempotent per attempt id)
+    launch  attempts: [spec]      → states: {id: state}   (idempotent per attempt id); with
+            ids: [id]?, wait: s?    wait > 0 it then waits as ``poll`` does, over the launched
+                                    attempts and ``ids``, and answers with all their states
     poll    ids: [id], wait: s    → states: {id: state}; with wait > 0 returns as soon as one of
                                     the ids is no longer running, a request or a ``wake``
                                     arrives, or ``wait`` seconds pass
@@ -247,7 +249,11 @@ class Agent:
                 "root": self.root, "pid": os.getpid()}
 
     def op_launch(self, req):
-        return self._inline(req, {a["id"]: self.launch(a) for a in req.get("attempts", [])})
+        states = {a["id"]: self.launch(a) for a in req.get("attempts", [])}
+        if float(req.get("wait", 0) or 0) > 0:  # then wait as ``poll`` does, one round trip
+            ids = list(dict.fromkeys(list(states) + list(req.get("ids", []))))
+            return self._inline(req, self._wait(ids, float(req["wait"])))
+        return self._inline(req, states)
 
     def _inline(self, req, states):
         """The ``{"states": ...}`` answer, with ``inline`` added when the request asks."""
@@ -288,9 +294,13 @@ class Agent:
         return out
 
     def op_poll(self, req):
+        return self._inline(req, self._wait(req.get("ids", []), float(req.get("wait", 0) or 0)))
+
+    def _wait(self, ids, wait):
+        """States of ``ids``, once one of them is not running, a request or a wake arrives,
+        or ``wait`` s pass; metrics added to the states that are not running."""
         self._reap()
-        ids = req.get("ids", [])
-        deadline = time.time() + float(req.get("wait", 0) or 0)
+        deadline = time.time() + wait
         states = {i: self.state(i, with_metrics=False) for i in ids}
         last_full = time.time()
         while (all(s["state"] == "running" for s in states.values()) and ids
@@ -313,7 +323,7 @@ class Agent:
         for i, s in states.items():
             if s["state"] != "running":
                 s["metrics"] = self.metrics(i)
-        return self._inline(req, states)
+        return states
 
     def op_cancel(self, req):
         grace = float(req.get("grace", 5))
