@@ -208,3 +208,48 @@ def test_the_ssh_session_ends_with_the_channel_while_the_task_goes_on(ssh_hosts,
     finally:
         prov.drop("agent-0")
     assert inst.name == "agent-0"
+
+
+def test_a_launch_can_wait_as_a_poll(agents, tmp_path):
+    c = agents()
+    c.call("launch", attempts=[spec("long", "sleep 0.5", tmp_path)])
+    # a short task: launched and ended in one answer
+    st = c.call("launch", attempts=[spec("short", "true", tmp_path)], wait=5)["states"]
+    assert st["short"]["state"] == "exited" and st["short"]["code"] == 0
+    # a long one: running, once the wait is over (and other ids watched meanwhile)
+    t0 = time.monotonic()
+    st = c.call("launch", attempts=[spec("slow", "sleep 30", tmp_path)], ids=["long"],
+                wait=5)["states"]
+    assert set(st) == {"slow", "long"} and time.monotonic() - t0 < 3
+    assert st["slow"]["state"] == "running" and st["long"]["state"] == "exited"
+    t0 = time.monotonic()
+    st = c.call("launch", attempts=[spec("slow2", "sleep 30", tmp_path)], wait=0.3)["states"]
+    assert st["slow2"]["state"] == "running" and 0.25 <= time.monotonic() - t0 < 3
+    c.call("cancel", ids=["slow", "slow2"], grace=2)
+
+
+def test_a_slot_costs_one_round_trip_per_short_task(hyper_home, write_recipe, monkeypatch):
+    """The scheduler's node thread: a launch that waits as a poll, so a run of short tasks
+    on one slot makes about one agent call per task, not two or three."""
+    from hypercli.node.client import AgentClient
+    from hypercli.scheduler import Scheduler
+    from hypercli.state import State
+    from hypercli.workflows import prepare_run
+    calls = []
+    real_call = AgentClient.call
+
+    def counting(self, op, **args):
+        calls.append(op)
+        return real_call(self, op, **args)
+    monkeypatch.setattr(AgentClient, "call", counting)
+    path = write_recipe("name: quick\ncluster: {workers: 1}\n"
+                        "experiments: {t: {samples: 30, sampling: grid, command: 'true'}}\n")
+    state = State()
+    wid, _, provider, nodes, lock = prepare_run(state, str(path))
+    try:
+        summary = Scheduler(state, wid, provider, nodes).run()
+    finally:
+        lock.release()
+    assert summary.exit_code == 0 and summary.counts == {"succeeded": 30}
+    assert calls.count("launch") == 30
+    assert calls.count("poll") <= 3, calls  # the launches waited for the ends
