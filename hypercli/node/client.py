@@ -127,7 +127,8 @@ def local_agent(node: str, root: str | os.PathLike, env: dict | None = None) -> 
         root: the node's folder (attempt folders go in ``root/tasks``).
         env: environment of the agent and so of its tasks (default: this process's).
     """
-    proc = subprocess.Popen([sys.executable, "-I", str(AGENT_PATH), "serve", "--root", str(root)],
+    proc = subprocess.Popen([sys.executable, "-I", "-S", str(AGENT_PATH), "serve", "--root",
+                             str(root)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, bufsize=0,
                             start_new_session=True)
 
