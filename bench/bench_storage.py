@@ -76,7 +76,8 @@ for _p in (str(ROOT / "tests"), str(ROOT)):
 MiB = 1 << 20
 BUCKET = "bench"
 CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-         "AWS_DEFAULT_REGION": "us-east-1"}
+         "AWS_DEFAULT_REGION": "us-east-1"}   # s3rver: S3RVER / S3RVER (set in main)
+STORE = {"name": "s3rver", "exe": ""}           # which S3 server (--store)
 
 TEMP_DIRS: list[str] = []
 CLEANUP: list = []   # callables, run last-in first-out at exit
@@ -149,11 +150,67 @@ def _counting_proxy_class():
     return CountingProxy
 
 
-def _server_main(conn) -> None:
-    """The helper process: an S3Server with a CountingProxy, driven over a Pipe."""
-    from s3server import S3Server
+class S3rverServer:
+    """npm ``s3rver`` (Node.js, objects as files in a fresh folder) on a free loopback port,
+    with the same interface as tests/s3server.py's ``S3Server`` (start/stop/make_bucket,
+    ``proc``, ``port``, ``proxy``)."""
+
+    def __init__(self, exe: str, workdir: str):
+        from s3server import free_port
+        self.exe, self.port, self.proc, self.dir = exe, free_port(), None, workdir
+        self.proxy = None
+
+    def start(self):
+        import socket
+        log = open(os.path.join(self.dir, "s3rver.log"), "ab")
+        self.proc = subprocess.Popen(
+            [self.exe, "-d", os.path.join(self.dir, "data"), "-a", "127.0.0.1", "-p",
+             str(self.port), "--silent"], stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+            start_new_session=True)
+        log.close()
+        end = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
+                break
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > end:
+                    self.stop()
+                    raise RuntimeError("s3rver did not start")
+                time.sleep(0.05)
+        self.proxy.start()
+        return self
+
+    def stop(self):
+        if self.proxy is not None:
+            self.proxy.stop()
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.proc = None
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _make_bucket(endpoint: str, creds: dict, name: str) -> None:
+    import boto3
+    boto3.session.Session().client(
+        "s3", endpoint_url=endpoint, aws_access_key_id=creds["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=creds["AWS_SECRET_ACCESS_KEY"],
+        region_name=creds["AWS_DEFAULT_REGION"]).create_bucket(Bucket=name)
+
+
+def _server_main(conn, store: str, exe: str, workdir: str, creds: dict) -> None:
+    """The helper process: the S3 server with a CountingProxy, driven over a Pipe."""
     Counting = _counting_proxy_class()
-    s3 = S3Server()
+    if store == "s3rver":
+        s3 = S3rverServer(exe, workdir)
+    else:
+        from s3server import S3Server
+        s3 = S3Server()
     s3.proxy = Counting(s3.port)
     s3.proxy.kinds = {}
     s3.endpoint = f"http://127.0.0.1:{s3.proxy.port}"
@@ -168,7 +225,7 @@ def _server_main(conn) -> None:
                 s3.proxy.delay = float(arg)
                 conn.send(True)
             elif cmd == "bucket":
-                s3.make_bucket(arg)
+                _make_bucket(s3.endpoint, creds, arg)
                 conn.send(True)
             elif cmd == "stop":
                 break
@@ -186,15 +243,18 @@ def _server_main(conn) -> None:
 
 
 class Server:
-    """The S3 server helper process (moto_server + counting proxy on 127.0.0.1)."""
+    """The S3 server helper process (s3rver or moto_server + counting proxy on 127.0.0.1)."""
 
     def __init__(self):
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_server_main, args=(child,), daemon=True)
+        workdir = tmpdir("bench-s3rver-")
+        self.proc = ctx.Process(target=_server_main, args=(child, STORE["name"],
+                                                           STORE["exe"], workdir, dict(CREDS)),
+                                daemon=True)
         self.proc.start()
         self.stopped = False
-        status, self.endpoint, self.moto_pid = self.conn.recv()
+        status, self.endpoint, self.server_pid = self.conn.recv()
         if status != "ok":
             raise RuntimeError(f"S3 server failed: {self.endpoint}")
         CLEANUP.append(self.stop)
@@ -228,9 +288,9 @@ class Server:
             if self.proc.is_alive():
                 os.kill(self.proc.pid, signal.SIGKILL)
                 self.proc.join(5)
-        if not clean:  # moto_server leads its own session: if it outlived the helper, end it
+        if not clean:  # the server leads its own session: if it outlived the helper, end it
             try:
-                os.killpg(self.moto_pid, signal.SIGKILL)
+                os.killpg(self.server_pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
 
@@ -648,7 +708,8 @@ def push_boto3(server: Server, src: str, files, prefix: str, threads: int = 16) 
 
 def push_rclone(server: Server, src: str, files, prefix: str, transfers: int = 16) -> dict:
     work = tmpdir("bench-rclone-copy-")
-    cmd = ["rclone", "copy", *rclone_common(work), "--transfers", str(transfers), src,
+    cmd = ["rclone", "copy", *rclone_common(work), "--transfers", str(transfers),
+           "--checkers", str(transfers), "--s3-no-head", src,
            f"bench:{BUCKET}/{prefix}"]
     c = Counter(server)
     t0 = time.perf_counter()
@@ -669,9 +730,9 @@ def push_rclone(server: Server, src: str, files, prefix: str, transfers: int = 1
 
 def bench_push(a, server: Server, src: str, files, results: dict) -> dict:
     print(f"\n== 1. push {len(files):,} files of {files[0][1]:,} bytes "
-          f"({sum(s for _, s in files) / 1e6:.0f} MB) to S3 (moto on loopback) ==")
+          f"({sum(s for _, s in files) / 1e6:.0f} MB) to S3 ({STORE['name']} on loopback) ==")
     print(f"   hyper: pack.push(chunk_size=64 MiB, jobs=16); boto3: put_object per file, "
-          f"16 threads; rclone: copy --transfers 16")
+          f"16 threads; rclone: copy --transfers 16 --checkers 16 --s3-no-head")
     runs: dict[str, list] = {"hyper": [], "boto3": [], "rclone": []}
     keep = {}
     sides = ["hyper", "boto3", "rclone"]
@@ -963,6 +1024,9 @@ def main() -> int:
                    "at 0 ms, 600 MB sweep with 1-256 MiB chunks")
     p.add_argument("--only", default="1,2,3", help="benchmarks to run, e.g. 2 or 1,3")
     p.add_argument("--json", help="write the raw figures to this file")
+    p.add_argument("--store", choices=["s3rver", "moto"], default="s3rver",
+                   help="S3 API server on loopback: npm s3rver (default; faster per request "
+                   "here) or moto_server")
     a = p.parse_args()
     only = {int(x) for x in a.only.split(",")}
     if a.quick:
@@ -991,6 +1055,19 @@ def main() -> int:
             print(f"missing {tool}: apt-get install -y s3fs rclone fuse3", file=sys.stderr)
             return 2
 
+    if a.store == "s3rver":
+        exe = shutil.which("s3rver")
+        if not exe:
+            print("missing s3rver: npm install -g s3rver@3 (or --store moto)", file=sys.stderr)
+            return 2
+        CREDS.update(AWS_ACCESS_KEY_ID="S3RVER", AWS_SECRET_ACCESS_KEY="S3RVER")
+    else:
+        exe = shutil.which("moto_server") or str(Path(sys.executable).parent / "moto_server")
+    STORE.update(name=a.store, exe=exe)
+    import importlib.metadata as md
+    store_v = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout.strip() \
+        if a.store == "s3rver" else md.version("moto")
+
     home = tmpdir("hyper-bench-storage-home-")
     os.environ["HYPER_HOME"] = home
     os.environ.update(CREDS)
@@ -999,10 +1076,18 @@ def main() -> int:
                      "caps": {str(k): v for k, v in caps.items()}}
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
                          capture_output=True, text=True).stdout.strip()
-    print(f"bench_storage: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}, commit {rev}, "
-          f"{os.cpu_count()} cores, load {load1():.1f}, "
-          f"{subprocess.run(['rclone', 'version'], capture_output=True, text=True).stdout.splitlines()[0]}, "
-          f"s3fs {re.search(r'V[0-9.]+', subprocess.run(['s3fs', '--version'], capture_output=True, text=True).stdout).group(0)}")
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", "hypercli"], cwd=ROOT,
+                           capture_output=True, text=True).stdout.strip()
+    rclone_v = subprocess.run(["rclone", "version"], capture_output=True,
+                              text=True).stdout.splitlines()[0]
+    s3fs_v = re.search(r"V[0-9.]+", subprocess.run(["s3fs", "--version"], capture_output=True,
+                                                   text=True).stdout).group(0)
+    print(f"bench_storage: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}, hypercli {rev}"
+          f"{' + uncommitted changes in hypercli/' if dirty else ''}, {os.cpu_count()} cores, "
+          f"Python {sys.version.split()[0]}, boto3 {md.version('boto3')}")
+    print(f"S3 server: {a.store} {store_v} on 127.0.0.1 behind a counting proxy; peers: "
+          f"{rclone_v}, s3fs {s3fs_v}")
+    print("load average at start: " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
     t_all = time.perf_counter()
     try:
         if only & {1, 2}:
