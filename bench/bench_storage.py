@@ -163,10 +163,13 @@ class S3rverServer:
     def start(self):
         import socket
         log = open(os.path.join(self.dir, "s3rver.log"), "ab")
+        # s3rver 3.7 makes ListObjectsV2 continuation tokens with a cipher that Node 17+
+        # (OpenSSL 3) refuses: without the legacy provider every listing past 1,000 keys fails
+        env = dict(os.environ, NODE_OPTIONS="--openssl-legacy-provider")
         self.proc = subprocess.Popen(
             [self.exe, "-d", os.path.join(self.dir, "data"), "-a", "127.0.0.1", "-p",
              str(self.port), "--silent"], stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-            start_new_session=True)
+            env=env, start_new_session=True)
         log.close()
         end = time.monotonic() + 30
         while True:

@@ -179,6 +179,7 @@ class NodeWorker(threading.Thread):
         while True:
             try:
                 if not self.watch:
+                    self.freed = False
                     op, payload = self.inbox.get(timeout=POLL_WAIT)
                 elif self.freed:  # give the scheduler a moment to fill the freed slots
                     self.freed = False
@@ -187,6 +188,9 @@ class NodeWorker(threading.Thread):
                     op, payload = self.inbox.get_nowait()
             except queue.Empty:
                 break
+            # the wake of this entry's submit() is spent; one that comes after this point is
+            # for an entry read below, or makes the next waiting call not wait: none is lost
+            self.client.clear_wake()
             if op == "stop":
                 return
             try:

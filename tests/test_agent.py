@@ -253,3 +253,23 @@ def test_a_slot_costs_one_round_trip_per_short_task(hyper_home, write_recipe, mo
     assert summary.exit_code == 0 and summary.counts == {"succeeded": 30}
     assert calls.count("launch") == 30
     assert calls.count("poll") <= 3, calls  # the launches waited for the ends
+
+
+def test_a_wake_between_waits_is_not_lost(agents, tmp_path):
+    """AgentClient: a wake while no wait is out makes the next waiting call not wait (new
+    work came while its caller was not looking); clear_wake() forgets such a wake."""
+    c = agents()
+    c.call("launch", attempts=[spec("a", "sleep 30", tmp_path)])
+    c.wake()
+    t0 = time.monotonic()
+    assert c.call("poll", ids=["a"], wait=5)["states"]["a"]["state"] == "running"
+    assert time.monotonic() - t0 < 1
+    t0 = time.monotonic()
+    c.call("poll", ids=["a"], wait=0.4)  # the wake was used up: this one waits
+    assert time.monotonic() - t0 >= 0.35
+    c.wake()
+    c.clear_wake()
+    t0 = time.monotonic()
+    c.call("poll", ids=["a"], wait=0.4)
+    assert time.monotonic() - t0 >= 0.35
+    c.call("cancel", ids=["a"], grace=2)

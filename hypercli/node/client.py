@@ -53,13 +53,17 @@ class AgentClient:
         self._write_lock = threading.Lock()
         self._next = 0
         self._waiting = False  # a request with a ``wait`` is out: a wake can cut it short
+        self._woken = False  # a wake came while no wait was out: the next wait is 0
         self.closed = False
 
-    def _send(self, obj: dict, waiting: bool = False) -> None:
-        data = json.dumps(obj, separators=(",", ":")).encode() + b"\n"
+    def _send(self, obj: dict) -> None:
         with self._write_lock:
-            self._write(data)
-            self._waiting = waiting
+            if obj.get("wait"):
+                if self._woken:  # new work came before this wait was sent: do not wait
+                    obj["wait"] = 0
+                self._woken = False
+            self._write(json.dumps(obj, separators=(",", ":")).encode() + b"\n")
+            self._waiting = bool(obj.get("wait"))
 
     def call(self, op: str, **args) -> dict:
         """Send one request and wait for its response (dict without ``ok``/``id``)."""
@@ -71,7 +75,7 @@ class AgentClient:
                 if self._settimeout is not None:
                     self._settimeout(float(args.get("wait") or 0) + float(args.get("grace") or 0)
                                      + self.CALL_TIMEOUT)
-                self._send({"id": self._next, "op": op, **args}, waiting=bool(args.get("wait")))
+                self._send({"id": self._next, "op": op, **args})
                 line = self._readline()
             except (OSError, EOFError, ValueError) as e:
                 self.closed = True
@@ -95,15 +99,23 @@ class AgentClient:
             return resp
 
     def wake(self) -> None:
-        """Cut short the ``poll`` wait in progress, if one is. Safe from any thread. (Nothing
-        is sent when no wait is out: the agent ignores wakes that come before a request.)"""
+        """Cut short the wait (of a ``poll``, or a ``launch`` that waits) in progress, or, when
+        none is, make the next request that would wait not wait. Safe from any thread. (The
+        agent ignores wakes that come before a request, so none is sent then.)"""
         with self._write_lock:
             if not self._waiting:
+                self._woken = True
                 return
             try:
                 self._write(b'{"op":"wake"}\n')
             except (OSError, EOFError, ValueError):
                 pass
+
+    def clear_wake(self) -> None:
+        """Forget a wake that came while no wait was out: the caller is about to look at its
+        work queue itself (a wake after this call still counts)."""
+        with self._write_lock:
+            self._woken = False
 
     def read(self, attempt_id: str, stream: str, offset: int, limit: int = 1 << 20) -> dict:
         """Read a log stream by offset: dict with data (bytes), offset (next), size, done."""
