@@ -55,6 +55,8 @@ DEFAULT_CHUNK_SIZE = 64 * MiB
 MIN_CHUNK_SIZE = 1 * MiB
 MAX_CHUNK_SIZE = 1024 * MiB
 BLOCK = 1 * MiB  # read/write unit when copying bytes
+WRITE_BUFFER = 4 * MiB  # bytes of a chunk gathered in memory before they are written
+INDEX_BATCH = 10_000  # index rows gathered in memory before they are inserted
 MANIFEST = "manifest.json"
 
 
@@ -315,6 +317,9 @@ class _Packer:
         self.f = None
         self.h = None
         self.len = 0
+        # small files are gathered here and written and hashed WRITE_BUFFER bytes at a time
+        # (one write and one hash call per file cost ~25 µs of a ~100 µs budget per file)
+        self.buf = bytearray()
 
     @property
     def seq(self) -> int:
@@ -322,15 +327,23 @@ class _Packer:
 
     def _write(self, data: bytes) -> None:
         if self.f is None:
-            self.f, self.h, self.len = open(self.tmp / f"chunk-{self.seq}", "wb"), \
-                hashlib.sha256(), 0
-        self.f.write(data)
-        self.h.update(data)
+            self.f, self.h, self.len = open(self.tmp / f"chunk-{self.seq}", "wb",
+                                            buffering=0), hashlib.sha256(), 0
+        self.buf += data
         self.len += len(data)
+        if len(self.buf) >= WRITE_BUFFER:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self.buf:
+            self.f.write(self.buf)
+            self.h.update(self.buf)
+            self.buf = bytearray()
 
     def close(self) -> None:
         if self.f is None:
             return
+        self._flush()
         self.f.close()
         sha, size, path = self.h.hexdigest(), self.len, Path(self.f.name)
         self.chunks.append((sha, size))
@@ -365,6 +378,15 @@ class _Packer:
                 _cut(rel, sha, n, self.chunk_size):
             self.close()
         return sha, n, [tuple(s) for s in segs]
+
+
+def _insert(db: sqlite3.Connection, files: list, segments: list) -> None:
+    """Add index rows gathered by push (a batch: one statement per row costs ~15 µs of a
+    ~100 µs budget per file); the lists are emptied."""
+    db.executemany("INSERT INTO files VALUES (?,?,?,?,?,?,?,?,?)", files)
+    db.executemany("INSERT INTO segments VALUES (?,?,?,?,?)", segments)
+    files.clear()
+    segments.clear()
 
 
 def push(src_dir: str | os.PathLike, url: str, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
@@ -415,6 +437,7 @@ def push(src_dir: str | os.PathLike, url: str, *, chunk_size: int = DEFAULT_CHUN
         up = _Uploader(store, jobs, present, total, progress)
         packer = _Packer(chunk_size, tmp, up.submit)
         db = create_index(tmp / "index.sqlite", chunk_size)
+        files, segments = [], []
         try:
             for rel, kind, st, target in entries:
                 sha, size, segs = None, 0, []
@@ -424,14 +447,15 @@ def push(src_dir: str | os.PathLike, url: str, *, chunk_size: int = DEFAULT_CHUN
                 elif kind == "l":
                     size = len(os.fsencode(target))
                 counts[kind] += 1
-                db.execute("INSERT INTO files VALUES (?,?,?,?,?,?,?,?,?)",
-                           (rel, parent_of(rel), rel.rsplit("/", 1)[-1], kind, size,
-                            st.st_mode, st.st_mtime, sha, target))
-                db.executemany("INSERT INTO segments VALUES (?,?,?,?,?)",
-                               [(rel, i, *s) for i, s in enumerate(segs)])
+                files.append((rel, parent_of(rel), rel.rsplit("/", 1)[-1], kind, size,
+                              st.st_mode, st.st_mtime, sha, target))
+                segments.extend((rel, i, *s) for i, s in enumerate(segs))
+                if len(files) >= INDEX_BATCH:
+                    _insert(db, files, segments)
             packer.close()
         finally:
             up.finish()  # waits for the uploads; raises the first failure
+        _insert(db, files, segments)
         db.executemany("INSERT INTO chunks VALUES (?,?,?)",
                        [(i, sha, size) for i, (sha, size) in enumerate(packer.chunks)])
         db.commit()
