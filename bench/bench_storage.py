@@ -11,10 +11,12 @@ request line; the plain ``requests`` counter counts every burst, so a 64 MiB upl
 ~1,000) and it adds ``delay`` once per HTTP request (not once per 64 KiB burst of an upload
 body), which is what a cloud store's per-request latency looks like. Both counters are printed.
 
-1. Push N small files (default 10,000 × 10 KB of random bytes in 10 subfolders):
+1. Push N small files (default 10,000 × 10 KB of random bytes in 10 subfolders), with 0 and
+   with 20 ms added to every S3 request:
      hyper    ``hypercli.mount.pack.push(src, s3://..., chunk_size=64 MiB, jobs=16)``
      boto3    one ``put_object`` per file, 16 threads (client ``max_pool_connections=16``)
-     rclone   ``rclone copy --transfers 16 SRC remote:bucket/prefix`` (rclone 1.60, env remote)
+     rclone   ``rclone copy --transfers 16 --checkers 16 --s3-no-head SRC remote:bucket/prefix``
+              (rclone 1.60, env remote)
    Each run goes to a fresh prefix (hyper skips chunks a prefix already has). files/s, ratio,
    HTTP requests of each.
 
@@ -732,38 +734,44 @@ def push_rclone(server: Server, src: str, files, prefix: str, transfers: int = 1
 
 
 def bench_push(a, server: Server, src: str, files, results: dict) -> dict:
-    print(f"\n== 1. push {len(files):,} files of {files[0][1]:,} bytes "
-          f"({sum(s for _, s in files) / 1e6:.0f} MB) to S3 ({STORE['name']} on loopback) ==")
-    print(f"   hyper: pack.push(chunk_size=64 MiB, jobs=16); boto3: put_object per file, "
-          f"16 threads; rclone: copy --transfers 16 --checkers 16 --s3-no-head")
-    runs: dict[str, list] = {"hyper": [], "boto3": [], "rclone": []}
     keep = {}
-    sides = ["hyper", "boto3", "rclone"]
-    for r in range(a.rounds):
-        order = sides[r % 3:] + sides[:r % 3]
-        for side in order:
-            if side != "hyper" and r >= a.peer_rounds:
-                continue
-            prefix = f"push-{side}-{r}"
-            la = load1()
-            if side == "hyper":
-                res = push_hyper(server, src, prefix)
-            elif side == "boto3":
-                res = push_boto3(server, src, files, prefix)
-            else:
-                res = push_rclone(server, src, files, prefix)
-            res.update(round=r, load1=la, files_s=res["files"] / res["seconds"])
-            runs[side].append(res)
-            keep.setdefault(side, prefix)
-            extra = f", {res['chunks']} chunk(s)" if "chunks" in res else ""
-            print(f"   round {r} {side:7s} {res['seconds']:7.2f} s  {res['files_s']:8,.0f} "
-                  f"files/s  {res['http']:6,} HTTP requests ({res['bursts']:,} bursts)"
-                  f"{extra}  load {la:.1f}  ({kinds_str(res['kinds'])})")
-    m = {s: med([x["files_s"] for x in v]) for s, v in runs.items()}
-    print("   median files/s: " + ", ".join(f"{s} {fmt(v)}" for s, v in m.items()))
-    for s in ("boto3", "rclone"):
-        print(f"   hyper / {s}: {ratio(m['hyper'], m[s])} (goal >= 10x)")
-    results["push"] = {"runs": runs, "median_files_s": m}
+    results["push"] = {}
+    for delay in a.push_delays:
+        server.delay(delay)
+        print(f"\n== 1. push {len(files):,} files of {files[0][1]:,} bytes "
+              f"({sum(s for _, s in files) / 1e6:.0f} MB) to S3 ({STORE['name']} on loopback), "
+              f"{delay * 1000:g} ms added per request ==")
+        print("   hyper: pack.push(chunk_size=64 MiB, jobs=16); boto3: put_object per file, "
+              "16 threads; rclone: copy --transfers 16 --checkers 16 --s3-no-head")
+        runs: dict[str, list] = {"hyper": [], "boto3": [], "rclone": []}
+        sides = ["hyper", "boto3", "rclone"]
+        for r in range(a.rounds):
+            order = sides[r % 3:] + sides[:r % 3]
+            for side in order:
+                if side != "hyper" and r >= a.peer_rounds:
+                    continue
+                prefix = f"push-{side}-{delay * 1000:g}ms-{r}"
+                la = load1()
+                if side == "hyper":
+                    res = push_hyper(server, src, prefix)
+                elif side == "boto3":
+                    res = push_boto3(server, src, files, prefix)
+                else:
+                    res = push_rclone(server, src, files, prefix)
+                res.update(round=r, load1=la, files_s=res["files"] / res["seconds"])
+                runs[side].append(res)
+                if delay == a.push_delays[0]:
+                    keep.setdefault(side, prefix)
+                extra = f", {res['chunks']} chunk(s)" if "chunks" in res else ""
+                print(f"   round {r} {side:7s} {res['seconds']:7.2f} s  {res['files_s']:8,.0f} "
+                      f"files/s  {res['http']:6,} HTTP requests ({res['bursts']:,} bursts)"
+                      f"{extra}  load {la:.1f}  ({kinds_str(res['kinds'])})")
+        m = {s: med([x["files_s"] for x in v]) for s, v in runs.items()}
+        print("   median files/s: " + ", ".join(f"{s} {fmt(v)}" for s, v in m.items()))
+        for s in ("boto3", "rclone"):
+            print(f"   hyper / {s}: {ratio(m['hyper'], m[s])} (goal >= 10x)")
+        results["push"][f"{delay * 1000:g} ms"] = {"runs": runs, "median_files_s": m}
+    server.delay(0.0)
     return keep
 
 
@@ -1032,6 +1040,7 @@ def main() -> int:
                    "here) or moto_server")
     a = p.parse_args()
     only = {int(x) for x in a.only.split(",")}
+    a.push_delays = [0.0, 0.02]
     if a.quick:
         a.files, a.rounds, a.peer_rounds, a.shuffled_rounds = 3000, 1, 1, 1
         a.orders, a.delays = ["sorted"], [0.0, 0.02]
