@@ -152,52 +152,46 @@ def _counting_proxy_class():
     return CountingProxy
 
 
-class S3rverServer:
-    """npm ``s3rver`` (Node.js, objects as files in a fresh folder) on a free loopback port,
-    with the same interface as tests/s3server.py's ``S3Server`` (start/stop/make_bucket,
-    ``proc``, ``port``, ``proxy``)."""
+def _s3rver_class():
+    """S3rverServer: npm ``s3rver`` (Node.js, objects as files in a fresh folder) on a free
+    loopback port, tests/s3server.py's ``S3Server`` otherwise (its proxy, stop, port)."""
+    import socket
 
-    def __init__(self, exe: str, workdir: str):
-        from s3server import free_port
-        self.exe, self.port, self.proc, self.dir = exe, free_port(), None, workdir
-        self.proxy = None
+    from s3server import S3Server
 
-    def start(self):
-        import socket
-        log = open(os.path.join(self.dir, "s3rver.log"), "ab")
-        # s3rver 3.7 makes ListObjectsV2 continuation tokens with a cipher that Node 17+
-        # (OpenSSL 3) refuses: without the legacy provider every listing past 1,000 keys fails
-        env = dict(os.environ, NODE_OPTIONS="--openssl-legacy-provider")
-        self.proc = subprocess.Popen(
-            [self.exe, "-d", os.path.join(self.dir, "data"), "-a", "127.0.0.1", "-p",
-             str(self.port), "--silent"], stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-            env=env, start_new_session=True)
-        log.close()
-        end = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
-                break
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > end:
-                    self.stop()
-                    raise RuntimeError("s3rver did not start")
-                time.sleep(0.05)
-        self.proxy.start()
-        return self
+    class S3rverServer(S3Server):
+        def __init__(self, exe: str, workdir: str):
+            super().__init__()
+            self.exe, self.dir = exe, workdir
 
-    def stop(self):
-        if self.proxy is not None:
-            self.proxy.stop()
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self.proc = None
-        shutil.rmtree(self.dir, ignore_errors=True)
+        def start(self):
+            log = open(os.path.join(self.dir, "s3rver.log"), "ab")
+            # s3rver 3.7 makes ListObjectsV2 continuation tokens with a cipher that Node 17+
+            # (OpenSSL 3) refuses: without the legacy provider, listings past 1,000 keys fail
+            env = dict(os.environ, NODE_OPTIONS="--openssl-legacy-provider")
+            self.proc = subprocess.Popen(
+                [self.exe, "-d", os.path.join(self.dir, "data"), "-a", "127.0.0.1", "-p",
+                 str(self.port), "--silent"], stdin=subprocess.DEVNULL, stdout=log,
+                stderr=log, env=env, start_new_session=True)
+            log.close()
+            end = time.monotonic() + 30
+            while True:
+                try:
+                    socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
+                    break
+                except OSError:
+                    if self.proc.poll() is not None or time.monotonic() > end:
+                        self.stop()
+                        raise RuntimeError("s3rver did not start")
+                    time.sleep(0.05)
+            self.proxy.start()
+            return self
+
+        def stop(self):
+            super().stop()
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    return S3rverServer
 
 
 def _make_bucket(endpoint: str, creds: dict, name: str) -> None:
@@ -212,7 +206,7 @@ def _server_main(conn, store: str, exe: str, workdir: str, creds: dict) -> None:
     """The helper process: the S3 server with a CountingProxy, driven over a Pipe."""
     Counting = _counting_proxy_class()
     if store == "s3rver":
-        s3 = S3rverServer(exe, workdir)
+        s3 = _s3rver_class()(exe, workdir)
     else:
         from s3server import S3Server
         s3 = S3Server()

@@ -135,12 +135,7 @@ class Agent:
         EOF. Returns early (True) when a task ended, so a poll wait can look again."""
         r, _, _ = select.select([0, self._sig_r], [], [], timeout)
         if self._sig_r in r:
-            try:
-                while os.read(self._sig_r, 4096):
-                    pass
-            except BlockingIOError:
-                pass
-            self._reap()
+            self._children_ended()
         if 0 not in r:
             return True
         chunk = os.read(0, 65536)
@@ -197,12 +192,16 @@ class Agent:
             os.close(parent_done)
         while self.children:
             select.select([self._sig_r], [], [], 1.0)
-            try:
-                while os.read(self._sig_r, 4096):
-                    pass
-            except BlockingIOError:
+            self._children_ended()
+
+    def _children_ended(self):
+        """SIGCHLD came (its bytes on the wakeup pipe): empty the pipe, reap."""
+        try:
+            while os.read(self._sig_r, 4096):
                 pass
-            self._reap()
+        except BlockingIOError:
+            pass
+        self._reap()
 
     def handle(self, req):
         op = req.get("op")
