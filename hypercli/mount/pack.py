@@ -327,8 +327,8 @@ class _Packer:
 
     def _write(self, data: bytes) -> None:
         if self.f is None:
-            self.f, self.h, self.len = open(self.tmp / f"chunk-{self.seq}", "wb",
-                                            buffering=0), hashlib.sha256(), 0
+            self.f, self.h, self.len = open(self.tmp / f"chunk-{self.seq}", "wb"), \
+                hashlib.sha256(), 0
         self.buf += data
         self.len += len(data)
         if len(self.buf) >= WRITE_BUFFER:

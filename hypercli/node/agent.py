@@ -461,8 +461,7 @@ class Agent:
                 os.makedirs(spec["output"], exist_ok=True)
             proc = self._spawn(d, _command(d, spec, env), env, cwd, new_session=True)
         except Exception as e:
-            with open(os.path.join(d, "stderr"), "a") as f:
-                f.write("hyper: cannot start the task: %s\n" % e)
+            _note(d, "cannot start the task: %s" % e)
             _write_json(os.path.join(d, "pid"), {"pid": None, "started": started})
             self._end(_Child(attempt_id, d, spec, env, None, lock, started), 127)
             return self.state(attempt_id)
@@ -491,9 +490,8 @@ class Agent:
             code = rc if rc >= 0 else 128 - rc
             if child.finishing:
                 if code != 0:
-                    with open(os.path.join(child.dir, "stderr"), "a") as f:
-                        f.write("hyper: the task succeeded but saving its outputs failed "
-                                "(exit %d)\n" % code)
+                    _note(child.dir, "the task succeeded but saving its outputs failed "
+                                     "(exit %d)" % code)
                     code = 70
             elif code == 0 and child.spec.get("finish") and not os.path.exists(
                     os.path.join(child.dir, "cancelled")):
@@ -504,8 +502,7 @@ class Agent:
                     child.finishing = True
                     continue
                 except OSError as e:
-                    with open(os.path.join(child.dir, "stderr"), "a") as f:
-                        f.write("hyper: cannot save the task's outputs: %s\n" % e)
+                    _note(child.dir, "cannot save the task's outputs: %s" % e)
                     code = 70
             self._end(child, code)
 
@@ -554,6 +551,12 @@ def _locked(path):
         return True
     finally:
         os.close(fd)
+
+
+def _note(d, text):
+    """Append hypercli's own line about an attempt to its stderr."""
+    with open(os.path.join(d, "stderr"), "a") as f:
+        f.write("hyper: %s\n" % text)
 
 
 def _b64(data):
