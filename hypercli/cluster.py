@@ -13,6 +13,7 @@ from hypercli.errors import HyperError, InfraError, UsageError
 from hypercli.providers import get_provider
 from hypercli.recipe import ClusterSpec
 from hypercli.state import State
+from hypercli.stop import cancel_workflow
 
 
 def up(state: State, spec: ClusterSpec, provider=None,
@@ -55,34 +56,6 @@ def up(state: State, spec: ClusterSpec, provider=None,
     return state.nodes(spec.name, status="up")
 
 
-def cancel_on_nodes(state: State, attempts: list[dict], provider, grace: float = 5.0) -> set:
-    """Cancel live attempts on their nodes, grouped per node.
-
-    Returns:
-        the names of the nodes that could not be reached: their attempts were not stopped
-        and should stay live (a later poll or cancel finds them).
-    """
-    failed: set = set()
-    by_node: dict[str, list[str]] = {}
-    for a in attempts:
-        by_node.setdefault(a["node"], []).append(a["id"])
-    nodes = {n["name"]: n for c in state.clusters() for n in state.nodes(c["name"])}
-    for node_name, ids in by_node.items():
-        node = nodes.get(node_name)
-        if node is None:
-            continue
-        try:
-            client = provider.connect(node)
-            try:
-                client.call("cancel", ids=ids, grace=grace)
-            finally:
-                client.close()
-        except HyperError as e:
-            state.event("node", f"cancel failed: {e}", node=node_name)
-            failed.add(node_name)
-    return failed
-
-
 def down(state: State, name: str) -> list[str]:
     """Take a cluster down: cancel its running attempts and workflows, remove its nodes.
 
@@ -95,7 +68,6 @@ def down(state: State, name: str) -> list[str]:
     if c is None:
         known = ", ".join(x["name"] for x in state.clusters()) or "none"
         raise UsageError(f"no cluster named {name!r}", f"known clusters: {known}")
-    from hypercli.scheduler import cancel_workflow
     provider = get_provider(c["provider"], options=(c.get("spec") or {}).get("options") or {})
     nodes = state.nodes(name)
     workflows = [wf for wf in state.workflows(limit=10000) if wf["cluster"] == name]

@@ -408,7 +408,8 @@ class State:
 
         Args:
             updates: dicts with ``id`` and any of status, exit_code, error, metrics (dict),
-                started_at, ended_at (unix seconds).
+                started_at, ended_at (unix seconds). A change to ``cancelled`` or ``lost``
+                applies only to an attempt still live.
         """
         with self.tx() as db:
             for u in updates:
@@ -417,10 +418,15 @@ class State:
                 if "metrics" in u:
                     u["metrics"] = _dumps(u["metrics"]) if u["metrics"] is not None else None
                 cols = ", ".join(f"{k}=?" for k in u)
-                db.execute(f"UPDATE attempts SET {cols} WHERE id=?", (*u.values(), aid))
+                # an ended attempt's result is never relabelled by a later cancel or loss
+                only_live = (" AND status IN ('launching','running')"
+                             if u.get("status") in ("cancelled", "lost") else "")
+                db.execute(f"UPDATE attempts SET {cols} WHERE id=?{only_live}",
+                           (*u.values(), aid))
 
     def set_tasks(self, wid: str, updates: list[dict]) -> None:
-        """Apply task changes (``id`` + status, metrics, ended_at) in one transaction."""
+        """Apply task changes (``id`` + status, metrics, ended_at) in one transaction. A task
+        that has succeeded is never changed to another status."""
         with self.tx() as db:
             for u in updates:
                 u = dict(u)
@@ -428,7 +434,9 @@ class State:
                 if "metrics" in u:
                     u["metrics"] = _dumps(u["metrics"]) if u["metrics"] is not None else None
                 cols = ", ".join(f"{k}=?" for k in u)
-                db.execute(f"UPDATE tasks SET {cols} WHERE workflow=? AND id=?",
+                # a task that succeeded stays succeeded (first success wins; cancel is late)
+                keep = " AND status != 'succeeded'" if u.get("status") != "succeeded" else ""
+                db.execute(f"UPDATE tasks SET {cols} WHERE workflow=? AND id=?{keep}",
                            (*u.values(), wid, tid))
 
     # -- events -------------------------------------------------------------------------

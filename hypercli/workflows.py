@@ -211,7 +211,7 @@ def cancel(state: S.State, ref: str) -> tuple[str, int]:
     Returns:
         (what was cancelled, number of tasks cancelled).
     """
-    from hypercli.scheduler import cancel_task, cancel_workflow
+    from hypercli.stop import cancel_task, cancel_workflow
     if "/" in ref:
         wid, tid = state.find_task(ref)
         wf = state.workflow(wid)
