@@ -1,0 +1,157 @@
+"""The ``cluster:``, ``storage:``, ``workdir:`` and ``mounts:`` sections of a recipe."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+from typing import Any, Callable
+
+from yaml.nodes import ScalarNode
+
+from hypercli.recipe.specs import ClusterSpec
+from hypercli.recipe.yamltree import (
+    _URL,
+    _bool,
+    _check_keys,
+    _Ctx,
+    _finite,
+    _get,
+    _int,
+    _is_number,
+    _Item,
+    _leaf,
+    _mapping,
+    _name,
+    _show,
+    _str,
+    _strings,
+    _suggest,
+)
+
+PROVIDERS = ("local", "ssh", "aws", "gcp", "azure")
+STORAGE_SCHEMES = ("file", "s3", "gs", "az")
+#: plain bucket mounts exist for s3 only (goofys/s3fs); gs and az datasets mount as chunks+
+MOUNT_SCHEMES = ("chunks+s3", "chunks+file", "chunks+gs", "chunks+az", "s3", "file")
+
+_HOST = re.compile(r"(?:[A-Za-z0-9_][A-Za-z0-9_.-]*@)?"
+                   r"(?:[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\])"
+                   r"(?::(?P<port>\d{1,5}))?")
+
+
+def _hosts(ctx: _Ctx, item: _Item, field: str) -> list:
+    out = []
+    for host, line in _strings(ctx, item, field, single_ok=False, empty_ok=False):
+        m = _HOST.fullmatch(host)
+        if not m or not 0 < int(m["port"] or 22) < 65536:
+            ctx.fail(f"host {_show(host)} is not of the form user@host:port", line, field,
+                     "user and port are optional: 10.0.0.5, root@node1:2222")
+        out.append(host)
+    return out
+
+
+def _zone(ctx: _Ctx, item: _Item, field: str) -> str | list:
+    zones = [z for z, _ in _strings(ctx, item, field, single_ok=True, empty_ok=False)]
+    return zones[0] if isinstance(item.node, ScalarNode) else zones
+
+
+def _cidr(ctx: _Ctx, item: _Item, field: str) -> str:
+    v = _str(ctx, item, field)
+    try:
+        ipaddress.ip_network(v, strict=False)
+    except ValueError:
+        ctx.fail(f"ssh_cidr {_show(v)} is not a network", item.line, field,
+                 "write it as 203.0.113.0/24")
+    return v
+
+
+def _price(ctx: _Ctx, item: _Item, field: str) -> float:
+    v = _get(ctx, item, field, _is_number, "a number")
+    if not (_finite(v) and v > 0):
+        ctx.fail(f"max_price must be a number above 0, not {_show(v)}", item.line, field)
+    return v
+
+
+_Check = Callable[[_Ctx, _Item, str], Any]
+_CLOUD_KEYS: dict[str, _Check] = {
+    "region": _str, "zone": _zone, "instance_type": _str, "spot": _bool, "image": _str,
+    "disk_gb": lambda c, i, f: _int(c, i, f, lo=10), "max_price": _price,
+    "idle_minutes": lambda c, i, f: _int(c, i, f, lo=1), "replace_preempted": _bool,
+    "ssh_cidr": _cidr,
+}
+_PROVIDER_KEYS: dict[str, dict[str, _Check]] = {
+    "local": {},
+    "ssh": {"hosts": _hosts, "identity_file": _str, "user": _str,
+            "port": lambda c, i, f: _int(c, i, f, lo=1, hi=65535)},
+    "aws": _CLOUD_KEYS,
+    "gcp": {**_CLOUD_KEYS, "project": _str},
+    "azure": {**_CLOUD_KEYS, "resource_group": _str},
+}
+_CLUSTER_KEYS = ("provider", "name", "workers")
+
+
+def _cluster(ctx: _Ctx, item: _Item | None, recipe_name: str) -> ClusterSpec:
+    if item is None:
+        return ClusterSpec(name=recipe_name, provider="local", workers=None, options={})
+    keys = _mapping(ctx, item, "cluster", null_ok=True)
+    provider = _str(ctx, keys["provider"], "cluster.provider") if "provider" in keys else "local"
+    if provider not in PROVIDERS:
+        ctx.fail(f"unknown provider {_show(provider)}", keys["provider"].line,
+                 "cluster.provider", _suggest(provider, list(PROVIDERS), "providers"))
+    own = _PROVIDER_KEYS[provider]
+    for key, it in keys.items():
+        owners = [p for p in PROVIDERS if key in _PROVIDER_KEYS[p]]
+        if key not in own and owners:
+            ctx.fail(f"'{key}' applies to provider{'s' if len(owners) > 1 else ''} "
+                     f"{', '.join(owners)}, not {provider}", it.line, f"cluster.{key}",
+                     f"set provider: {owners[0]}" if len(owners) == 1 else None)
+    _check_keys(ctx, keys, _CLUSTER_KEYS + tuple(own), "cluster")
+    name = _name(ctx, keys["name"], "cluster.name") if "name" in keys else recipe_name
+    workers = _int(ctx, keys["workers"], "cluster.workers", lo=1) if "workers" in keys else None
+    options = {k: own[k](ctx, it, f"cluster.{k}") for k, it in keys.items() if k in own}
+    if provider == "ssh" and "hosts" not in options:
+        ctx.fail("provider ssh needs hosts", item.line, "cluster.hosts",
+                 "hosts: [user@10.0.0.5:22, ...]")
+    return ClusterSpec(name=name, provider=provider, workers=workers, options=options)
+
+
+def _local_path(base_dir: str, text: str) -> str:
+    return os.path.normpath(os.path.join(base_dir, os.path.expanduser(text)))
+
+
+def _url(ctx: _Ctx, item: _Item, field: str, schemes: tuple, base_dir: str) -> str:
+    """A URL with one of ``schemes``; the path of a ``file`` URL is made absolute."""
+    v = _str(ctx, item, field)
+    m = _URL.fullmatch(v)
+    if not m or m[1] not in schemes:
+        ctx.fail(f"{_leaf(field)} must be a URL starting with "
+                 f"{', '.join(s + '://' for s in schemes)}, not {_show(v)}", item.line, field)
+    if re.search(r"[\x00-\x1f\x7f]", v):
+        ctx.fail(f"{_leaf(field)} must not contain control characters", item.line, field)
+    scheme, rest = m[1], m[2]
+    if scheme.endswith("file"):
+        if not rest:
+            ctx.fail(f"{_leaf(field)} {_show(v)} has no path", item.line, field)
+        return f"{scheme}://{_local_path(base_dir, rest)}"
+    if not rest or rest.startswith("/"):
+        ctx.fail(f"{_leaf(field)} {_show(v)} has no bucket", item.line, field,
+                 f"{scheme}://BUCKET/PREFIX")
+    return v
+
+
+def _mounts(ctx: _Ctx, item: _Item, base_dir: str) -> dict:
+    out: dict[str, str] = {}
+    for target, it in _mapping(ctx, item, "mounts", null_ok=True).items():
+        field = f"mounts.{target}"
+        if not target.startswith("/") or ".." in target.split("/") or "\x00" in target:
+            ctx.fail(f"mount path {_show(target)} must be absolute, without '..'", it.line,
+                     field, "for example /data")
+        norm = "/" + os.path.normpath(target).lstrip("/")
+        if norm == "/":
+            ctx.fail("cannot mount over /", it.line, field)
+        if norm in out:
+            ctx.fail(f"mount path {norm} is given twice", it.line, field)
+        out[norm] = _url(ctx, it, field, MOUNT_SCHEMES, base_dir)
+    return out
+
+

@@ -1,0 +1,211 @@
+"""The ``experiments:`` section of a recipe: each experiment's keys, and the ``after`` DAG."""
+
+from __future__ import annotations
+
+import datetime
+import heapq
+from typing import NoReturn
+
+from yaml.nodes import SequenceNode
+
+from hypercli import params
+from hypercli.recipe.parameters import _parameters
+from hypercli.recipe.specs import ExperimentSpec
+from hypercli.recipe.yamltree import (
+    _EXPERIMENT_NAME,
+    _IDENT,
+    _check_keys,
+    _Ctx,
+    _get,
+    _int,
+    _Item,
+    _kind,
+    _line,
+    _mapping,
+    _show,
+    _str,
+    _strings,
+    _suggest,
+    _value,
+)
+
+MAX_TASKS = 1_000_000        #: largest number of tasks one recipe may make
+
+# --- experiments -----------------------------------------------------------------------------
+
+_EXPERIMENT_KEYS = ("command", "image", "parameters", "sampling", "samples", "after",
+                    "retries", "env", "workers")
+
+
+def _experiments(ctx: _Ctx, item: _Item) -> tuple[dict, tuple]:
+    entries = _mapping(ctx, item, "experiments", null_ok=True)
+    if not entries:
+        ctx.fail("experiments must not be empty", item.line, "experiments",
+                 "add an experiment with a command")
+    experiments, counts, after_lines = {}, {}, {}
+    for name, it in entries.items():
+        if not _EXPERIMENT_NAME.fullmatch(name):
+            ctx.fail(f"experiment name {_show(name)} is not valid", it.line,
+                     f"experiments.{name}",
+                     "1-64 letters, digits, '_', '.', '-', not starting with '.' or '-'")
+        experiments[name], counts[name], after_lines[name] = _experiment(ctx, name, it)
+    _check_after(ctx, experiments, after_lines)
+    total = sum(counts.values())
+    if total > MAX_TASKS:
+        big = max(counts, key=counts.__getitem__)
+        ctx.fail(f"the recipe makes {_count(total)} tasks, more than {MAX_TASKS:,}", item.line,
+                 "experiments", f"experiment {big} alone makes {_count(counts[big])}")
+    return experiments, _order(ctx, experiments, after_lines)
+
+
+def _count(n: int) -> str:
+    return f"{n:,}" if n < 10**18 else "over 10^18"
+
+
+def _experiment(ctx: _Ctx, name: str, item: _Item) -> tuple[ExperimentSpec, int, list]:
+    """One experiment → (spec, task count, [(after name, line), ...])."""
+    f = f"experiments.{name}"
+    keys = _mapping(ctx, item, f)
+    _check_keys(ctx, keys, _EXPERIMENT_KEYS, f)
+    if "command" not in keys:
+        ctx.fail("command is required", item.line, f"{f}.command", "add command: python ...")
+    command = _command(ctx, keys["command"], f"{f}.command")
+    parameters = _parameters(ctx, keys.get("parameters"), f"{f}.parameters")
+    sampling = _sampling(ctx, keys["sampling"], f"{f}.sampling") if "sampling" in keys else "grid"
+    samples = _int(ctx, keys["samples"], f"{f}.samples", lo=1) if "samples" in keys else None
+    after = []
+    if "after" in keys:
+        after = _strings(ctx, keys["after"], f"{f}.after", single_ok=True, empty_ok=True)
+    retries = _int(ctx, keys["retries"], f"{f}.retries", 0, 100) if "retries" in keys else 0
+    image = _str(ctx, keys["image"], f"{f}.image") if "image" in keys else None
+    env = _env(ctx, keys["env"], f"{f}.env") if "env" in keys else {}
+    workers = _int(ctx, keys["workers"], f"{f}.workers", lo=1) if "workers" in keys else None
+    _check_placeholders(ctx, command, parameters, keys["command"].line, f"{f}.command")
+    for var, (value, line) in env.items():
+        _check_placeholders(ctx, value, parameters, line, f"{f}.env.{var}")
+    try:
+        count = params.count_samples(parameters, sampling, samples)
+    except ValueError as e:
+        line = keys["samples"].line if "samples" in keys else item.line
+        ctx.fail(str(e), line, f"{f}.samples", "add samples: N")
+    spec = ExperimentSpec(
+        name=name, command=command, parameters=parameters, sampling=sampling, samples=samples,
+        after=tuple(dict.fromkeys(a for a, _ in after)), retries=retries, image=image,
+        env={k: v for k, (v, _) in env.items()}, workers=workers, line=item.line)
+    return spec, count, after
+
+
+def _command(ctx: _Ctx, item: _Item, field: str) -> str:
+    if isinstance(item.node, SequenceNode):
+        lines = [_get(ctx, _Item(_line(n), n), f"{field}[{i}]", lambda v: isinstance(v, str),
+                      "a string") for i, n in enumerate(item.node.value)]
+        text = "\n".join(lines)
+    else:
+        text = _get(ctx, item, field, lambda v: isinstance(v, str), "a string or a list of lines")
+    if not text.strip():
+        ctx.fail("command must not be empty", item.line, field)
+    if "\x00" in text:
+        ctx.fail("command must not contain a NUL character", item.line, field)
+    return text
+
+
+def _sampling(ctx: _Ctx, item: _Item, field: str) -> str:
+    v = _str(ctx, item, field)
+    if v not in ("grid", "random"):
+        ctx.fail(f"sampling must be grid or random, not {_show(v)}", item.line, field,
+                 _suggest(v, ["grid", "random"], "choices"))
+    return v
+
+
+def _env(ctx: _Ctx, item: _Item, field: str) -> dict:
+    """name → (value text, line). Numbers and dates keep the text as written (1.10 stays
+    "1.10"); booleans become "true"/"false"."""
+    out = {}
+    for var, it in _mapping(ctx, item, field, null_ok=True).items():
+        f = f"{field}.{var}"
+        if not _IDENT.fullmatch(var):
+            ctx.fail(f"{_show(var)} is not a valid variable name", it.line, f,
+                     "letters, digits and '_', not starting with a digit")
+        if var.startswith("HYPER_"):
+            ctx.fail(f"{var} is reserved: hyper sets HYPER_ variables itself", it.line, f,
+                     "choose another name")
+        v = _value(ctx, it.node)
+        if isinstance(v, bool):
+            text = "true" if v else "false"
+        elif isinstance(v, str):
+            text = v
+        elif isinstance(v, (int, float, datetime.date)):
+            text = it.node.value
+        else:
+            ctx.fail(f"{var} must be a string, number or boolean, not {_kind(v)}", it.line, f,
+                     'use "" for an empty value' if v is None else None)
+        if "\x00" in text:
+            ctx.fail(f"{var} must not contain a NUL character", it.line, f)
+        out[var] = (text, it.line)
+    return out
+
+
+def _check_placeholders(ctx: _Ctx, text: str, parameters: dict, line: int, field: str) -> None:
+    for name in params.placeholders(text):
+        if name not in parameters:
+            hint = _suggest(name, list(parameters), "parameters") if parameters else None
+            ctx.fail(f"placeholder {{{{{name}}}}} names no parameter", line, field,
+                     hint or f"add {name} under parameters")
+
+
+def _check_after(ctx: _Ctx, experiments: dict, after_lines: dict) -> None:
+    for name, refs in after_lines.items():
+        for ref, line in refs:
+            field = f"experiments.{name}.after"
+            if ref == name:
+                ctx.fail(f"experiment {name} cannot run after itself", line, field)
+            if ref not in experiments:
+                others = [n for n in experiments if n != name]
+                ctx.fail(f"after names no experiment {_show(ref)}", line, field,
+                         _suggest(ref, others, "experiments"))
+
+
+def _order(ctx: _Ctx, experiments: dict, after_lines: dict) -> tuple[str, ...]:
+    """Kahn's algorithm, taking ready experiments in file order; a cycle is an error."""
+    names = list(experiments)
+    index = {n: i for i, n in enumerate(names)}
+    waiting = {n: len(e.after) for n, e in experiments.items()}
+    dependents: dict[str, list[str]] = {n: [] for n in names}
+    for n, e in experiments.items():
+        for dep in e.after:
+            dependents[dep].append(n)
+    ready = [index[n] for n in names if waiting[n] == 0]
+    heapq.heapify(ready)
+    order: list[str] = []
+    while ready:
+        name = names[heapq.heappop(ready)]
+        order.append(name)
+        for m in dependents[name]:
+            waiting[m] -= 1
+            if waiting[m] == 0:
+                heapq.heappush(ready, index[m])
+    if len(order) < len(names):
+        _fail_cycle(ctx, experiments, set(order), index, after_lines)
+    return tuple(order)
+
+
+def _fail_cycle(ctx: _Ctx, experiments: dict, placed: set, index: dict,
+                after_lines: dict) -> NoReturn:
+    """Every unplaced experiment waits on another unplaced one: follow those edges to a cycle."""
+    path = [min((n for n in experiments if n not in placed), key=index.__getitem__)]
+    seen = {path[0]: 0}
+    while True:
+        nxt = next(d for d in experiments[path[-1]].after if d not in placed)
+        if nxt in seen:
+            cycle = path[seen[nxt]:]
+            break
+        seen[nxt] = len(path)
+        path.append(nxt)
+    start = cycle.index(min(cycle, key=index.__getitem__))
+    cycle = cycle[start:] + cycle[:start]
+    line = next(ln for ref, ln in after_lines[cycle[0]] if ref == cycle[1 % len(cycle)])
+    shown = cycle + [cycle[0]] if len(cycle) <= 8 else cycle[:4] + ["..."] + cycle[-3:] + cycle[:1]
+    ctx.fail(f"cycle in after: {' -> '.join(shown)}", line, f"experiments.{cycle[0]}.after",
+             f"the cycle has {len(cycle)} experiments" if len(cycle) > 8 else None)
+
+
