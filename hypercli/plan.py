@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from hypercli import params as P
 from hypercli.errors import RecipeError
-from hypercli.recipe import ExperimentSpec, Recipe
+from hypercli.recipe import ExperimentSpec, Recipe, Resources
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,7 @@ class ExperimentPlan:
     Attributes:
         name, after, retries, image, workers: as in the recipe (workers = concurrency cap or None).
         tasks: number of tasks the experiment has.
+        resources: what each task (each rank) needs of a node, ``Resources.as_dict()``.
     """
 
     name: str
@@ -56,6 +57,7 @@ class ExperimentPlan:
     image: str | None
     workers: int | None
     tasks: int
+    resources: dict
 
 
 @dataclass(frozen=True)
@@ -116,10 +118,13 @@ def build_plan(recipe: Recipe) -> Workflow:
     for name in recipe.order:
         exp = recipe.experiments[name]
         exp_tasks = _tasks_of(exp, recipe.seed)
+        res = exp.resources.as_dict()
         experiments.append(ExperimentPlan(name, tuple(exp.after), exp.retries, exp.image,
-                                          exp.workers, len(exp_tasks)))
-        h.update(json.dumps([name, list(exp.after), exp.retries, exp.image, exp.workers],
-                            sort_keys=True).encode())
+                                          exp.workers, len(exp_tasks), res))
+        settings = [name, list(exp.after), exp.retries, exp.image, exp.workers]
+        if exp.resources != Resources():  # default resources keep older workflows' digests
+            settings.append(res)
+        h.update(json.dumps(settings, sort_keys=True).encode())
         for t in exp_tasks:
             h.update(json.dumps([t.id, t.command, t.env], sort_keys=True).encode())
         tasks.extend(exp_tasks)

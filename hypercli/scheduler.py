@@ -44,7 +44,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from hypercli.errors import HyperError, InfraError, NodeError, UsageError
+from hypercli.capacity import free_of, never_fits, place_gang, shortfall
+from hypercli.errors import HyperError, InfraError, NodeError
 from hypercli.state import LIVE_ATTEMPT, TERMINAL_TASK, State
 
 POLL_WAIT = 1.0  # s a node's long poll waits for an attempt to end (cut short by new work)
@@ -311,7 +312,7 @@ class Scheduler:
         self.on_interrupt = on_interrupt or (lambda: "leave")
         self.events: queue.Queue = queue.Queue()
         self.nodes = {n["name"]: n for n in nodes}
-        self.free = {n["name"]: n["slots"] for n in nodes}
+        self.up: set[str] = set(self.nodes)  # nodes that take work (not lost)
         self.workers = {n["name"]: self._worker(n) for n in nodes}
         self.replacing: set[str] = set()  # lost nodes whose replacement is being launched
         self.fenced: dict[str, set] = {}  # node → attempt ids declared lost on it
@@ -319,6 +320,11 @@ class Scheduler:
         self.tasks = {t["id"]: t for t in state.tasks(workflow)}
         self.queue: dict[str, deque] = {e: deque() for e in self.exps}
         self.live: dict[str, dict] = {}  # attempt id → attempt row (+ task)
+        #: (task, attempt number) → its ranks: {"nodes": [node per rank], "port", "ended":
+        #: {rank: status}, "cause": first status that ended it (None: all fine so far),
+        #: "cause_text", "metrics": rank 0's}; a task of one node is a gang of one
+        self.gangs: dict[tuple, dict] = {}
+        self.waits: dict[str, str | None] = {}  # task → why it waits, as recorded
         self.failures: dict[str, int] = {}
         self.count: dict[str, dict[str, int]] = {e: {} for e in self.exps}
         for t in self.tasks.values():
@@ -365,21 +371,26 @@ class Scheduler:
     # -- setup ---------------------------------------------------------------------------
     def _recover(self) -> None:
         """Load the queue and re-attach to attempts a previous run left live."""
+        ranks: dict[tuple, list] = {}
         for a in self.state.attempts(self.wid):
-            if a["status"] in ("failed", "lost"):
-                self.failures[a["task"]] = self.failures.get(a["task"], 0) + 1
+            ranks.setdefault((a["task"], a["number"]), []).append(a)
+        for key, rows in ranks.items():
+            rows.sort(key=lambda r: r["rank"])
+            g = self._new_gang([r["node"] for r in rows], (rows[0]["claim"] or {}).get("port"))
+            for r in rows:
+                if r["status"] not in LIVE_ATTEMPT:
+                    self._rank_ended(g, r["rank"], r["status"], r.get("metrics"), r["exit_code"])
+            self.gangs[key] = g
+            if g["cause"] in ("failed", "lost") and len(g["ended"]) == len(rows):
+                self.failures[key[0]] = self.failures.get(key[0], 0) + 1
         lost = []
         for a in self.state.attempts(self.wid, status=LIVE_ATTEMPT):
             w = self.workers.get(a["node"])
-            if w is None:  # its node left the cluster: the attempt is lost, the task re-queued
-                self.live[a["id"]] = a
-                lost.append(a)
-                continue
             self.live[a["id"]] = a
-            self.free[a["node"]] -= 1
-            if a["status"] == "launching":
-                w.submit("launch", [self._spec(self.tasks[a["task"]], a["id"], a["number"],
-                                               a["node"])])
+            if w is None:  # its node left the cluster: the attempt is lost, the task re-queued
+                lost.append(a)
+            elif a["status"] == "launching":
+                w.submit("launch", [self._spec(self.tasks[a["task"]], a)])
             else:
                 w.submit("watch", [a["id"]])
         att_upd, task_upd = [], []
@@ -392,6 +403,9 @@ class Scheduler:
             with self.state.tx():
                 self.state.update_attempts(att_upd)
                 self.state.set_tasks(self.wid, task_upd)
+        for a in list(self.live.values()):  # a rank of a gang that had already failed
+            if self.gangs[(a["task"], a["number"])]["cause"] and a["node"] in self.workers:
+                self.workers[a["node"]].submit("cancel", [a["id"]])
         queued = {tid for q in self.queue.values() for tid in q}
         live_tasks = {a["task"] for a in self.live.values()}
         for t in self.tasks.values():
@@ -402,20 +416,70 @@ class Scheduler:
                 self._set(t, "pending")
                 self.queue[t["experiment"]].append(t["id"])
 
-    def _spec(self, task: dict, attempt_id: str, number: int, node: str) -> dict:
+    @staticmethod
+    def _new_gang(nodes: list[str], port: int | None) -> dict:
+        return {"nodes": nodes, "port": port, "ended": {}, "cause": None, "cause_text": None,
+                "metrics": None}
+
+    @staticmethod
+    def _rank_ended(g: dict, rank: int, status: str, metrics, code=None) -> None:
+        """Note one rank's end in its gang; the first rank that did not succeed is the
+        cause that ends the whole attempt."""
+        g["ended"][rank] = status
+        if rank == 0:
+            g["metrics"] = metrics
+        if status not in ("succeeded", "superseded") and g["cause"] is None:
+            g["cause"] = status
+            g["cause_text"] = f"rank {rank} {status}" + (
+                f" (exit code {code})" if status == "failed" and code is not None else "")
+
+    def _address(self, node: str) -> str:
+        """The address other nodes reach a node at: its private address when it has one."""
+        row = self.nodes[node]
+        return ((row.get("info") or {}).get("private_address")
+                or (row.get("address") or {}).get("host") or "127.0.0.1")
+
+    def _spec(self, task: dict, a: dict) -> dict:
+        """The launch spec of attempt row ``a`` (id, number, node, rank, claim)."""
+        node, rank, number = a["node"], a.get("rank") or 0, a["number"]
         row = self.nodes[node]
         cwd, output, outputs = self.provider.task_paths(row, self.wf, task["id"])
         exp = self.exps[task["experiment"]]
+        claim = a.get("claim") or {}
+        gpus = list(claim.get("gpus") or [])
+        g = self.gangs.get((task["id"], number))
+        size = len(g["nodes"]) if g else 1
         env = dict(task["env"])
         env.update({
             "HYPER_TASK_ID": task["id"], "HYPER_EXPERIMENT": task["experiment"],
             "HYPER_WORKFLOW": self.wid, "HYPER_ATTEMPT": str(number), "HYPER_NODE": node,
             "HYPER_OUTPUT": output, "HYPER_OUTPUTS": outputs,
             "HYPER_PARAMS": json.dumps(task["params"], ensure_ascii=False),
+            "HYPER_GPUS": ",".join(map(str, gpus)), "HYPER_CPUS": f"{claim.get('cpus', 1):g}",
+            "HYPER_NODE_RANK": str(rank), "HYPER_NUM_NODES": str(size),
         })
-        return {"id": attempt_id, "script": task["command"], "env": env, "cwd": cwd,
+        if gpus or (row.get("info") or {}).get("gpus"):  # exactly its own GPUs, or none
+            env["NVIDIA_VISIBLE_DEVICES"] = ",".join(map(str, gpus)) or "void"
+            # in a container the devices given are renumbered from 0
+            shown = range(len(gpus)) if exp["image"] else gpus
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, shown))
+        files = {}
+        if size > 1:
+            ips = [self._address(n) for n in g["nodes"]]
+            port = str(g["port"])
+            env.update({"HYPER_NODE_IPS": "\n".join(ips), "HYPER_MASTER_ADDR": ips[0],
+                        "HYPER_MASTER_PORT": port, "MASTER_ADDR": ips[0], "MASTER_PORT": port,
+                        "WORLD_SIZE": str(size), "RANK": str(rank), "NODE_RANK": str(rank)})
+            slots = max(1, len(gpus))
+            files["HYPER_HOSTFILE"] = "".join(f"{ip} slots={slots}\n" for ip in ips)
+        spec = {"id": a["id"], "script": task["command"], "env": env, "cwd": cwd,
                 "output": output, "outputs": outputs, "image": exp["image"],
-                "after": list(exp["after"]), "gpus": bool(row["info"].get("gpus"))}
+                "after": list(exp["after"]), "gpus": gpus}
+        if files:
+            spec["files"] = files
+        if claim.get("memory"):
+            spec["limits"] = {"memory": claim["memory"]}
+        return spec
 
     # -- decisions -----------------------------------------------------------------------
     def _exp_state(self, name: str) -> str:
@@ -428,42 +492,75 @@ class Scheduler:
                 return "blocked"
         return "ready"
 
+    def _free(self) -> dict:
+        """node → :class:`~hypercli.capacity.Free` of the nodes taking work, less the claims
+        of every live attempt there, of any workflow (the state file's leases)."""
+        claims: dict[str, list] = {}
+        for c in self.state.claims(self.up):
+            claims.setdefault(c["node"], []).append(c["claim"])
+        return {n: free_of(self.nodes[n], claims.get(n, [])) for n in sorted(self.up)}
+
     def _dispatch(self) -> None:
-        batches: dict[str, list] = {}
-        rows = []
-        free_nodes = [n for n, k in self.free.items() if k > 0]
+        ready = []
         for name in self.exps:
-            q = self.queue[name]
-            if not q:
+            if not self.queue[name]:
                 continue
             st = self._exp_state(name)
             if st == "dead":
                 self._skip(name)
-                continue
-            if st == "blocked":
-                continue
-            cap = self.exps[name]["workers"]
-            running = sum(1 for a in self.live.values()
-                          if self.tasks[a["task"]]["experiment"] == name) if cap else 0
-            while q and free_nodes and (not cap or running < cap):
-                node = max(free_nodes, key=lambda n: self.free[n])
-                task = self.tasks[q.popleft()]
-                number = task["attempts"] + 1
-                aid = f"{self.wid}.{task['id']}.{number}"
-                self._set(task, "running")
-                task["attempts"] = number
-                rows.append((aid, self.wid, task["id"], number, node))
-                batches.setdefault(node, []).append(self._spec(task, aid, number, node))
-                self.live[aid] = {"id": aid, "task": task["id"], "node": node,
-                                  "number": number, "status": "launching"}
-                self.free[node] -= 1
-                running += 1
-                if self.free[node] == 0:
-                    free_nodes.remove(node)
-        if rows:
-            self.state.start_attempts(rows)
-            for node, specs in batches.items():
-                self.workers[node].submit("launch", specs)
+            elif st == "ready":
+                ready.append(name)
+        if not ready or not self.up:
+            return
+        batches: dict[str, list] = {}
+        waits: dict[str, str] = {}
+        with self.state.tx():  # placed under the write lock: no other driver places meanwhile
+            free = self._free()
+            rows = []
+            for name in ready:
+                rows += self._place(name, free, batches, waits)
+            if rows:
+                self.state.start_attempts(rows)
+        for node, specs in batches.items():
+            self.workers[node].submit("launch", specs)
+        changed = [{"id": t, "wait": w} for t, w in waits.items() if self.waits.get(t) != w]
+        if changed:
+            self.state.set_tasks(self.wid, changed)
+            self.waits.update(waits)
+
+    def _place(self, name: str, free: dict, batches: dict, waits: dict) -> list:
+        """Place the queued tasks of one experiment, first come first served, while they
+        fit; returns the attempt rows to record. The first task that does not fit waits
+        (its reason in ``waits``) and so do the ones queued after it."""
+        q, exp = self.queue[name], self.exps[name]
+        need = exp.get("resources") or {}
+        cap = exp["workers"]
+        running = len({a["task"] for a in self.live.values()
+                       if self.tasks[a["task"]]["experiment"] == name}) if cap else 0
+        rows = []
+        while q and (not cap or running < cap):
+            task = self.tasks[q[0]]
+            nodes = place_gang(need, free)
+            if nodes is None:
+                waits[task["id"]] = shortfall(need, free)
+                break
+            q.popleft()
+            self.waits.pop(task["id"], None)  # start_attempts clears it in the state file
+            number = task["attempts"] + 1
+            gang = len(nodes) > 1
+            claims = [free[n].take(need, port=gang and r == 0) for r, n in enumerate(nodes)]
+            self.gangs[(task["id"], number)] = self._new_gang(nodes, claims[0].get("port"))
+            self._set(task, "running")
+            task["attempts"] = number
+            running += 1
+            for rank, node in enumerate(nodes):
+                aid = f"{self.wid}.{task['id']}.{number}" + (f"-r{rank}" if gang else "")
+                a = {"id": aid, "task": task["id"], "node": node, "number": number,
+                     "rank": rank, "claim": claims[rank], "status": "launching"}
+                self.live[aid] = a
+                rows.append((aid, self.wid, task["id"], number, node, rank, claims[rank]))
+                batches.setdefault(node, []).append(self._spec(task, a))
+        return rows
 
     def _skip(self, exp: str) -> None:
         ids = list(self.queue[exp])
@@ -476,7 +573,9 @@ class Scheduler:
                          "failed", workflow=self.wid)
 
     def _ended(self, a: dict, st: dict, why: str | None = None) -> tuple[dict, dict | None]:
-        """Attempt and task updates for an attempt that is no longer running."""
+        """Attempt and task updates for an attempt (one rank) that is no longer running. The
+        task is decided when the last rank of its attempt has ended: a rank that fails, or
+        is lost, stops the others, and the attempt counts as one failure."""
         task = self.tasks[a["task"]]
         now = time.time()
         code = st.get("code")
@@ -487,23 +586,34 @@ class Scheduler:
             status = "lost" if st["state"] != "failed" else "failed"
         if task["status"] == "succeeded" and status == "succeeded":
             status = "superseded"
+        key = (a["task"], a["number"])
+        g = self.gangs.setdefault(key, self._new_gang([a["node"]], None))
+        if status == "cancelled" and g["cause"] and task["status"] not in TERMINAL_TASK:
+            why = why or f"stopped with its gang: {g['cause_text']}"
         upd = {"id": a["id"], "status": status, "exit_code": code,
                "metrics": st.get("metrics"), "ended_at": st.get("ended") or now,
                "started_at": st.get("started"),
                "error": why or (f"exit code {code}" if status == "failed" else None)}
-        self.live.pop(a["id"], None)
-        if a["node"] in self.free:
-            self.free[a["node"]] += 1
         if st["state"] == "failed":  # never launched: the node could not be prepared
-            status = "failed"
-            upd.update(status="failed", error=st.get("error"))
-        if status == "superseded" or task["status"] in TERMINAL_TASK:
+            upd["error"] = st.get("error")
+        self.live.pop(a["id"], None)
+        self._rank_ended(g, a.get("rank") or 0, status, st.get("metrics"), code)
+        others = [x for x in self.live.values() if (x["task"], x["number"]) == key]
+        if g["cause"] and others and not g.get("stopping"):
+            g["stopping"] = True
+            for x in others:  # all or nothing: the other ranks of this attempt stop too
+                if x["node"] in self.up:
+                    self.workers[x["node"]].submit("cancel", [x["id"]])
+        if others:
             return upd, None
-        if status == "succeeded":
+        outcome = g["cause"] or ("superseded" if status == "superseded" else "succeeded")
+        if outcome == "superseded" or task["status"] in TERMINAL_TASK:
+            return upd, None
+        if outcome == "succeeded":
             self._set(task, "succeeded")
-            return upd, {"id": task["id"], "status": "succeeded", "metrics": st.get("metrics"),
+            return upd, {"id": task["id"], "status": "succeeded", "metrics": g["metrics"],
                          "ended_at": now}
-        if status == "cancelled":
+        if outcome == "cancelled":
             self._set(task, "cancelled")
             return upd, {"id": task["id"], "status": "cancelled", "ended_at": now}
         self.failures[task["id"]] = self.failures.get(task["id"], 0) + 1
@@ -512,7 +622,7 @@ class Scheduler:
             self.queue[task["experiment"]].appendleft(task["id"])
             return upd, {"id": task["id"], "status": "pending"}
         self._set(task, "failed")
-        return upd, {"id": task["id"], "status": "failed", "metrics": st.get("metrics"),
+        return upd, {"id": task["id"], "status": "failed", "metrics": g["metrics"],
                      "ended_at": now}
 
     # -- events --------------------------------------------------------------------------
@@ -528,7 +638,7 @@ class Scheduler:
                 self.state.event("node", f"joined the run, replacing {node}",
                                  workflow=self.wid, node=row["name"])
                 self.nodes[row["name"]] = row
-                self.free[row["name"]] = row["slots"]
+                self.up.add(row["name"])
                 self.workers[row["name"]] = self._worker(row)
                 self.workers[row["name"]].start()
             return
@@ -538,7 +648,7 @@ class Scheduler:
             self.state.set_node_status(node, "lost")
             if kind == "lost":
                 self._replace(node, payload_text)
-            self.free.pop(node, None)
+            self.up.discard(node)
             payload = {a["id"]: {"state": "lost"} for a in self.live.values()
                        if a["node"] == node}
             self.fenced.setdefault(node, set()).update(payload)
@@ -546,7 +656,7 @@ class Scheduler:
             self.state.event("node", "back: fencing the attempts declared lost on it",
                              workflow=self.wid, node=node)
             self.state.set_node_status(node, "up")
-            self.free[node] = self.nodes[node]["slots"]
+            self.up.add(node)
             if self.fenced.get(node):
                 self.workers[node].submit("fence", sorted(self.fenced[node]))
             return
@@ -589,6 +699,26 @@ class Scheduler:
                 return
 
     # -- the loop ------------------------------------------------------------------------
+    def _check_stuck(self) -> None:
+        """Nothing runs and nothing is coming: a ready task that the nodes left could never
+        hold would wait forever.
+
+        Raises:
+            InfraError: every node was lost, or too few are left for a ready task.
+        """
+        if not self.up:
+            raise InfraError(f"every node of workflow {self.wid}'s cluster was lost",
+                             "`hyper status` shows the nodes; `hyper run` again resumes")
+        free = None
+        for name, q in self.queue.items():
+            if q and self._exp_state(name) == "ready":
+                free = free or self._free()
+                why = never_fits(self.exps[name].get("resources") or {}, free)
+                if why and not self.state.claims(self.up):
+                    raise InfraError(f"experiment {name} cannot run on the nodes left: {why}",
+                                     "`hyper status` shows the nodes; `hyper run` again "
+                                     "resumes")
+
     def snapshot(self) -> dict:
         """experiment → {status: count} of the run in progress (for progress displays)."""
         return {e: {k: v for k, v in c.items() if v} for e, c in self.count.items()}
@@ -674,9 +804,8 @@ class Scheduler:
                 self._dispatch()
                 if self._done():
                     break
-                if not self.free and not self.live and not self.replacing:
-                    raise InfraError(f"every node of workflow {self.wid}'s cluster was lost",
-                                     "`hyper status` shows the nodes; `hyper run` again resumes")
+                if not self.live and not self.replacing:
+                    self._check_stuck()
                 if progress:
                     progress(self)
                 self._drain(refresh)

@@ -85,6 +85,22 @@ def m002_workflow_spec(db: sqlite3.Connection) -> None:
     db.execute("ALTER TABLE workflows ADD COLUMN spec TEXT NOT NULL DEFAULT '{}'")
 
 
+@migration
+def m003_resources(db: sqlite3.Connection) -> None:
+    """Resources and multi-node tasks: what each task of an experiment needs
+    (``Resources.as_dict()``); per attempt its rank in a multi-node task and its *claim* on
+    its node (``{"cpus", "memory", "gpus": [indexes], "port"}``), which is the node's lease:
+    a node's free capacity is what it has less the claims of its live attempts, whatever
+    workflow they belong to; per task why it waits (``waiting for 1 GPU``)."""
+    _script(db, """
+    ALTER TABLE experiments ADD COLUMN resources TEXT NOT NULL DEFAULT '{}';
+    ALTER TABLE attempts ADD COLUMN rank INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE attempts ADD COLUMN claim TEXT;
+    ALTER TABLE tasks ADD COLUMN wait TEXT;
+    CREATE INDEX attempts_node_live ON attempts(node) WHERE status IN ('launching', 'running')
+    """)
+
+
 def _script(db: sqlite3.Connection, sql: str) -> None:
     """Run ``;``-separated statements inside the caller's transaction (``executescript``
     would commit it)."""
@@ -266,9 +282,11 @@ class State:
                        "storage, workdir, status, created_at, spec) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
                        (wid, wf.name, seq, cluster, recipe_path, wf.digest, storage, workdir,
                         "running", now, _dumps(spec or {})))
-            db.executemany("INSERT INTO experiments VALUES (?,?,?,?,?,?,?)",
+            db.executemany("INSERT INTO experiments (workflow, name, position, after, retries,"
+                           " image, workers, resources) VALUES (?,?,?,?,?,?,?,?)",
                            [(wid, e.name, i, _dumps(list(e.after)), e.retries, e.image,
-                             e.workers) for i, e in enumerate(wf.experiments)])
+                             e.workers, _dumps(e.resources))
+                            for i, e in enumerate(wf.experiments)])
             db.executemany("INSERT INTO tasks (workflow, id, experiment, idx, params, command,"
                            " env, status) VALUES (?,?,?,?,?,?,?, 'pending')",
                            ((wid, t.id, t.experiment, t.index, _dumps(t.params), t.command,
@@ -312,7 +330,7 @@ class State:
     def experiments(self, wid: str) -> list[dict]:
         rows = self.db.execute("SELECT * FROM experiments WHERE workflow=? ORDER BY position",
                                (wid,)).fetchall()
-        return [_row(r, "after") for r in rows]
+        return [_row(r, "after", "resources") for r in rows]
 
     # -- tasks and attempts -------------------------------------------------------------
     def tasks(self, wid: str, *, status: Iterable[str] | None = None) -> list[dict]:
@@ -380,27 +398,41 @@ class State:
             q += f" AND status IN ({','.join('?' * len(status))})"
             args += status
         rows = self.db.execute(q + " ORDER BY created_at, number", args).fetchall()
-        return [_row(r, "metrics") for r in rows]
+        return [_row(r, "metrics", "claim") for r in rows]
 
     def live_attempts(self, node: str | None = None) -> list[dict]:
         q, args = "SELECT * FROM attempts WHERE status IN ('launching','running')", []
         if node:
             q, args = q + " AND node=?", [node]
-        return [_row(r, "metrics") for r in self.db.execute(q, args).fetchall()]
+        return [_row(r, "metrics", "claim") for r in self.db.execute(q, args).fetchall()]
 
-    def start_attempts(self, rows: list[tuple[str, str, str, int, str]]) -> None:
+    def claims(self, nodes: Iterable[str]) -> list[dict]:
+        """The leases on these nodes: ``{"id", "workflow", "node", "claim"}`` of every live
+        attempt there, of any workflow (one indexed read)."""
+        nodes = list(nodes)
+        if not nodes:
+            return []
+        rows = self.db.execute(
+            "SELECT id, workflow, node, claim FROM attempts WHERE status IN "
+            f"('launching','running') AND node IN ({','.join('?' * len(nodes))})", nodes)
+        return [_row(r, "claim") for r in rows]
+
+    def start_attempts(self, rows: list[tuple]) -> None:
         """Record attempts about to be launched, in one transaction, before the launch is sent
         (write-ahead: a resumed run re-sends launches the node never got).
 
         Args:
-            rows: (attempt id, workflow id, task id, attempt number, node name) tuples.
+            rows: (attempt id, workflow id, task id, attempt number, node name[, rank,
+                claim]) tuples; rank defaults to 0, claim (a dict, see migration 3) to none.
         """
         now = time.time()
+        full = [(*r[:5], r[5] if len(r) > 5 else 0,
+                 _dumps(r[6]) if len(r) > 6 and r[6] is not None else None) for r in rows]
         with self.tx() as db:
-            db.executemany("INSERT INTO attempts (id, workflow, task, number, node, status,"
-                           " created_at) VALUES (?,?,?,?,?,'launching',?)",
-                           [(*r, now) for r in rows])
-            db.executemany("UPDATE tasks SET status='running', attempts=? "
+            db.executemany("INSERT INTO attempts (id, workflow, task, number, node, rank, claim,"
+                           " status, created_at) VALUES (?,?,?,?,?,?,?,'launching',?)",
+                           [(*r, now) for r in full])
+            db.executemany("UPDATE tasks SET status='running', attempts=?, wait=NULL "
                            "WHERE workflow=? AND id=?", [(r[3], r[1], r[2]) for r in rows])
 
     def update_attempts(self, updates: list[dict]) -> None:

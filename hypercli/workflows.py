@@ -260,13 +260,15 @@ def prepare_run(state: S.State, recipe_path: str, *, new: bool = False,
                 trust_new_hosts: bool = False, cluster: str | None = None,
                 log: Callable[[str], None] = lambda s: None,
                 report: Callable[[str], None] | None = None):
-    """Everything ``hyper run`` does before its loop: plan, pick the workflow, lock it, bring
-    the cluster up (or, with ``cluster``, use that cluster as it is, whatever the recipe's
-    ``cluster:`` says). ``log`` gets progress lines, ``report`` (default ``log``) one line per
-    node that could not be brought up. Returns (workflow id, resumed?, provider, nodes, lock).
+    """Everything ``hyper run`` does before its loop: plan, bring the cluster up (or, with
+    ``cluster``, use that cluster as it is, whatever the recipe's ``cluster:`` says), check
+    that its nodes can hold every experiment's tasks, pick the workflow and lock it. ``log``
+    gets progress lines, ``report`` (default ``log``) one line per node that could not be
+    brought up. Returns (workflow id, resumed?, provider, nodes, lock).
 
     Raises:
-        UsageError: ``cluster`` names no cluster that is up.
+        UsageError: ``cluster`` names no cluster that is up; a task no node could hold
+            (:func:`check_fits`).
     """
     recipe, wf = load(recipe_path)
     if cluster is not None:
@@ -277,23 +279,38 @@ def prepare_run(state: S.State, recipe_path: str, *, new: bool = False,
         recipe = dataclasses.replace(recipe, cluster=dataclasses.replace(
             recipe.cluster, name=cluster, provider=row["provider"],
             options=(row.get("spec") or {}).get("options") or {}))
+    provider = get_provider(recipe.cluster.provider, trust_new_hosts=trust_new_hosts,
+                            options=recipe.cluster.options)
+    if cluster is not None:
+        nodes = state.nodes(cluster, status="up")
+    else:
+        nodes = C.up(state, recipe.cluster, provider, report=report or log)
+    check_fits(wf, recipe.cluster.name, nodes)  # before a workflow is recorded
     wid, resumed = start_or_resume(state, recipe, wf, new=new)
     lock = Lock(wid).acquire()
     if resumed and state.workflow(wid)["cluster"] != recipe.cluster.name:
         state.set_workflow(wid, cluster=recipe.cluster.name)  # resumed on another cluster
-    try:
-        provider = get_provider(recipe.cluster.provider, trust_new_hosts=trust_new_hosts,
-                                options=recipe.cluster.options)
-        if cluster is not None:
-            nodes = state.nodes(cluster, status="up")
-        else:
-            nodes = C.up(state, recipe.cluster, provider, report=report or log)
-    except BaseException:
-        lock.release()
-        raise
     log(f"{'resuming' if resumed else 'starting'} workflow {wid}: {len(wf.tasks)} tasks on "
         f"{len(nodes)} {recipe.cluster.provider} nodes")
     return wid, resumed, provider, nodes, lock
+
+
+def check_fits(wf: Workflow, cluster: str, nodes: list[dict]) -> None:
+    """Refuse a plan with an experiment whose tasks no node of the cluster could ever hold
+    (asking more GPUs, CPUs or memory than the largest node has, or more nodes than there
+    are).
+
+    Raises:
+        UsageError: naming the experiment, what it asks and the largest node.
+    """
+    from hypercli.capacity import free_of, never_fits
+    free = {n["name"]: free_of(n, []) for n in nodes}
+    for e in wf.experiments:
+        why = never_fits(e.resources, free)
+        if why:
+            raise UsageError(f"experiment {e.name} cannot run on cluster {cluster}: {why}",
+                             "ask for less in its resources:, or use a cluster with larger "
+                             "nodes")
 
 
 def storage_folder(state: S.State, wid: str) -> Path | None:

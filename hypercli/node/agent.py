@@ -19,6 +19,8 @@ Attempt folder ``ROOT/tasks/<attempt id>/``::
                    (created by the task's first write)
     exit           JSON {"code": <int>, "ended": <unix s>}, written atomically (rename) at the end
     cancelled      present when the attempt was cancelled
+    <var>          for each ``files: {VAR: text}`` of the launch spec (``hyper_hostfile``):
+                   the text, its path in the task's environment as ``VAR``
 
 Every file costs: creating one on a VM's ext4 takes ~90 µs here, the biggest part of a
 trivial task's cost on its node, so an attempt makes these and no others.
@@ -40,9 +42,13 @@ their locks and their ends from their ``exit`` files.
 Requests (``{"id": N, "op": OP, ...}``) and responses (``{"id": N, "ok": true, ...}`` or
 ``{"id": N, "ok": false, "error": TEXT}``):
 
-    hello                         → version, hostname, cpus, memory_bytes, disk_free_bytes, gpus,
-                                    docker (container runtime path or null), pid (the agent's)
-    launch  attempts: [spec]      → states: {id: state}   (idempotent per attempt id); with
+    hello                         → version, hostname, cpus, memory_bytes, disk_free_bytes, gpus
+                                    ([{index, name, memory_mib, uuid}] from nvidia-smi), docker
+                                    (container runtime path or null), pid (the agent's)
+    launch  attempts: [spec]      → states: {id: state}   (idempotent per attempt id; a spec:
+                                    id, script, env, cwd, image, output, binds, finish, files,
+                                    gpus: [index] (a container gets those devices only),
+                                    limits: {cpus, memory} (container limits)); with
             ids: [id]?, wait: s?    wait > 0 it then waits as ``poll`` does, over the launched
                                     attempts and ``ids``, and answers with all their states
     poll    ids: [id], wait: s    → states: {id: state}; with wait > 0 returns as soon as one of
@@ -233,16 +239,7 @@ class Agent:
                 mem = int(f.readline().split()[1]) * 1024
         except (OSError, ValueError, IndexError):
             pass
-        gpus = []
-        if shutil.which("nvidia-smi"):
-            import subprocess
-            try:
-                out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total",
-                                      "--format=csv,noheader"], capture_output=True, text=True,
-                                     timeout=20).stdout
-                gpus = [g.strip() for g in out.splitlines() if g.strip()]
-            except Exception:
-                gpus = []
+        gpus = _gpus()
         return {"version": VERSION, "hostname": os.uname().nodename,
                 "cpus": os.cpu_count() or 1, "memory_bytes": mem,
                 "disk_free_bytes": st.f_bavail * st.f_frsize, "gpus": gpus,
@@ -454,6 +451,11 @@ class Agent:
         env = dict(self.base_env)
         env.update(spec.get("env") or {})
         env["HYPER_METRICS"] = os.path.join(d, "metrics.jsonl")
+        for var, text in sorted((spec.get("files") or {}).items()):  # e.g. HYPER_HOSTFILE
+            path = os.path.join(d, var.lower())
+            with open(path, "w") as f:
+                f.write(text)
+            env[var] = path
         cwd = spec.get("cwd") if not spec.get("image") else None
         started = time.time()
         try:
@@ -559,6 +561,33 @@ def _note(d, text):
         f.write("hyper: %s\n" % text)
 
 
+def _gpus():
+    """The node's GPUs as ``[{"index", "name", "memory_mib", "uuid"}]``, from ``nvidia-smi``'s
+    CSV query (nvidia-smi(1), "--query-gpu"); [] without the tool or when it fails."""
+    if not shutil.which("nvidia-smi"):
+        return []
+    import subprocess
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=index,name,memory.total,uuid",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                             timeout=20)
+    except Exception:
+        return []
+    if out.returncode != 0:
+        return []
+    gpus = []
+    for line in out.stdout.splitlines():
+        f = [x.strip() for x in line.split(",")]
+        if len(f) < 4 or not f[0].isdigit():
+            continue
+        try:
+            memory = int(float(f[2]))
+        except ValueError:
+            memory = None
+        gpus.append({"index": int(f[0]), "name": f[1], "memory_mib": memory, "uuid": f[3]})
+    return gpus
+
+
 def _b64(data):
     return binascii.b2a_base64(data, newline=False).decode()
 
@@ -599,9 +628,18 @@ def _command(d, spec, env):
         argv += ["-v", "%s:%s" % (host_path, path)]
     if spec.get("cwd"):
         argv += ["-w", spec["cwd"]]
-    if spec.get("gpus"):
+    gpus = spec.get("gpus")
+    if isinstance(gpus, list):  # the attempt's own GPUs only (docker run --gpus, device=...)
+        if gpus:
+            argv += ["--gpus", '"device=%s"' % ",".join(str(g) for g in gpus)]
+    elif gpus:
         argv += ["--gpus", "all"]
-    for k in sorted(spec.get("env") or {}) + ["HYPER_METRICS"]:
+    limits = spec.get("limits") or {}
+    if limits.get("cpus"):
+        argv += ["--cpus", "%g" % limits["cpus"]]
+    if limits.get("memory"):
+        argv += ["--memory", "%d" % limits["memory"]]
+    for k in sorted(spec.get("env") or {}) + ["HYPER_METRICS"] + sorted(spec.get("files") or {}):
         argv += ["-e", k]
     return argv + [spec["image"], "sh", script]
 

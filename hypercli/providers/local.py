@@ -6,6 +6,10 @@ folder, ``$HYPER_HOME/local``, where the agent keeps its attempt folders. Tasks 
 recipe's ``workdir`` with this Python environment's ``bin`` folder first on ``PATH``, so a task
 can use the packages installed beside hypercli. ``file://`` storage is used as a plain folder;
 with object storage (``s3://``) outputs are written here and pushed when an attempt succeeds.
+
+The nodes share this machine's capacity evenly: each has ``CPUs // N`` CPUs (at least 1),
+``memory / N`` and every N-th GPU (node i the GPUs whose index is i modulo N), so tasks that
+ask ``resources:`` are placed as on separate machines; their private address is 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -49,7 +53,8 @@ class LocalProvider:
     def launch(self, spec: ClusterSpec) -> LaunchResult:
         n = spec.workers or os.cpu_count() or 1
         return LaunchResult([Instance(f"{spec.name}-{i}", f"local:{i}", 1,
-                                      {"root": str(self.root())}) for i in range(n)])
+                                      {"root": str(self.root())}, share)
+                             for i, share in enumerate(machine_shares(n))])
 
     def connect(self, node: dict) -> AgentClient:
         env = dict(os.environ)
@@ -79,6 +84,22 @@ class LocalProvider:
             if subprocess.run(["/bin/sh", "-c", unmount_command(path)]).returncode == 0:
                 done.append(f"mount {path}")
         return done
+
+
+def machine_shares(n: int) -> list[dict]:
+    """This machine's CPUs, memory and GPUs dealt to ``n`` local nodes (module docstring):
+    one ``info`` dict per node, as a node's bootstrap would record it."""
+    from hypercli.node.agent import _gpus
+    cpus = os.cpu_count() or 1
+    try:
+        with open("/proc/meminfo") as f:
+            memory = int(f.readline().split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        memory = 0
+    gpus = _gpus()
+    return [{"cpus": max(1, cpus // n), "memory_bytes": memory // n,
+             "gpus": [g for g in gpus if g["index"] % n == i], "private_address": "127.0.0.1",
+             "machine_cpus": cpus} for i in range(n)]
 
 
 _MOUNT_LOCK = threading.Lock()  # the local nodes share this machine's mounts and outputs

@@ -41,7 +41,7 @@ from hypercli.recipe.cluster import (  # noqa: F401
 )
 from hypercli.recipe.experiments import _EXPERIMENT_KEYS, MAX_TASKS, _experiments  # noqa: F401
 from hypercli.recipe.parameters import _RANGE_KEYS  # noqa: F401
-from hypercli.recipe.specs import ClusterSpec, ExperimentSpec, Recipe
+from hypercli.recipe.specs import ClusterSpec, ExperimentSpec, Recipe, Resources
 from hypercli.recipe.yamltree import (  # noqa: F401
     _INT64,
     _RECIPE_NAME,
@@ -62,7 +62,8 @@ from hypercli.recipe.yamltree import (  # noqa: F401
     _value,
 )
 
-__all__ = ["ClusterSpec", "ExperimentSpec", "Recipe", "load_recipe", "parse_recipe"]
+__all__ = ["ClusterSpec", "ExperimentSpec", "Recipe", "Resources", "load_recipe",
+           "parse_recipe"]
 
 
 def load_recipe(path: str | os.PathLike) -> Recipe:

@@ -10,6 +10,7 @@ from yaml.nodes import SequenceNode
 
 from hypercli import params
 from hypercli.recipe.parameters import _parameters
+from hypercli.recipe.resources import resources
 from hypercli.recipe.specs import ExperimentSpec
 from hypercli.recipe.yamltree import (
     _EXPERIMENT_NAME,
@@ -34,7 +35,7 @@ MAX_TASKS = 1_000_000        #: largest number of tasks one recipe may make
 # --- experiments -----------------------------------------------------------------------------
 
 _EXPERIMENT_KEYS = ("command", "image", "parameters", "sampling", "samples", "after",
-                    "retries", "env", "workers")
+                    "retries", "env", "workers", "resources", "hardware", "nodes")
 
 
 def _experiments(ctx: _Ctx, item: _Item) -> tuple[dict, tuple]:
@@ -91,7 +92,8 @@ def _experiment(ctx: _Ctx, name: str, item: _Item) -> tuple[ExperimentSpec, int,
     spec = ExperimentSpec(
         name=name, command=command, parameters=parameters, sampling=sampling, samples=samples,
         after=tuple(dict.fromkeys(a for a, _ in after)), retries=retries, image=image,
-        env={k: v for k, (v, _) in env.items()}, workers=workers, line=item.line)
+        env={k: v for k, (v, _) in env.items()}, workers=workers, line=item.line,
+        resources=resources(ctx, keys, f))
     return spec, count, after
 
 

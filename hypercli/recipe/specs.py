@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,32 @@ class ClusterSpec:
 
 
 @dataclass(frozen=True)
+class Resources:
+    """What one task (each rank of a multi-node task) needs of a node.
+
+    Attributes:
+        cpus: CPUs (a number > 0; default 1). Accounting only: a node holds tasks while the
+            sum of their ``cpus`` is at most the CPUs it reported. Containers also get
+            ``--cpus``.
+        memory: bytes (0: no claim). Containers also get ``--memory``.
+        gpus: whole GPUs (0: none, and the task sees none).
+        gpu_type: a GPU name the node's GPUs must contain (``A100``, case-insensitive), or None.
+        nodes: ranks of a multi-node (gang) task, each on a node of its own (default 1).
+    """
+
+    cpus: float = 1
+    memory: int = 0
+    gpus: int = 0
+    gpu_type: str | None = None
+    nodes: int = 1
+
+    def as_dict(self) -> dict:
+        """Plain values (the state file keeps them as JSON)."""
+        return {"cpus": self.cpus, "memory": self.memory, "gpus": self.gpus,
+                "gpu_type": self.gpu_type, "nodes": self.nodes}
+
+
+@dataclass(frozen=True)
 class ExperimentSpec:
     """One experiment: a command run once per parameter set.
 
@@ -38,6 +64,7 @@ class ExperimentSpec:
         env: variable name → value (str); values may hold placeholders.
         workers: most tasks of this experiment running at once, or None for no limit.
         line: 1-based line of the experiment's key in the file.
+        resources: what each task needs of a node (:class:`Resources`).
     """
 
     name: str
@@ -51,6 +78,7 @@ class ExperimentSpec:
     env: dict
     workers: int | None
     line: int | None
+    resources: Resources = field(default_factory=Resources)
 
 
 @dataclass(frozen=True)
