@@ -1,0 +1,120 @@
+"""Multi-node (gang) tasks on the local provider: every rank's environment, all-or-nothing
+failure and retry as one, per-rank attempts, and plans refused before they start."""
+
+from __future__ import annotations
+
+import json
+
+from test_run import run_recipe
+
+from hypercli.state import State
+
+
+def test_gang_ranks_get_the_distributed_environment(hyper_home, write_recipe):
+    path = write_recipe("""
+        name: gang
+        cluster: {workers: 3}
+        experiments:
+          train:
+            nodes: 3
+            command: |
+              python3 - <<'PY'
+              import json, os
+              keys = ["HYPER_NODE_RANK", "HYPER_NUM_NODES", "HYPER_NODE_IPS", "HYPER_MASTER_ADDR",
+                      "HYPER_MASTER_PORT", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK",
+                      "NODE_RANK", "HYPER_GPUS"]
+              env = {k: os.environ.get(k) for k in keys}
+              env["hostfile"] = open(os.environ["HYPER_HOSTFILE"]).read()
+              print(json.dumps(env))
+              with open(os.environ["HYPER_METRICS"], "a") as f:
+                  f.write(json.dumps({"rank": int(os.environ["RANK"])}) + "\\n")
+              PY
+    """)
+    state, summary = run_recipe(path)
+    assert summary.exit_code == 0
+    attempts = state.attempts(summary.workflow, "train-0000")
+    assert sorted(a["rank"] for a in attempts) == [0, 1, 2]
+    assert len({a["node"] for a in attempts}) == 3  # distinct nodes
+    assert {a["status"] for a in attempts} == {"succeeded"}
+    assert state.task(summary.workflow, "train-0000")["metrics"] == {"rank": 0}
+    envs = []
+    for a in attempts:
+        out = (hyper_home / "local" / "tasks" / a["id"] / "stdout").read_text()
+        envs.append(json.loads(out))
+    ports = {e["MASTER_PORT"] for e in envs}
+    assert len(ports) == 1 and int(ports.pop()) >= 29500
+    for a, e in zip(attempts, envs):
+        assert e["RANK"] == e["NODE_RANK"] == e["HYPER_NODE_RANK"] == str(a["rank"])
+        assert e["WORLD_SIZE"] == e["HYPER_NUM_NODES"] == "3"
+        assert e["HYPER_NODE_IPS"] == "127.0.0.1\n127.0.0.1\n127.0.0.1"
+        assert e["MASTER_ADDR"] == e["HYPER_MASTER_ADDR"] == "127.0.0.1"
+        assert e["hostfile"] == "127.0.0.1 slots=1\n" * 3
+        assert e["HYPER_GPUS"] == ""
+
+
+def test_a_failed_rank_stops_the_gang_which_is_retried_as_one(hyper_home, write_recipe,
+                                                             tmp_path):
+    marker = tmp_path / "failed-once"
+    path = write_recipe(f"""
+        name: flakygang
+        cluster: {{workers: 2}}
+        experiments:
+          train:
+            nodes: 2
+            retries: 1
+            command: |
+              echo "$HYPER_ATTEMPT $RANK" >> {tmp_path}/starts
+              if [ "$RANK" = 1 ] && [ ! -e {marker} ]; then touch {marker}; exit 9; fi
+              if [ "$HYPER_ATTEMPT" = 1 ]; then sleep 60; fi
+    """)
+    state, summary = run_recipe(path)
+    assert summary.exit_code == 0, summary
+    by = {(a["number"], a["rank"]): a for a in state.attempts(summary.workflow)}
+    assert by[(1, 1)]["status"] == "failed" and by[(1, 1)]["exit_code"] == 9
+    assert by[(1, 0)]["status"] == "cancelled"  # stopped with its gang, not after 60 s
+    assert "stopped with its gang: rank 1 failed (exit code 9)" in by[(1, 0)]["error"]
+    assert by[(2, 0)]["status"] == by[(2, 1)]["status"] == "succeeded"
+    assert len(by) == 4
+    task = state.task(summary.workflow, "train-0000")
+    assert task["status"] == "succeeded" and task["attempts"] == 2
+    assert sorted((tmp_path / "starts").read_text().split("\n")[:-1]) == ["1 0", "1 1", "2 0",
+                                                                          "2 1"]
+
+
+def test_a_gang_out_of_retries_fails_once(hyper_home, write_recipe):
+    path = write_recipe("""
+        name: badgang
+        cluster: {workers: 2}
+        experiments:
+          train: {nodes: 2, retries: 1, command: 'exit 3'}
+          report: {after: train, command: 'true'}
+    """)
+    state, summary = run_recipe(path)
+    assert summary.exit_code == 1
+    assert state.task(summary.workflow, "train-0000")["status"] == "failed"
+    assert state.task(summary.workflow, "report-0000")["status"] == "skipped"
+    assert len(state.attempts(summary.workflow, "train-0000")) == 4  # 2 attempts x 2 ranks
+
+
+def test_plans_no_node_could_hold_are_refused_before_they_start(hyper_home, write_recipe,
+                                                                hyper):
+    path = write_recipe("""
+        name: toobig
+        cluster: {workers: 2}
+        experiments:
+          train: {nodes: 3, command: 'true'}
+    """)
+    r = hyper("run", path)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "experiment train cannot run on cluster toobig" in r.stderr
+    assert "3 ranks" in r.stderr and "toobig-0" in r.stderr
+    path = write_recipe("""
+        name: gpus
+        cluster: {workers: 2}
+        experiments:
+          train: {resources: {gpus: 1}, command: 'true'}
+    """, name="g.yaml")
+    r = hyper("run", path)
+    assert r.returncode == 2 and "needs 1 GPU" in r.stderr and "the largest is" in r.stderr
+    state = State()
+    assert [w["id"] for w in state.workflows()] == []  # nothing was recorded
