@@ -7,4 +7,9 @@ bash scripts/deps.sh
 python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e '.[test]'
+# PyTorch's CPU build, for the tests of the distributed-training recipe (skipped without it,
+# except in CI): a no-op when it is installed
+.venv/bin/python -c 'import torch' 2>/dev/null \
+  || .venv/bin/python -m pip install -q 'torch==2.13.0+cpu' \
+  || echo "note: no CPU build of PyTorch 2.13.0 here: the distributed-training tests are skipped" >&2
 exec .venv/bin/python -m pytest -q "$@"
