@@ -147,6 +147,11 @@ class NodeWorker(threading.Thread):
                 except NodeError:
                     raise
                 except (HyperError, OSError) as e:  # the node is fine; these attempts are not
+                    if len(payload) > 1:  # only the ones that need what failed (an image)
+                        waited = False
+                        for spec in payload:
+                            waited = self._handle("launch", [spec]) or waited
+                        return waited
                     self.events.put(("states", self.node, {
                         s["id"]: {"state": "failed", "error": f"preparing the node: {e}"}
                         for s in payload}))

@@ -4,7 +4,8 @@ of the cloud providers, whose nodes are SSH hosts a cloud created.
 ``cluster: {provider: ssh, hosts: [root@10.0.0.5:22, ...], identity_file: ~/.ssh/id_ed25519}``.
 Bootstrap (``launch``) connects to every host in parallel, checks host keys against the pins
 (:mod:`hypercli.ssh.hostkeys`), copies the node agent to ``~/.hyper/bin/agent-<hash>.py`` and
-records what the host has (CPUs, memory, free disk, GPUs from ``nvidia-smi``, docker). A host
+records what the host has (CPUs, memory, free disk, GPUs from ``nvidia-smi``, docker): its
+capacity for tasks' ``resources:``, with at most one task per CPU at once (its slots). A host
 that is unreachable, refuses the key or has no ``python3`` is reported on its own line; the
 others go on.
 
@@ -176,7 +177,8 @@ class SSHProvider:
         finally:
             client.close()
         info.pop("version", None)
-        return Instance(name, str(target), 1, {"host": target.host, "port": target.port,
+        slots = max(1, int(info.get("cpus") or 1))  # a cap; resources decide the rest
+        return Instance(name, str(target), slots, {"host": target.host, "port": target.port,
                                                "user": target.user,
                                                "identity_file": target.identity_file}, info)
 
