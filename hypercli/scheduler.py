@@ -127,6 +127,7 @@ class NodeWorker(threading.Thread):
         self.events.put(("states", self.node, states))
 
     def _collect(self, ended: dict, states: dict, collect: bool) -> None:
+        ended = {k: v for k, v in ended.items() if v["state"] != "refused"}  # nothing ran
         if ended and collect and self.session is not None:
             try:
                 self.session.after_end(ended)
@@ -330,6 +331,8 @@ class Scheduler:
         #: "cause_text", "metrics": rank 0's}; a task of one node is a gang of one
         self.gangs: dict[tuple, dict] = {}
         self.waits: dict[str, str | None] = {}  # task → why it waits, as recorded
+        #: node → why its container runtime fails: it gets no more container tasks
+        self.no_containers: dict[str, str] = {}
         self.failures: dict[str, int] = {}
         self.count: dict[str, dict[str, int]] = {e: {} for e in self.exps}
         for t in self.tasks.values():
@@ -505,6 +508,13 @@ class Scheduler:
             claims.setdefault(c["node"], []).append(c["claim"])
         return {n: free_of(self.nodes[n], claims.get(n, [])) for n in sorted(self.up)}
 
+    def _usable(self, name: str, free: dict) -> dict:
+        """The nodes of ``free`` that can run experiment ``name`` (a container experiment
+        skips nodes whose container runtime failed). The values are shared, not copied."""
+        if not self.exps[name]["image"] or not self.no_containers:
+            return free
+        return {n: f for n, f in free.items() if n not in self.no_containers}
+
     def _dispatch(self) -> None:
         ready = []
         for name in self.exps:
@@ -539,6 +549,7 @@ class Scheduler:
         (its reason in ``waits``) and so do the ones queued after it."""
         q, exp = self.queue[name], self.exps[name]
         need = exp.get("resources") or {}
+        free = self._usable(name, free)
         cap = exp["workers"]
         running = len({a["task"] for a in self.live.values()
                        if self.tasks[a["task"]]["experiment"] == name}) if cap else 0
@@ -587,8 +598,10 @@ class Scheduler:
         if st["state"] == "exited":
             status = "cancelled" if st.get("cancelled") else (
                 "succeeded" if code == 0 else "failed")
+        elif st["state"] in ("failed", "refused"):
+            status = st["state"]
         else:
-            status = "lost" if st["state"] != "failed" else "failed"
+            status = "lost"
         if task["status"] == "succeeded" and status == "succeeded":
             status = "superseded"
         key = (a["task"], a["number"])
@@ -599,7 +612,7 @@ class Scheduler:
                "metrics": st.get("metrics"), "ended_at": st.get("ended") or now,
                "started_at": st.get("started"),
                "error": why or (f"exit code {code}" if status == "failed" else None)}
-        if st["state"] == "failed":  # never launched: the node could not be prepared
+        if st["state"] in ("failed", "refused"):  # never launched: the node could not run it
             upd["error"] = st.get("error")
         self.live.pop(a["id"], None)
         self._rank_ended(g, a.get("rank") or 0, status, st.get("metrics"), code)
@@ -621,6 +634,10 @@ class Scheduler:
         if outcome == "cancelled":
             self._set(task, "cancelled")
             return upd, {"id": task["id"], "status": "cancelled", "ended_at": now}
+        if outcome == "refused":  # the node's fault: the task keeps its retries
+            self._set(task, "pending")
+            self.queue[task["experiment"]].appendleft(task["id"])
+            return upd, {"id": task["id"], "status": "pending"}
         self.failures[task["id"]] = self.failures.get(task["id"], 0) + 1
         if self.failures[task["id"]] <= self.exps[task["experiment"]]["retries"]:
             self._set(task, "pending")
@@ -675,6 +692,10 @@ class Scheduler:
                             "lost; result discarded" % st.get("code"))
                     att_upd.append({"id": aid, "error": note})
                 continue
+            if st["state"] == "refused" and node not in self.no_containers:
+                self.no_containers[node] = st.get("error") or "refused"
+                self.state.event("node", f"no container tasks here any more: {st.get('error')}",
+                                 workflow=self.wid, node=node)
             if st["state"] == "running":
                 if a["status"] == "launching":
                     a["status"] = "running"
@@ -718,7 +739,11 @@ class Scheduler:
         for name, q in self.queue.items():
             if q and self._exp_state(name) == "ready":
                 free = free or self._free()
-                why = never_fits(self.exps[name].get("resources") or {}, free)
+                why = never_fits(self.exps[name].get("resources") or {},
+                                 self._usable(name, free))
+                if why and self.exps[name]["image"] and self.no_containers:
+                    why = "it runs in a container and no node left can run one: " + "; ".join(
+                        f"{n}: {e}" for n, e in sorted(self.no_containers.items()))
                 if why and not self.state.claims(self.up):
                     raise InfraError(f"experiment {name} cannot run on the nodes left: {why}",
                                      "`hyper status` shows the nodes; `hyper run` again "

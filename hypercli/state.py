@@ -10,7 +10,8 @@ addresses and commands.
 
 Statuses:
     task:     pending → running → succeeded | failed ; or skipped / cancelled
-    attempt:  launching → running → succeeded | failed | lost | cancelled | superseded
+    attempt:  launching → running → succeeded | failed | lost | cancelled | superseded;
+              or refused (its node could not run it, e.g. no container runtime: no retry used)
     workflow: running → succeeded | failed | cancelled (cancelling while a cancel is under way)
     cluster:  up | down ;  node: up | lost | down
 """

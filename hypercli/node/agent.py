@@ -48,7 +48,10 @@ Requests (``{"id": N, "op": OP, ...}``) and responses (``{"id": N, "ok": true, .
     launch  attempts: [spec]      → states: {id: state}   (idempotent per attempt id; a spec:
                                     id, script, env, cwd, image, output, binds, finish, files,
                                     gpus: [index] (a container gets those devices only),
-                                    limits: {cpus, memory} (container limits)); with
+                                    limits: {cpus, memory} (container limits)); an attempt
+                                    with an image on a node whose container runtime fails
+                                    ``docker info`` is not started: state "refused" + error;
+                                    with
             ids: [id]?, wait: s?    wait > 0 it then waits as ``poll`` does, over the launched
                                     attempts and ``ids``, and answers with all their states
     poll    ids: [id], wait: s    → states: {id: state}; with wait > 0 returns as soon as one of
@@ -92,6 +95,7 @@ VERSION = 2
 POLL_TICK = 0.005  # s between exit-file checks of other agents' attempts inside a poll wait
 FULL_EVERY = 0.25  # s between full state looks (lock, pid) of other agents' attempts
 METRICS_MAX = 4 << 20  # bytes of metrics.jsonl read at most (the last 4 MiB)
+RUNTIME_RECHECK = 10.0  # s a failed container runtime check is believed before a new one
 CONTACT_EVERY = 10.0  # s between touches of ROOT/contact (read by the node watcher)
 
 
@@ -125,6 +129,7 @@ class Agent:
         self.ended = 0  # children reaped so far (a poll wait looks again when it moves)
         self.contact = 0.0  # unix s of the last touch of ROOT/contact
         self.base_env = dict(os.environ)
+        self.runtime = None  # (checked at, error or None): does the container runtime work?
         # SIGCHLD → a byte on _sig_w → select() returns: a task's end is seen at once
         self._sig_r, self._sig_w = os.pipe()
         for fd in (self._sig_r, self._sig_w):
@@ -248,9 +253,12 @@ class Agent:
 
     def op_launch(self, req):
         states = {a["id"]: self.launch(a) for a in req.get("attempts", [])}
-        if float(req.get("wait", 0) or 0) > 0:  # then wait as ``poll`` does, one round trip
-            ids = list(dict.fromkeys(list(states) + list(req.get("ids", []))))
-            return self._inline(req, self._wait(ids, float(req["wait"])))
+        refused = {k: v for k, v in states.items() if v["state"] == "refused"}
+        if float(req.get("wait", 0) or 0) > 0 and len(refused) < len(states) + len(
+                req.get("ids", [])):  # then wait as ``poll`` does, one round trip
+            ids = [i for i in dict.fromkeys(list(states) + list(req.get("ids", [])))
+                   if i not in refused]
+            states = dict(self._wait(ids, float(req["wait"])), **refused)
         return self._inline(req, states)
 
     def _inline(self, req, states):
@@ -258,7 +266,7 @@ class Agent:
         limit = int(req.get("inline", 0) or 0)
         if limit > 0:
             for i, s in states.items():
-                if s["state"] not in ("running", "unknown"):
+                if s["state"] not in ("running", "unknown", "refused"):
                     s["inline"] = self.inline(i, limit)
         return {"states": states}
 
@@ -440,6 +448,10 @@ class Agent:
         task spawned as this agent's child. Returns the attempt's state."""
         attempt_id = spec["id"]
         d = self.dir(attempt_id)
+        if spec.get("image") and not os.path.isdir(d):
+            broken = self.runtime_error()
+            if broken:  # a fault of the node, not of the task: nothing is started
+                return {"state": "refused", "error": broken}
         try:
             os.mkdir(d)
         except FileExistsError:
@@ -472,6 +484,31 @@ class Agent:
                                              "output": spec.get("output")})
         self.children[attempt_id] = _Child(attempt_id, d, spec, env, proc, lock, started)
         return {"state": "running", "cancelled": False, "started": started}
+
+    def runtime_error(self):
+        """None when the container runtime answers ``docker info``, else why not (a missing
+        client or a daemon that does not run). A success is kept for this agent's life, a
+        failure for RUNTIME_RECHECK seconds."""
+        now = time.time()
+        if self.runtime is not None and (self.runtime[1] is None
+                                         or now - self.runtime[0] < RUNTIME_RECHECK):
+            return self.runtime[1]
+        import subprocess
+        docker = shutil.which("docker", path=self.base_env.get("PATH"))
+        if docker is None:
+            error = "no container runtime: docker is not installed on this node"
+        else:
+            try:
+                p = subprocess.run([docker, "info"], stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.PIPE, env=self.base_env, timeout=60)
+                tail = p.stderr.decode(errors="replace").strip().splitlines()[-1:] or [""]
+                error = None if p.returncode == 0 else (
+                    "the container runtime does not work on this node (`docker info` exited "
+                    "%d: %s)" % (p.returncode, tail[0][:300]))
+            except (OSError, subprocess.TimeoutExpired) as e:
+                error = "the container runtime does not answer on this node: %s" % e
+        self.runtime = (now, error)
+        return error
 
     @staticmethod
     def _spawn(d, argv, env, cwd, new_session):
