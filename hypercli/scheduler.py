@@ -11,6 +11,17 @@ running, instead of starting them again.
 Rules (paper section III-D for the re-run of lost work):
   * Experiments run in the order of their ``after`` edges; a task is ready when every experiment
     its experiment comes after has all its tasks succeeded.
+  * A ready task is placed where its ``resources`` fit (:mod:`hypercli.capacity`), first come
+    first served within its experiment: the first task that does not fit waits, with the
+    reason recorded (``waiting for 1 GPU``), and the tasks queued after it wait too. Placing
+    happens inside one write transaction of the state file, against the claims of every live
+    attempt on the cluster, whatever workflow or driver it belongs to.
+  * A task of ``nodes: N`` is a gang: its attempt is N ranks started together on N distinct
+    nodes. A rank that fails or is lost stops the others; the attempt ends when its last rank
+    has, and counts as one success (every rank exited 0) or one failure.
+  * An attempt its node *refused* (a container task where the container runtime does not
+    work) uses no retry: the task goes back to the queue and that node gets no more container
+    tasks; when no node is left that could hold a ready task, the run ends (InfraError).
   * A failed attempt (exit code ≠ 0) or a lost one (its node, or the agent that started it, died)
     gives the task a new attempt with the same arguments while failed + lost attempts ≤
     ``retries``.
