@@ -193,11 +193,11 @@ def shortfall(need: dict, free: dict[str, Free]) -> str:
         room = sum(f.fits(need) for f in free.values())
         return f"waiting for {nodes} nodes with {_amount(need)} free ({room} now)"
     best = max(free.values(), key=lambda f: (len(f._gpus(need)), f.slots > 0, f.cpus))
-    if best.slots < 1:
-        return "waiting for a free slot"
     short = len(best._gpus(need)) - need.get("gpus", 0)
     if short < 0:
         return f"waiting for {-short} GPU{'s' if short != -1 else ''}"
+    if best.slots < 1:
+        return "waiting for a free slot"
     if best.cpus + EPS < need.get("cpus", 1):
         n = need.get("cpus", 1) - max(best.cpus, 0)
         return f"waiting for {n:g} CPU{'s' if n != 1 else ''}"

@@ -359,7 +359,8 @@ def ps(workflow, as_json):
     live = {a["task"]: a for a in state.attempts(wid)}
     rows = [{"task": t["id"], "experiment": t["experiment"], "status": t["status"],
              "attempts": t["attempts"], "node": (live.get(t["id"]) or {}).get("node"),
-             "params": t["params"], "metrics": t["metrics"] or {}}
+             "params": t["params"], "metrics": t["metrics"] or {},
+             "waiting": t["wait"] if t["status"] == "pending" else None}
             for t in state.tasks(wid)]
     if as_json:
         _print_json(rows)
@@ -370,7 +371,8 @@ def ps(workflow, as_json):
         table.add_column(col, overflow="fold")
     for r in rows:
         params = " ".join(f"{k}={_fmt(v)}" for k, v in r["params"].items())
-        table.add_row(r["task"], r["status"], str(r["attempts"]), r["node"] or "-", params)
+        status = f"{r['status']} ({r['waiting']})" if r["waiting"] else r["status"]
+        table.add_row(r["task"], status, str(r["attempts"]), r["node"] or "-", params)
     _console().print(table)
 
 
@@ -418,11 +420,13 @@ def results(workflow, sort, ascending, show_all, as_json):
 @click.argument("task")
 @click.option("-f", "--follow", is_flag=True, help="Keep streaming until the attempt ends.")
 @click.option("--attempt", type=int, metavar="N", help="Attempt number (default: the newest).")
-def logs(task, follow, attempt):
+@click.option("--rank", type=int, default=0, show_default=True, metavar="R",
+              help="Rank of a multi-node task.")
+def logs(task, follow, attempt, rank):
     """Print the output of TASK (``search-0007`` or ``WORKFLOW/search-0007``)."""
     from hypercli.workflows import log_chunks, pick_attempt
     state = _state()
-    a = pick_attempt(state, task, attempt)
+    a = pick_attempt(state, task, attempt, rank)
     out, err = sys.stdout.buffer, sys.stderr.buffer
     try:
         for stream, data in log_chunks(state, a, follow=follow):

@@ -134,14 +134,21 @@ def results(state: S.State, ref: str, sort: str | None = None, ascending: bool =
     return wid, sort, rows
 
 
-def pick_attempt(state: S.State, ref: str, number: int | None = None) -> dict:
-    """The attempt of a task (``TASK`` or ``WORKFLOW/TASK``): number N, else the newest.
+def pick_attempt(state: S.State, ref: str, number: int | None = None, rank: int = 0) -> dict:
+    """The attempt of a task (``TASK`` or ``WORKFLOW/TASK``): number N, else the newest; for a
+    multi-node task, that attempt's rank ``rank``.
 
     Raises:
-        UsageError: unknown task, no such attempt, or the task never started.
+        UsageError: unknown task, no such attempt or rank, or the task never started.
     """
     wid, tid = state.find_task(ref)
     attempts = state.attempts(wid, tid)
+    ranks = {a["rank"] for a in attempts}
+    if rank not in ranks and attempts:
+        raise UsageError(f"task {wid}/{tid} has no rank {rank}",
+                         f"its ranks are 0..{max(ranks)}" if max(ranks) else
+                         "it is not a multi-node task")
+    attempts = [a for a in attempts if a["rank"] == rank]
     if not attempts:
         raise UsageError(f"task {wid}/{tid} has not started yet", "`hyper ps` shows its status")
     if number is None:
