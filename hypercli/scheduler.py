@@ -486,7 +486,8 @@ class Scheduler:
         if size > 1:
             ips = [self._address(n) for n in g["nodes"]]
             port = str(g["port"])
-            env.update({"HYPER_NODE_IPS": "\n".join(ips), "HYPER_MASTER_ADDR": ips[0],
+            env.update({"HYPER_NODE_IPS": "\n".join(ips), "HYPER_NODE_IP": ips[rank],
+                        "HYPER_MASTER_ADDR": ips[0],
                         "HYPER_MASTER_PORT": port, "MASTER_ADDR": ips[0], "MASTER_PORT": port,
                         "WORLD_SIZE": str(size), "RANK": str(rank), "NODE_RANK": str(rank)})
             slots = max(1, len(gpus))
@@ -496,6 +497,7 @@ class Scheduler:
                 "after": list(exp["after"]), "gpus": gpus}
         if files:
             spec["files"] = files
+            spec["bind_address"] = env["HYPER_NODE_IP"]
         if claim.get("memory"):
             spec["limits"] = {"memory": claim["memory"]}
         return spec

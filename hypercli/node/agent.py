@@ -48,6 +48,8 @@ Requests (``{"id": N, "op": OP, ...}``) and responses (``{"id": N, "ok": true, .
     launch  attempts: [spec]      → states: {id: state}   (idempotent per attempt id; a spec:
                                     id, script, env, cwd, image, output, binds, finish, files,
                                     gpus: [index] (a container gets those devices only),
+                                    bind_address (a rank's address: GLOO_SOCKET_IFNAME and
+                                    NCCL_SOCKET_IFNAME are set to its interface),
                                     limits: {cpus, memory} (container limits)); an attempt
                                     with an image on a node whose container runtime fails
                                     ``docker info`` is not started: state "refused" + error;
@@ -95,6 +97,10 @@ VERSION = 2
 POLL_TICK = 0.005  # s between exit-file checks of other agents' attempts inside a poll wait
 FULL_EVERY = 0.25  # s between full state looks (lock, pid) of other agents' attempts
 METRICS_MAX = 4 << 20  # bytes of metrics.jsonl read at most (the last 4 MiB)
+#: set to the interface of a rank's address (unless the task sets them): gloo and NCCL
+#: otherwise pick the address the host name resolves to, often 127.0.0.1 (pytorch.org,
+#: "Distributed communication package", Common environment variables)
+SOCKET_IFNAME = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 RUNTIME_RECHECK = 10.0  # s a failed container runtime check is believed before a new one
 CONTACT_EVERY = 10.0  # s between touches of ROOT/contact (read by the node watcher)
 
@@ -456,6 +462,11 @@ class Agent:
             os.mkdir(d)
         except FileExistsError:
             return self.state(attempt_id)  # launched before: idempotent
+        if spec.get("bind_address"):  # a rank of a multi-node task: talk on that address
+            iface = _iface_of(spec["bind_address"])
+            if iface:
+                own = spec.get("env") or {}
+                spec["env"] = dict(own, **{k: iface for k in SOCKET_IFNAME if k not in own})
         lock = os.open(os.path.join(d, "script.sh"), os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC,
                        0o600)
         fcntl.flock(lock, fcntl.LOCK_EX)  # a new file: nobody else holds it
@@ -596,6 +607,25 @@ def _note(d, text):
     """Append hypercli's own line about an attempt to its stderr."""
     with open(os.path.join(d, "stderr"), "a") as f:
         f.write("hyper: %s\n" % text)
+
+
+def _iface_of(address):
+    """The name of the network interface whose IPv4 address is ``address`` (``eth0``), or
+    None (ioctl SIOCGIFADDR per interface, netdevice(7))."""
+    import socket
+    import struct
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        for _, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue
+            if socket.inet_ntoa(raw[20:24]) == address:
+                return name
+    finally:
+        s.close()
+    return None
 
 
 def _gpus():
