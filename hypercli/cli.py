@@ -18,8 +18,11 @@ from hypercli.errors import HyperError
 
 
 def _state():
+    from hypercli.driver import ensure
     from hypercli.state import State
-    return State()
+    state = State()
+    ensure(state)  # detached workflows with no driver alive: start one
+    return state
 
 
 from hypercli.console import console as _console  # noqa: E402
@@ -128,17 +131,41 @@ def _line(sched) -> str:
               help="Pin the host key of SSH hosts seen for the first time (check them first).")
 @click.option("--cluster", metavar="NAME",
               help="Run on this cluster as it is (from `hyper up`), not the recipe's.")
-def run(recipe, new, on_interrupt, trust_new_hosts, cluster):
-    """Run RECIPE's workflow to its end (resuming an unfinished one), with live progress."""
+@click.option("-d", "--detach", is_flag=True,
+              help="Hand the workflow to the background driver and return at once.")
+@click.option("--wait", is_flag=True,
+              help="As --detach, then wait for the end and exit with its result (for CI).")
+def run(recipe, new, on_interrupt, trust_new_hosts, cluster, detach, wait):
+    """Run RECIPE's workflow to its end (resuming an unfinished one), with live progress.
+
+    Ctrl-C asks whether to leave the tasks running (the background driver goes on
+    scheduling them; `hyper attach` shows them again) or to cancel them.
+    """
     from hypercli.scheduler import Scheduler
-    from hypercli.workflows import prepare_run
+    from hypercli.workflows import Driven, prepare_run
     state = _state()
     con = _console()
     err = _console(stderr=True)
-    wid, resumed, provider, nodes, lock = prepare_run(
-        state, recipe, new=new, trust_new_hosts=trust_new_hosts, cluster=cluster,
-        log=con.print, report=lambda line: err.print(f"[yellow]not up:[/] {line}",
-                                                     soft_wrap=True))
+    try:
+        wid, resumed, provider, nodes, lock = prepare_run(
+            state, recipe, new=new, trust_new_hosts=trust_new_hosts, cluster=cluster,
+            log=con.print, report=lambda line: err.print(f"[yellow]not up:[/] {line}",
+                                                         soft_wrap=True))
+    except Driven as e:
+        from hypercli.driver import driver_pid
+        if str(driver_pid()) != e.pid:
+            raise
+        con.print(f"{e.workflow} is run by the background driver (pid {e.pid}): attaching")
+        sys.exit(_attach(state, e.workflow))
+    if detach or wait:
+        from hypercli.driver import detach as detach_
+        lock.release()
+        pid = detach_(state, wid)
+        if wait:
+            sys.exit(_attach(state, wid))
+        con.print(f"{wid} runs in the background (driver pid {pid}); `hyper attach {wid}` "
+                  f"shows it, `hyper cancel {wid}` stops it")
+        return
     live = None
     if con.is_terminal:
         from rich.live import Live
@@ -173,8 +200,14 @@ def run(recipe, new, on_interrupt, trust_new_hosts, cluster):
         lock.release()
     counts = ", ".join(f"{n} {s}" for s, n in sorted(summary.counts.items()))
     if summary.interrupted == "leave":
-        con.print(f"left {wid} running ({counts}); `hyper run {recipe}` re-attaches, "
-                  f"`hyper cancel {wid}` stops it")
+        from hypercli.driver import detach as detach_
+        pid = detach_(state, wid)  # the background driver goes on scheduling its tasks
+        try:
+            con.print(f"left {wid} running ({counts}), handed to the background driver "
+                      f"(pid {pid}); `hyper attach {wid}` shows it, `hyper cancel {wid}` "
+                      "stops it")
+        except OSError:  # the terminal is gone (SIGHUP)
+            pass
     else:
         con.print(f"workflow {wid}: {counts}")
         if summary.exit_code == 0:
@@ -182,6 +215,56 @@ def run(recipe, new, on_interrupt, trust_new_hosts, cluster):
         else:
             con.print(f"`hyper ps {wid}` and `hyper logs {wid}/TASK` show what failed")
     sys.exit(summary.exit_code)
+
+
+class _View:
+    """The progress displays' view of a workflow read from the state file (``hyper
+    attach``), shaped as the Scheduler they are given during ``hyper run``."""
+
+    def __init__(self, state, wid: str):
+        self.state, self.wid = state, wid
+        self.started = state.workflow(wid)["created_at"]
+
+    def snapshot(self) -> dict:
+        return self.state.counts(self.wid)
+
+    def _done(self) -> bool:
+        return self.state.workflow(self.wid)["status"] not in ("running", "cancelling")
+
+
+def _attach(state, wid: str, interval: float = 0.5) -> int:
+    """Show a workflow's progress from the state file until it ends; returns the exit code
+    (0 all succeeded, 1 not, 130 when Ctrl-C stops watching)."""
+    from hypercli.driver import ensure
+    view = _View(state, wid)
+    con = _console()
+    last = ""
+    try:
+        while True:
+            ensure(state)  # a driver that died is started again
+            done = view._done()
+            line = _line(view)
+            if line.split("] ", 1)[1] != last or done:
+                last = line.split("] ", 1)[1]
+                con.print(line)
+            if done:
+                break
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        con.print(f"stopped watching; {wid} goes on (`hyper attach {wid}`)")
+        return 130
+    wf = state.workflow(wid)
+    con.print(f"workflow {wid}: {wf['status']}")
+    return 0 if wf["status"] == "succeeded" else 1
+
+
+@cli.command()
+@click.argument("workflow")
+def attach(workflow):
+    """Show the live progress of WORKFLOW (run in the background or by another `hyper run`)
+    until it ends; exit 0 when every task succeeded. Ctrl-C stops watching only."""
+    state = _state()
+    sys.exit(_attach(state, state.workflow(workflow)["id"]))
 
 
 # -- clusters -----------------------------------------------------------------------------

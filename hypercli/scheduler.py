@@ -350,6 +350,7 @@ class Scheduler:
             c = self.count[t["experiment"]]
             c[t["status"]] = c.get(t["status"], 0) + 1
         self.started = time.time()
+        self.interrupted: list = []  # signals (or stop()) that ask the run to end
 
     def _worker(self, n: dict) -> NodeWorker:
         probe = getattr(self.provider, "probe", None)
@@ -809,6 +810,11 @@ class Scheduler:
                                             for t in ids])
         self.live.clear()
 
+    def stop(self) -> None:
+        """Make a ``run`` in another thread end soon, leaving the tasks running (as SIGTERM
+        does to a run in the main thread); a later run re-attaches."""
+        self.interrupted.append(signal.SIGTERM)
+
     def run(self, progress: Callable[[Scheduler], None] | None = None,
             refresh: float = 0.25) -> Summary:
         """Run the workflow to its end, a cancel, or an interrupt.
@@ -822,9 +828,11 @@ class Scheduler:
             InfraError: every node of the cluster was lost with work left to do.
         """
         self.state.set_workflow(self.wid, driver_pid=os.getpid(), status="running")
-        interrupted = []
-        old = {s: signal.signal(s, lambda signum, frame: interrupted.append(signum))
-               for s in (signal.SIGINT, signal.SIGTERM)}
+        interrupted = self.interrupted
+        old = {}
+        if threading.current_thread() is threading.main_thread():  # else: ``stop()``
+            old = {s: signal.signal(s, lambda signum, frame: interrupted.append(signum))
+                   for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
         for w in self.workers.values():
             w.start()
         summary = Summary(self.wid)
@@ -833,7 +841,8 @@ class Scheduler:
             self._recover()
             while True:
                 if interrupted:
-                    choice = "leave" if interrupted[0] == signal.SIGTERM else self.on_interrupt()
+                    choice = ("leave" if interrupted[0] != signal.SIGINT  # SIGTERM, SIGHUP
+                              else self.on_interrupt())
                     summary.interrupted = choice
                     if choice == "cancel":
                         self.cancel()

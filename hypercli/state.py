@@ -102,6 +102,13 @@ def m003_resources(db: sqlite3.Connection) -> None:
     """)
 
 
+@migration
+def m004_detached(db: sqlite3.Connection) -> None:
+    """``workflows.detached``: 1 while the background driver (:mod:`hypercli.driver`) is to
+    drive the workflow."""
+    db.execute("ALTER TABLE workflows ADD COLUMN detached INTEGER NOT NULL DEFAULT 0")
+
+
 def _script(db: sqlite3.Connection, sql: str) -> None:
     """Run ``;``-separated statements inside the caller's transaction (``executescript``
     would commit it)."""
@@ -317,13 +324,19 @@ class State:
                                (limit,)).fetchall()
         return [_row(r, "spec") for r in rows]
 
+    def detached_workflows(self) -> list[str]:
+        """Ids of the running workflows handed to the background driver, oldest first."""
+        return [r[0] for r in self.db.execute(
+            "SELECT id FROM workflows WHERE detached=1 AND status IN ('running', 'cancelling')"
+            " ORDER BY created_at")]
+
     def latest_workflow(self, name: str) -> dict | None:
         r = self.db.execute("SELECT * FROM workflows WHERE name=? ORDER BY seq DESC LIMIT 1",
                             (name,)).fetchone()
         return _row(r, "spec")
 
     def set_workflow(self, wid: str, **fields) -> None:
-        """Update workflow columns (status, ended_at, driver_pid)."""
+        """Update workflow columns (status, ended_at, driver_pid, detached, cluster)."""
         cols = ", ".join(f"{k}=?" for k in fields)
         with self.tx() as db:
             db.execute(f"UPDATE workflows SET {cols} WHERE id=?", (*fields.values(), wid))

@@ -38,6 +38,20 @@ def load(recipe_path: str) -> tuple[Recipe, Workflow]:
     return recipe, build_plan(recipe)
 
 
+class Driven(UsageError):
+    """A workflow is driven by another process (a ``hyper run``, or the background driver).
+
+    Attributes:
+        workflow: its id; pid: the driving process's pid (text, "?" when unknown).
+    """
+
+    def __init__(self, workflow: str, pid: str):
+        super().__init__(f"{workflow} is being run by another `hyper run` (pid {pid})",
+                         f"`hyper attach {workflow}` shows its progress; wait for it, or stop "
+                         "it first")
+        self.workflow, self.pid = workflow, pid
+
+
 class Lock:
     """An exclusive flock on ``$HYPER_HOME/locks/<name>.lock``; the holder's pid is inside.
 
@@ -58,8 +72,7 @@ class Lock:
         except OSError:
             pid = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
             os.close(fd)
-            raise UsageError(f"{self.path.stem} is being run by another `hyper run` (pid {pid})",
-                             "wait for it, or stop it first") from None
+            raise Driven(self.path.stem, pid) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
         self.fd = fd

@@ -21,7 +21,30 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _stop_driver(home: Path) -> None:
+    """The background driver a test's `hyper run -d` (or a left run) started, by the pid in
+    its lock file, when that lock is still held (then the pid is the live driver's)."""
+    import fcntl
+    lock = home / "locks" / "driver.lock"
+    if not lock.exists():
+        return
+    fd = os.open(lock, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return  # not held: no driver
+    except OSError:
+        pid = os.pread(fd, 32, 0).decode().strip()
+    finally:
+        os.close(fd)
+    if pid.isdigit():
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def _kill_leftovers(home: Path) -> None:
+    _stop_driver(home)
     for pidfile in home.glob("local/tasks/*/pid"):
         try:
             pid = json.loads(pidfile.read_text()).get("pid")

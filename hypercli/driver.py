@@ -1,0 +1,177 @@
+"""The background driver: runs that go on without the terminal (``hyper run -d``).
+
+One process per ``$HYPER_HOME`` (``python -m hypercli.driver``), started on demand in a
+session of its own, so closing the terminal, or the SSH session to a laptop, does not stop
+it. It holds an flock on ``$HYPER_HOME/locks/driver.lock`` (its pid is in that file), and logs
+to ``$HYPER_HOME/driver.log``. It drives every *detached* workflow that is running and that no
+foreground ``hyper run`` drives (the workflow's own lock tells), each in a thread of its own
+with a :class:`~hypercli.scheduler.Scheduler`, which re-attaches to running attempts as a
+resumed ``hyper run`` does. It exits when it has had nothing to drive for IDLE_EXIT seconds.
+
+Rules:
+  * A workflow is detached by ``hyper run -d`` / ``--wait``, or when a foreground ``hyper run``
+    is left (Ctrl-C → leave, SIGTERM): it hands the workflow over instead of abandoning it.
+  * Any ``hyper`` command that opens the state file starts the driver again when detached
+    workflows are running and no driver is alive (:func:`ensure`).
+  * SIGTERM to the driver leaves every task running (a later driver re-attaches); a workflow
+    whose run fails with an infrastructure error is no longer driven (``detached`` cleared, the
+    error in its events) until ``hyper run`` or ``hyper run -d`` takes it again.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from hypercli import state as S
+from hypercli.errors import HyperError
+
+IDLE_EXIT = 2.0  # s with nothing to drive before the driver exits
+LOOK_EVERY = 0.5  # s between looks for new detached workflows
+
+log = logging.getLogger("hypercli.driver")
+
+
+def _lock_path():
+    d = S.home() / "locks"
+    d.mkdir(exist_ok=True, mode=0o700)
+    return d / "driver.lock"
+
+
+def driver_pid() -> int | None:
+    """The pid of the live driver of this ``$HYPER_HOME``, or None (tested with its flock,
+    not by trusting the pid)."""
+    path = _lock_path()
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        text = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        os.close(fd)
+        return int(text) if text.isdigit() else -1
+    os.close(fd)  # nobody holds it: no driver
+    return None
+
+
+def start() -> int:
+    """Start a driver process in a session of its own; returns its pid (it exits at once,
+    harmlessly, when another driver won the race)."""
+    out = open(S.home() / "driver.log", "ab")
+    try:
+        p = subprocess.Popen([sys.executable, "-m", "hypercli.driver"], stdin=subprocess.DEVNULL,
+                             stdout=out, stderr=out, start_new_session=True, close_fds=True)
+    finally:
+        out.close()
+    return p.pid
+
+
+def ensure(state: S.State) -> int | None:
+    """Start the driver when detached workflows are running and none is alive; returns the
+    live (or new) driver's pid, or None when there is nothing to drive."""
+    if not state.detached_workflows():
+        return None
+    return driver_pid() or start()
+
+
+def detach(state: S.State, wid: str) -> int:
+    """Hand a workflow to the background driver (started if need be); returns its pid."""
+    state.set_workflow(wid, detached=1)
+    return driver_pid() or start()
+
+
+class _Drive(threading.Thread):
+    """Drives one workflow to its end in this process (one state connection of its own)."""
+
+    def __init__(self, wid: str, lock):
+        super().__init__(name=f"drive-{wid}", daemon=True)
+        self.wid, self.lock, self.scheduler = wid, lock, None
+        self.stopping = False
+
+    def stop(self) -> None:
+        self.stopping = True
+        if self.scheduler is not None:
+            self.scheduler.stop()
+
+    def run(self) -> None:
+        from hypercli.scheduler import Scheduler
+        from hypercli.workflows import provider_of
+        state = S.State()
+        try:
+            wf = state.workflow(self.wid)
+            provider = provider_of(state, wf["cluster"])
+            nodes = state.nodes(wf["cluster"], status="up")
+            self.scheduler = Scheduler(state, self.wid, provider, nodes)
+            if self.stopping:
+                return
+            log.info("driving %s on %d nodes of %s", self.wid, len(nodes), wf["cluster"])
+            summary = self.scheduler.run()
+            log.info("%s: %s%s", self.wid, summary.counts,
+                     " (left running)" if summary.interrupted == "leave" else "")
+        except HyperError as e:
+            log.error("%s: %s", self.wid, e)
+            state.event("workflow", f"background driver stopped driving it: {e}",
+                        workflow=self.wid)
+            state.set_workflow(self.wid, detached=0, driver_pid=None)
+        except Exception:  # a bug must not take the other workflows down
+            log.exception("%s: driver thread failed", self.wid)
+            state.set_workflow(self.wid, detached=0, driver_pid=None)
+        finally:
+            self.lock.release()
+            state.close()
+
+
+def serve() -> int:
+    """The driver's main loop (see the module docstring). Returns the exit status."""
+    from hypercli.workflows import Lock
+    fd = os.open(_lock_path(), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return 0  # another driver is alive
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s driver[%(process)d] %(message)s")
+    stopping = []
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda signum, frame: stopping.append(signum))
+    log.info("started for %s", S.home())
+    state = S.State()
+    drives: dict[str, _Drive] = {}
+    idle = time.monotonic()
+    try:
+        while not stopping:
+            for wid in state.detached_workflows():
+                if wid in drives and drives[wid].is_alive():
+                    continue
+                try:
+                    lock = Lock(wid).acquire()
+                except HyperError:  # a foreground `hyper run` drives it
+                    continue
+                drives[wid] = _Drive(wid, lock)
+                drives[wid].start()
+            drives = {w: d for w, d in drives.items() if d.is_alive()}
+            if drives:
+                idle = time.monotonic()
+            elif time.monotonic() - idle > IDLE_EXIT:
+                break
+            time.sleep(LOOK_EVERY)
+    finally:
+        for d in drives.values():
+            d.stop()
+        for d in drives.values():
+            d.join(timeout=30)
+        log.info("exiting (%s)", "signal" if stopping else "nothing left to drive")
+        state.close()
+        os.close(fd)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(serve())
