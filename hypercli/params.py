@@ -61,6 +61,21 @@ class Continuous:
     integer: bool = False
 
 
+@dataclass(frozen=True)
+class Shards(Discrete):
+    """A parameter drawn from a dataset or folder (:mod:`hypercli.shards`): its values are
+    shard indexes 0..N-1 and it samples as a Discrete one.
+
+    Args:
+        source: ``("dataset", PATH_OR_URL, N)`` — the files of a mounted dataset (a mount
+            path) or of a ``chunks+...`` dataset URL, split into N shards; or
+            ``("glob", PATTERN, PER_TASK)`` — the files matching PATTERN, PER_TASK per task.
+            Until the files are listed, ``values`` is a placeholder.
+    """
+
+    source: tuple = ()
+
+
 ParamSpec = Union[Discrete, Continuous]
 
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 
 from hypercli import params as P
 from hypercli.errors import RecipeError
@@ -68,14 +69,16 @@ class Workflow:
         name: recipe name.
         experiments: ExperimentPlan tuple in topological order of ``after``.
         tasks: every TaskPlan, experiments in that order.
-        digest: SHA-256 hex over everything that decides what runs (settings, commands, env);
-            two recipes with the same digest run the same tasks.
+        digest: SHA-256 hex over everything that decides what runs (settings, commands, env,
+            the files of shard parameters); two recipes with the same digest run the same tasks.
+        shards: experiment → :class:`~hypercli.shards.ShardPlan` of its shard parameter.
     """
 
     name: str
     experiments: tuple
     tasks: tuple
     digest: str
+    shards: dict = field(default_factory=dict)
 
 
 def experiment_seed(seed: int, experiment: str) -> int:
@@ -103,11 +106,13 @@ def _tasks_of(exp: ExperimentSpec, seed: int) -> list[TaskPlan]:
     return out
 
 
-def build_plan(recipe: Recipe) -> Workflow:
+def build_plan(recipe: Recipe, shards: dict | None = None) -> Workflow:
     """Expand a validated recipe into its workflow.
 
     Args:
-        recipe: from ``hypercli.recipe.load_recipe``.
+        recipe: from ``hypercli.recipe.load_recipe`` (with shard parameters resolved by
+            ``hypercli.shards.resolve`` when it has any).
+        shards: experiment → ShardPlan, from that same call.
     Returns:
         the Workflow (experiments in ``recipe.order``).
     Raises:
@@ -125,7 +130,14 @@ def build_plan(recipe: Recipe) -> Workflow:
         if exp.resources != Resources():  # default resources keep older workflows' digests
             settings.append(res)
         h.update(json.dumps(settings, sort_keys=True).encode())
+        plan = (shards or {}).get(name)
+        if plan is not None:
+            h.update(plan.digest.encode())
+            exp_tasks = [dataclasses.replace(t, env={
+                **t.env, "HYPER_SHARD": str(t.params[plan.param]),
+                "HYPER_SHARDS": str(plan.count)}) for t in exp_tasks]
         for t in exp_tasks:
             h.update(json.dumps([t.id, t.command, t.env], sort_keys=True).encode())
         tasks.extend(exp_tasks)
-    return Workflow(recipe.name, tuple(experiments), tuple(tasks), h.hexdigest())
+    return Workflow(recipe.name, tuple(experiments), tuple(tasks), h.hexdigest(),
+                    dict(shards or {}))

@@ -344,6 +344,7 @@ class Scheduler:
         self.waits: dict[str, str | None] = {}  # task → why it waits, as recorded
         #: node → why its container runtime fails: it gets no more container tasks
         self.no_containers: dict[str, str] = {}
+        self.shard_plans: dict[str, dict | None] = {}  # experiment → its shard plan
         self.failures: dict[str, int] = {}
         self.count: dict[str, dict[str, int]] = {e: {} for e in self.exps}
         for t in self.tasks.values():
@@ -484,6 +485,11 @@ class Scheduler:
             shown = range(len(gpus)) if exp["image"] else gpus
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, shown))
         files = {}
+        shards = self._shards(task["experiment"])
+        if shards is not None:
+            k = int(task["params"][shards["param"]])
+            b = shards["bounds"]
+            files["HYPER_SHARD_FILES"] = "".join(p + "\n" for p in shards["files"][b[k]:b[k + 1]])
         if size > 1:
             ips = [self._address(n) for n in g["nodes"]]
             port = str(g["port"])
@@ -498,6 +504,7 @@ class Scheduler:
                 "after": list(exp["after"]), "gpus": gpus}
         if files:
             spec["files"] = files
+        if size > 1:
             spec["bind_address"] = env["HYPER_NODE_IP"]
         if claim.get("memory"):
             spec["limits"] = {"memory": claim["memory"]}
@@ -513,6 +520,15 @@ class Scheduler:
             if counts.get("succeeded", 0) < sum(counts.values()):
                 return "blocked"
         return "ready"
+
+    def _shards(self, experiment: str) -> dict | None:
+        """An experiment's shard plan (``shards.plan_file``), read once; None without."""
+        if experiment not in self.shard_plans:
+            from hypercli.shards import plan_file
+            path = plan_file(self.wid, experiment)
+            self.shard_plans[experiment] = (json.loads(path.read_text())
+                                            if path.exists() else None)
+        return self.shard_plans[experiment]
 
     def _free(self) -> dict:
         """node → :class:`~hypercli.capacity.Free` of the nodes taking work, less the claims

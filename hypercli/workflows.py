@@ -33,9 +33,11 @@ def default_storage() -> str:
 
 
 def load(recipe_path: str) -> tuple[Recipe, Workflow]:
-    """Read, validate and plan a recipe. Raises RecipeError."""
-    recipe = load_recipe(recipe_path)
-    return recipe, build_plan(recipe)
+    """Read, validate and plan a recipe (listing the files of its shard parameters).
+    Raises RecipeError; StoreError when a dataset to split cannot be read."""
+    from hypercli.shards import resolve
+    recipe, shards = resolve(load_recipe(recipe_path))
+    return recipe, build_plan(recipe, shards)
 
 
 class Driven(UsageError):
@@ -108,6 +110,8 @@ def start_or_resume(state: S.State, recipe: Recipe, wf: Workflow, *, new: bool =
     wid = state.create_workflow(wf, cluster=recipe.cluster.name, recipe_path=recipe.path,
                                 storage=storage, workdir=recipe.workdir,
                                 spec={"mounts": dict(recipe.mounts)})
+    for exp, plan in wf.shards.items():  # the file lists, kept beside the state file
+        plan.save(wid, exp)
     return wid, False
 
 

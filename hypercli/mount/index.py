@@ -131,6 +131,15 @@ class Index:
                               "ORDER BY name", (path,)).fetchall()
         return [Entry(*r) for r in rows]
 
+    def files_in_pack_order(self) -> list[tuple[str, int]]:
+        """(relative path, size in bytes) of every file, in the order the push packed them
+        (by first chunk and offset; empty files, which have no bytes, by path at the end)."""
+        with self._db() as db:
+            return db.execute(
+                "SELECT f.path, f.size FROM files f LEFT JOIN segments s ON s.path = f.path "
+                "AND s.seq = 0 WHERE f.kind = 'f' "
+                "ORDER BY s.chunk IS NULL, s.chunk, s.offset, f.path").fetchall()
+
     def segments(self, path: str) -> list[tuple[int, int, int]]:
         """A file's (chunk seq, offset, length) segments, in order."""
         with self._db() as db:

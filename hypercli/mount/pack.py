@@ -195,6 +195,18 @@ def _open(url: str, endpoint_url: str | None, cache_dir) -> tuple[Store, dict, I
         raise DatasetError(f"{store.url}/{manifest['index']}: {e}") from None
 
 
+def dataset_files(url: str, *, endpoint_url: str | None = None,
+                  cache_dir: str | os.PathLike | None = None) -> list[tuple[str, int]]:
+    """(relative path, bytes) of every file of the dataset at ``url``, in pack order, read
+    from its index (fetched once into the cache; nothing is mounted).
+
+    Raises:
+        DatasetError, StoreError: no dataset there, or the store failed.
+    """
+    _, _, index = _open(url, endpoint_url, cache_dir)
+    return index.files_in_pack_order()
+
+
 # -- push ---------------------------------------------------------------------------------
 def _check_args(chunk_size: int, jobs: int) -> None:
     if not MIN_CHUNK_SIZE <= chunk_size <= MAX_CHUNK_SIZE:

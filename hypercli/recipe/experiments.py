@@ -81,6 +81,10 @@ def _experiment(ctx: _Ctx, name: str, item: _Item) -> tuple[ExperimentSpec, int,
     image = _str(ctx, keys["image"], f"{f}.image") if "image" in keys else None
     env = _env(ctx, keys["env"], f"{f}.env") if "env" in keys else {}
     workers = _int(ctx, keys["workers"], f"{f}.workers", lo=1) if "workers" in keys else None
+    sharded = [k for k, v in parameters.items() if isinstance(v, params.Shards)]
+    if len(sharded) > 1:
+        ctx.fail(f"only one parameter can split files across tasks, not {len(sharded)} "
+                 f"({', '.join(sharded)})", keys["parameters"].line, f"{f}.parameters")
     _check_placeholders(ctx, command, parameters, keys["command"].line, f"{f}.command")
     for var, (value, line) in env.items():
         _check_placeholders(ctx, value, parameters, line, f"{f}.env.{var}")

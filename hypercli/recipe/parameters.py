@@ -10,7 +10,7 @@ from typing import Any
 from yaml.nodes import MappingNode, SequenceNode
 
 from hypercli import params
-from hypercli.params import Continuous, Discrete
+from hypercli.params import Continuous, Discrete, Shards
 from hypercli.recipe.yamltree import (
     _IDENT,
     _INT_TEXT,
@@ -20,6 +20,7 @@ from hypercli.recipe.yamltree import (
     _Ctx,
     _finite,
     _get,
+    _int,
     _is_int,
     _is_number,
     _Item,
@@ -33,6 +34,8 @@ from hypercli.recipe.yamltree import (
 )
 
 _RANGE_KEYS = ("min", "max", "log", "type")
+_SHARD_KEYS = ("shards", "of")
+_FILES_KEYS = ("files", "per_task")
 
 
 def _parameters(ctx: _Ctx, item: _Item | None, field: str) -> dict:
@@ -57,6 +60,9 @@ def _parameter(ctx: _Ctx, item: _Item, field: str) -> params.ParamSpec:
         return Discrete(tuple(_param_value(ctx, _Item(_line(n), n), f"{field}[{i}]")
                               for i, n in enumerate(node.value)))
     if isinstance(node, MappingNode):
+        keys = _mapping(ctx, item, field)
+        if "shards" in keys or "files" in keys:
+            return _shards(ctx, item, keys, field)
         return _range_mapping(ctx, item, field)
     v = _value(ctx, node)
     m = _RANGE.fullmatch(v) if isinstance(v, str) else None
@@ -67,6 +73,25 @@ def _parameter(ctx: _Ctx, item: _Item, field: str) -> params.ParamSpec:
         shown = shown if len(shown) <= 60 else shown[:57] + "..."
         return _continuous(ctx, low, high, False, integer, item, field, shown)
     return Discrete((_param_value(ctx, item, field),))
+
+
+def _shards(ctx: _Ctx, item: _Item, keys: dict, field: str) -> Shards:
+    """``{shards: N, of: PATH_OR_URL}`` or ``{files: PATTERN, per_task: N}``."""
+    if "shards" in keys:
+        _check_keys(ctx, keys, _SHARD_KEYS, field)
+        n = _int(ctx, keys["shards"], f"{field}.shards", lo=1, hi=1_000_000)
+        if "of" not in keys:
+            ctx.fail("shards needs of: a mount path or a chunks+ dataset URL", item.line,
+                     f"{field}.of", "{shards: 300, of: /data}")
+        of = _str(ctx, keys["of"], f"{field}.of")
+        if not (of.startswith("/") or of.startswith("chunks+")):
+            ctx.fail(f"of must be a mount path (/data) or a chunks+ dataset URL, not "
+                     f"{_show(of)}", keys["of"].line, f"{field}.of")
+        return Shards(tuple(range(n)), ("dataset", of, n))
+    _check_keys(ctx, keys, _FILES_KEYS, field)
+    pattern = _str(ctx, keys["files"], f"{field}.files")
+    per = _int(ctx, keys["per_task"], f"{field}.per_task", lo=1) if "per_task" in keys else 1
+    return Shards((0,), ("glob", pattern, per))
 
 
 def _number_text(text: str, integer: bool) -> float | int:

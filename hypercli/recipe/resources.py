@@ -16,8 +16,20 @@ from __future__ import annotations
 import re
 
 from hypercli.recipe.specs import Resources
-from hypercli.recipe.yamltree import (_check_keys, _Ctx, _finite, _get, _int, _is_number, _Item,
-                                      _kind, _mapping, _show, _str, _value)
+from hypercli.recipe.yamltree import (
+    _check_keys,
+    _Ctx,
+    _finite,
+    _get,
+    _int,
+    _is_number,
+    _Item,
+    _kind,
+    _mapping,
+    _show,
+    _str,
+    _value,
+)
 
 RESOURCE_KEYS = ("cpus", "memory", "gpus", "gpu_type")
 HARDWARE_KEYS = ("gpu", "gpu_count")
