@@ -500,6 +500,31 @@ def results(workflow, sort, ascending, show_all, as_json):
 
 
 @cli.command()
+@click.argument("workflow")
+@click.argument("args", nargs=-1, metavar="[EXPERIMENT] DIR")
+@click.option("--merge", is_flag=True,
+              help="Also concatenate files of the same name, in task order, into DIR.")
+@click.option("--jobs", type=click.IntRange(1, 64), default=8, show_default=True,
+              help="Tasks pulled at once.")
+def outputs(workflow, args, merge, jobs):
+    """Pull the outputs of WORKFLOW's successful tasks (or EXPERIMENT's) into DIR/TASK/.
+
+    Every file is checked; a second run pulls only what changed.
+    """
+    from hypercli.errors import UsageError
+    from hypercli.gather import gather
+    if len(args) not in (1, 2):
+        raise UsageError("give DIR, or EXPERIMENT and DIR",
+                         "hyper outputs WORKFLOW [EXPERIMENT] DIR")
+    experiment, dest = (None, args[0]) if len(args) == 1 else args
+    wid, r = gather(_state(), workflow, dest, experiment=experiment, merge=merge, jobs=jobs)
+    click.echo(f"{wid}: {len(r.pulled)} task outputs pulled ({r.bytes / 1e6:.1f} MB), "
+               f"{len(r.kept)} already there, into {dest}")
+    for rel in r.merged:
+        click.echo(f"merged {rel}")
+
+
+@cli.command()
 @click.argument("task")
 @click.option("-f", "--follow", is_flag=True, help="Keep streaming until the attempt ends.")
 @click.option("--attempt", type=int, metavar="N", help="Attempt number (default: the newest).")
