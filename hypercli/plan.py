@@ -50,6 +50,7 @@ class ExperimentPlan:
         name, after, retries, image, workers: as in the recipe (workers = concurrency cap or None).
         tasks: number of tasks the experiment has.
         resources: what each task (each rank) needs of a node, ``Resources.as_dict()``.
+        checkpoint_every: seconds between saves of ``HYPER_CHECKPOINT`` while a task runs.
     """
 
     name: str
@@ -59,6 +60,7 @@ class ExperimentPlan:
     workers: int | None
     tasks: int
     resources: dict
+    checkpoint_every: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -125,7 +127,8 @@ def build_plan(recipe: Recipe, shards: dict | None = None) -> Workflow:
         exp_tasks = _tasks_of(exp, recipe.seed)
         res = exp.resources.as_dict()
         experiments.append(ExperimentPlan(name, tuple(exp.after), exp.retries, exp.image,
-                                          exp.workers, len(exp_tasks), res))
+                                          exp.workers, len(exp_tasks), res,
+                                          exp.checkpoint_every))
         settings = [name, list(exp.after), exp.retries, exp.image, exp.workers]
         if exp.resources != Resources():  # default resources keep older workflows' digests
             settings.append(res)

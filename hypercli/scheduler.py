@@ -106,6 +106,10 @@ class NodeWorker(threading.Thread):
         self.stopping = False
         self.lost = False
         self.freed = False  # the last answer ended attempts: launches may be on their way
+        #: s between copies of the node's checkpoints here (sessions that keep them on the
+        #: node, ``mirror_checkpoints``): the smallest checkpoint_every of its launches
+        self.mirror_every: float | None = None
+        self.mirrored_at = time.monotonic()
         # ended attempts' logs up to this many bytes come back in the agent's answer
         limit = getattr(session, "inline_bytes", 0)
         self._inline = {"inline": limit} if limit else {}
@@ -172,6 +176,8 @@ class NodeWorker(threading.Thread):
             # task's cycle (launch, task, end) costs one round trip
             wait = LAUNCH_WAIT if self.inbox.empty() and not self.stopping else 0
             launched = {s["id"] for s in payload}
+            every = min(s.get("checkpoint_every") or 60 for s in payload)
+            self.mirror_every = min(self.mirror_every or every, every)
             r = self.client.call("launch", attempts=payload, ids=sorted(self.watch), wait=wait,
                                  **self._inline)
             self._check_preempted(r)
@@ -216,6 +222,16 @@ class NodeWorker(threading.Thread):
             except NodeError:
                 self.inbox.put((op, payload))  # retried after the reconnect
                 raise
+        mirror = getattr(self.session, "mirror_checkpoints", None)
+        if mirror and self.watch and self.mirror_every and \
+                time.monotonic() - self.mirrored_at >= self.mirror_every:
+            self.mirrored_at = time.monotonic()
+            try:
+                mirror()
+            except NodeError:
+                raise
+            except (HyperError, OSError, tarfile.TarError) as e:
+                self.events.put(("note", self.node, f"copying checkpoints failed: {e}"))
         if self.watch and not self.stopping and not waited:
             r = self.client.call("poll", ids=sorted(self.watch), wait=POLL_WAIT, **self._inline)
             self._check_preempted(r)
@@ -501,7 +517,8 @@ class Scheduler:
             files["HYPER_HOSTFILE"] = "".join(f"{ip} slots={slots}\n" for ip in ips)
         spec = {"id": a["id"], "script": task["command"], "env": env, "cwd": cwd,
                 "output": output, "outputs": outputs, "image": exp["image"],
-                "after": list(exp["after"]), "gpus": gpus}
+                "after": list(exp["after"]), "gpus": gpus,
+                "checkpoint_every": exp.get("checkpoint_every") or 60}
         if files:
             spec["files"] = files
         if size > 1:
@@ -679,6 +696,9 @@ class Scheduler:
 
     # -- events --------------------------------------------------------------------------
     def _apply(self, kind: str, node: str, payload) -> None:
+        if kind == "note":
+            self.state.event("node", payload, workflow=self.wid, node=node)
+            return
         if kind == "error":
             self.state.event("node", f"unreachable: {payload}", workflow=self.wid, node=node)
             return

@@ -109,6 +109,12 @@ def m004_detached(db: sqlite3.Connection) -> None:
     db.execute("ALTER TABLE workflows ADD COLUMN detached INTEGER NOT NULL DEFAULT 0")
 
 
+@migration
+def m005_checkpoint_every(db: sqlite3.Connection) -> None:
+    """``experiments.checkpoint_every``: seconds between saves of a task's checkpoint."""
+    db.execute("ALTER TABLE experiments ADD COLUMN checkpoint_every REAL NOT NULL DEFAULT 60")
+
+
 def _script(db: sqlite3.Connection, sql: str) -> None:
     """Run ``;``-separated statements inside the caller's transaction (``executescript``
     would commit it)."""
@@ -291,9 +297,10 @@ class State:
                        (wid, wf.name, seq, cluster, recipe_path, wf.digest, storage, workdir,
                         "running", now, _dumps(spec or {})))
             db.executemany("INSERT INTO experiments (workflow, name, position, after, retries,"
-                           " image, workers, resources) VALUES (?,?,?,?,?,?,?,?)",
+                           " image, workers, resources, checkpoint_every) VALUES "
+                           "(?,?,?,?,?,?,?,?,?)",
                            [(wid, e.name, i, _dumps(list(e.after)), e.retries, e.image,
-                             e.workers, _dumps(e.resources))
+                             e.workers, _dumps(e.resources), e.checkpoint_every)
                             for i, e in enumerate(wf.experiments)])
             db.executemany("INSERT INTO tasks (workflow, id, experiment, idx, params, command,"
                            " env, status) VALUES (?,?,?,?,?,?,?, 'pending')",

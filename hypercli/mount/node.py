@@ -4,6 +4,8 @@ mfusepy (a node may have hypercli's bundled runtime only, without click or rich)
     python3 -m hypercli.mount.node mount URL MOUNTPOINT --cache-dir D [--cache-mib N]
     python3 -m hypercli.mount.node push-output DIR URL
     python3 -m hypercli.mount.node pull-outputs STORAGE WORKFLOW DEST EXPERIMENT...
+    python3 -m hypercli.mount.node checkpoint-save FOLDER URL ATTEMPT STATE
+    python3 -m hypercli.mount.node checkpoint-restore URL FOLDER STATE
 
 Exit 0 on success; otherwise 1 with the reason on stderr.
 """
@@ -32,6 +34,15 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("workflow")
     q.add_argument("dest")
     q.add_argument("experiments", nargs="+")
+    c = sub.add_parser("checkpoint-save")
+    c.add_argument("folder")
+    c.add_argument("url")
+    c.add_argument("attempt", type=int)
+    c.add_argument("state")
+    r = sub.add_parser("checkpoint-restore")
+    r.add_argument("url")
+    r.add_argument("folder")
+    r.add_argument("state")
     a = ap.parse_args(argv)
     try:
         if a.cmd == "mount":
@@ -43,6 +54,16 @@ def main(argv: list[str] | None = None) -> int:
             from hypercli.mount.outputs import push_output
             r = push_output(a.src, a.url)
             print(f"outputs saved to {a.url}: {r.files} files, {r.bytes} bytes")
+        elif a.cmd == "checkpoint-save":
+            from hypercli.mount.checkpoint import save
+            s = save(a.folder, a.url, a.attempt, a.state)
+            print(f"checkpoint: {s.generation or 'unchanged'}, {s.uploaded} of {s.total} "
+                  "bytes uploaded", file=sys.stderr)
+        elif a.cmd == "checkpoint-restore":
+            from hypercli.mount.checkpoint import restore
+            s = restore(a.url, a.folder, a.state)
+            print(f"checkpoint: restored {s.generation or 'nothing (none saved yet)'}, "
+                  f"{s.total} bytes", file=sys.stderr)
         else:
             from hypercli.mount.outputs import pull_outputs
             tasks = pull_outputs(a.storage, a.workflow, a.experiments, a.dest)

@@ -24,6 +24,13 @@ def output_url(storage: str, workflow: str, task: str) -> str:
     return f"{storage.rstrip('/')}/{workflow}/{task}"
 
 
+def checkpoint_url(storage: str, workflow: str, task: str) -> str:
+    """``<storage>/<workflow>/.checkpoints/<task>``: where a task's checkpoint generations are
+    kept (beside the outputs, not in the task's output folder, which ``file://`` storage
+    fills from the task's own ``HYPER_OUTPUT``)."""
+    return f"{storage.rstrip('/')}/{workflow}/.checkpoints/{task}"
+
+
 def push_output(src: str | os.PathLike, url: str) -> pack.PushReport:
     """Push a task's output folder (created empty when the task wrote nothing).
     Raises StoreError/UsageError."""

@@ -48,7 +48,9 @@ Requests (``{"id": N, "op": OP, ...}``) and responses (``{"id": N, "ok": true, .
     launch  attempts: [spec]      → states: {id: state}   (idempotent per attempt id; a spec:
                                     id, script, env, cwd, image, output, binds, finish, files,
                                     gpus: [index] (a container gets those devices only),
-                                    bind_address (a rank's address: GLOO_SOCKET_IFNAME and
+                                    checkpoint: {dir, save, restore, every, preempted} (see
+                                    CHECKPOINT_WRAPPER), bind_address (a rank's address:
+                                    GLOO_SOCKET_IFNAME and
                                     NCCL_SOCKET_IFNAME are set to its interface),
                                     limits: {cpus, memory} (container limits)); an attempt
                                     with an image on a node whose container runtime fails
@@ -101,6 +103,38 @@ METRICS_MAX = 4 << 20  # bytes of metrics.jsonl read at most (the last 4 MiB)
 #: otherwise pick the address the host name resolves to, often 127.0.0.1 (pytorch.org,
 #: "Distributed communication package", Common environment variables)
 SOCKET_IFNAME = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+#: runs a task whose spec has a checkpoint: restore first (exit 75 when that fails), then the
+#: task with a loop beside it that saves every HYPER_CKPT_EVERY s and at once when the node's
+#: preemption marker appears, then a last save; saves only a folder that is not empty (a
+#: task that never checkpoints costs no save), one at a time (the save takes an flock)
+CHECKPOINT_WRAPPER = r"""
+ck="$HYPER_CHECKPOINT"
+save() {
+  if [ -n "$(ls -A "$ck" 2>/dev/null)" ]; then
+    sh -c "$HYPER_CKPT_SAVE" || echo "hyper: saving the checkpoint failed" >&2
+  fi
+}
+if [ -n "$HYPER_CKPT_RESTORE" ]; then
+  sh -c "$HYPER_CKPT_RESTORE" || { echo "hyper: restoring the checkpoint failed" >&2; exit 75; }
+fi
+(
+  n=0; noticed=
+  while sleep 1; do
+    n=$((n + 1))
+    if [ -z "$noticed" ] && [ -n "$HYPER_CKPT_PREEMPTED" ] && [ -e "$HYPER_CKPT_PREEMPTED" ]
+    then noticed=1; n=0; save
+    elif [ "$n" -ge "$HYPER_CKPT_EVERY" ]; then n=0; save
+    fi
+  done
+) &
+side=$!
+"$@"
+code=$?
+kill "$side" 2>/dev/null
+wait "$side" 2>/dev/null
+save
+exit "$code"
+"""
 RUNTIME_RECHECK = 10.0  # s a failed container runtime check is believed before a new one
 CONTACT_EVERY = 10.0  # s between touches of ROOT/contact (read by the node watcher)
 
@@ -480,11 +514,21 @@ class Agent:
                 f.write(text)
             env[var] = path
         cwd = spec.get("cwd") if not spec.get("image") else None
+        ck = spec.get("checkpoint")
+        if ck:  # saved and restored around the task by CHECKPOINT_WRAPPER
+            os.makedirs(ck["dir"], exist_ok=True)
+            spec["binds"] = dict(spec.get("binds") or {}, **{ck["dir"]: ck["dir"]})
+            env.update(HYPER_CKPT_SAVE=ck["save"], HYPER_CKPT_RESTORE=ck.get("restore") or "",
+                       HYPER_CKPT_EVERY=str(max(1, int(ck.get("every") or 60))),
+                       HYPER_CKPT_PREEMPTED=ck.get("preempted") or "")
         started = time.time()
         try:
             if spec.get("output"):
                 os.makedirs(spec["output"], exist_ok=True)
-            proc = self._spawn(d, _command(d, spec, env), env, cwd, new_session=True)
+            argv = _command(d, spec, env)
+            if ck:
+                argv = ["/bin/sh", "-c", CHECKPOINT_WRAPPER, "hyper-task"] + argv
+            proc = self._spawn(d, argv, env, cwd, new_session=True)
         except Exception as e:
             _note(d, "cannot start the task: %s" % e)
             _write_json(os.path.join(d, "pid"), {"pid": None, "started": started})

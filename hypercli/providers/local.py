@@ -72,9 +72,7 @@ class LocalProvider:
             outputs = self.root() / "outputs" / wf["id"]
         return wf["workdir"], str(outputs / task), str(outputs)
 
-    def session(self, node: dict, wf: dict) -> "LocalSession | None":
-        if wf["storage"].startswith("file://") and not (wf.get("spec") or {}).get("mounts"):
-            return None
+    def session(self, node: dict, wf: dict) -> "LocalSession":
         return LocalSession(self, node, wf)
 
     def unmount(self, nodes: list[dict], paths: list[str]) -> list[str]:
@@ -131,6 +129,7 @@ class LocalSession:
             s["finish"] = self.rt.finish_command(s["output"], s["env"]["HYPER_TASK_ID"])
             s["binds"] = self.rt.binds()
             s["env"].update(forwarded_env())
+            self.rt.checkpoint(s, s.get("checkpoint_every", 60))
 
     def after_end(self, states: dict) -> None:
         pass

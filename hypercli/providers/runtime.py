@@ -20,7 +20,7 @@ import shlex
 from typing import Callable
 
 from hypercli.errors import InfraError
-from hypercli.mount.outputs import output_url
+from hypercli.mount.outputs import checkpoint_url, output_url
 from hypercli.ssh.conn import CommandFailed
 
 
@@ -129,6 +129,28 @@ class NodeRuntime:
         url = output_url(self.wf["storage"], self.wf["id"], task)
         return (f"{env_prefix()}{self.hyper} push-output {shlex.quote(output)} "
                 f"{shlex.quote(url)}")
+
+    def checkpoint(self, spec: dict, every: float, url: str | None = None) -> None:
+        """Give a launch spec its checkpoint (:mod:`hypercli.mount.checkpoint`): the folder
+        ``<root>/ckpt/<workflow>/<task>`` as ``HYPER_CHECKPOINT``, and the node-side commands
+        the agent runs around the task: restore (attempts after the first) and save (every
+        ``every`` s, at a preemption notice, at the end).
+
+        Args:
+            url: the checkpoint store as the node reaches it; default the workflow's storage.
+        """
+        wid, task = self.wf["id"], spec["env"]["HYPER_TASK_ID"]
+        number = int(spec["env"]["HYPER_ATTEMPT"])
+        folder = f"{self.root}/ckpt/{wid}/{task}"
+        state = shlex.quote(f"{folder}.state.json")
+        url = shlex.quote(url or checkpoint_url(self.wf["storage"], wid, task))
+        q = shlex.quote(folder)
+        spec["env"]["HYPER_CHECKPOINT"] = folder
+        spec["checkpoint"] = {
+            "dir": folder, "every": every, "preempted": f"{self.root}/preempted",
+            "save": f"{env_prefix()}{self.hyper} checkpoint-save {q} {url} {number} {state}",
+            "restore": (f"{env_prefix()}{self.hyper} checkpoint-restore {url} {q} {state}"
+                        if number > 1 else None)}
 
     def binds(self) -> dict:
         """Mount paths to bind into containers at the same path."""

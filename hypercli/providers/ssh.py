@@ -25,6 +25,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import io
+import json
 import os
 import shlex
 import shutil
@@ -254,8 +255,8 @@ class SSHSession:
         self.root = node["info"].get("root") or "/root/.hyper"
         self.storage = Path(wf["storage"][7:]) if wf["storage"].startswith("file://") else None
         self.rt = NodeRuntime(node["name"], wf, self.root, remote_python(self.root), self._sh)
-        self.needs_runtime = self.storage is None or bool((wf.get("spec") or {}).get("mounts"))
-        self.bundled = False
+        self.bundled = False  # the node runtime (checkpoints, mounts, outputs) copied there
+        self.mirrored: dict[str, int] = {}  # checkpoint files brought here: path → size
 
     def _sh(self, command: str) -> None:
         self.conn().run(command, timeout=600)
@@ -276,7 +277,7 @@ class SSHSession:
         if not self.synced:
             self._sync_workdir(conn, wid)
             self.synced = True
-        if self.needs_runtime and not self.bundled:
+        if not self.bundled:
             self._ensure_bundle(conn)
         self.rt.ensure_mounts()
         for s in specs:
@@ -285,6 +286,7 @@ class SSHSession:
             s["finish"] = self.rt.finish_command(s["output"], s["env"]["HYPER_TASK_ID"])
             s["binds"] = self.rt.binds()
             s["env"].update(forwarded_env())
+            self._checkpoint(conn, s)
         if self.storage is not None:
             for exp in {e for s in specs for e in s.get("after", [])} - self.staged:
                 self._stage(conn, exp)
@@ -292,6 +294,76 @@ class SSHSession:
         for image in {s["image"] for s in specs if s.get("image")} - self.images:
             images.ensure(conn, image)
             self.images.add(image)
+
+    # -- checkpoints (file:// storage: kept on the node, mirrored here by the driver) ------
+    def _node_store(self, task: str) -> str:
+        return f"{self.root}/ckpt-store/{self.wf['id']}/{task}"
+
+    def _checkpoint(self, conn: Connection, spec: dict) -> None:
+        """The spec's checkpoint commands; with ``file://`` storage, which the node cannot
+        reach, the node saves into a store of its own that :meth:`mirror_checkpoints` copies
+        here, and an attempt after the first gets the newest generation copied there first."""
+        task = spec["env"]["HYPER_TASK_ID"]
+        if self.storage is None:
+            self.rt.checkpoint(spec, spec.get("checkpoint_every", 60))
+            return
+        self.rt.checkpoint(spec, spec.get("checkpoint_every", 60),
+                           url=f"file://{self._node_store(task)}")
+        if int(spec["env"]["HYPER_ATTEMPT"]) > 1:
+            self._push_checkpoint(conn, task)
+
+    def _push_checkpoint(self, conn: Connection, task: str) -> None:
+        """Copy the newest generation kept here (and the packs it needs) to the node."""
+        from hypercli.mount.checkpoint import generations
+        from hypercli.mount.outputs import checkpoint_url
+        from hypercli.mount.store import open_store
+        store = open_store(checkpoint_url(self.wf["storage"], self.wf["id"], task))
+        gens = generations(store)
+        if not gens:
+            return
+        name = "gen/%08d.%08d.json" % gens[-1]
+        packs = {b[1] for f in json.loads(store.get(name))["files"].values()
+                 for b in f["blocks"]}
+        base = Path(store.url[len("file://"):])
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            for rel in sorted(packs) + [name]:  # the generation last
+                tar.add(str(base / rel), arcname=rel)
+        d = shlex.quote(self._node_store(task))
+        conn.run(f"mkdir -p {d} && tar -C {d} -xf -", stdin=buf.getvalue(), timeout=600)
+
+    def mirror_checkpoints(self) -> int:
+        """Copy here (``file://`` storage) the checkpoint files the node saved since the last
+        call: packs before generations, so a generation here is always whole. Returns the
+        number of files copied. Raises NodeError."""
+        if self.storage is None:
+            return 0
+        conn = self.conn()
+        top = f"{self.root}/ckpt-store/{self.wf['id']}"
+        listing = conn.run(f"cd {shlex.quote(top)} 2>/dev/null && find . -type f -printf "
+                           f"'%P\t%s\n' || true", timeout=60).stdout.decode()
+        new = []
+        for line in listing.splitlines():
+            rel, _, size = line.partition("\t")
+            if rel and size.isdigit() and self.mirrored.get(rel) != int(size) and \
+                    "/" in rel and not rel.endswith(".tmp"):
+                new.append((rel, int(size)))
+        if not new:
+            return 0
+        new.sort(key=lambda x: ("/gen/" in x[0], x[0]))
+        data = conn.run(f"cd {shlex.quote(top)} && tar -cf - " + " ".join(
+            shlex.quote(r) for r, _ in new), timeout=600).stdout
+        dest = self.storage / self.wf["id"] / ".checkpoints"
+        with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+            for member in tar:  # in the order asked: packs, then generations
+                try:
+                    member = tarfile.data_filter(member, str(dest))
+                except tarfile.FilterError:
+                    continue
+                tar.extract(member, dest, filter="fully_trusted")
+        for rel, size in new:
+            self.mirrored[rel] = size
+        return len(new)
 
     def _sync_workdir(self, conn: Connection, wid: str) -> None:
         """Copy the workdir to ``<root>/work/<wid>`` unless the same content is there (a
@@ -327,6 +399,8 @@ class SSHSession:
         (file:// storage only; the first success of a task wins), come in one tar stream
         over a second exec. Raises NodeError."""
         ids = [a for a, st in states.items() if st["state"] != "unknown"]
+        if ids:
+            self.mirror_checkpoints()  # the last save of these attempts, before a retry
         if not ids:
             return
         wid = self.wf["id"]

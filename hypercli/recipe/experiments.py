@@ -17,8 +17,10 @@ from hypercli.recipe.yamltree import (
     _IDENT,
     _check_keys,
     _Ctx,
+    _finite,
     _get,
     _int,
+    _is_number,
     _Item,
     _kind,
     _line,
@@ -35,7 +37,8 @@ MAX_TASKS = 1_000_000        #: largest number of tasks one recipe may make
 # --- experiments -----------------------------------------------------------------------------
 
 _EXPERIMENT_KEYS = ("command", "image", "parameters", "sampling", "samples", "after",
-                    "retries", "env", "workers", "resources", "hardware", "nodes")
+                    "retries", "env", "workers", "resources", "hardware", "nodes",
+                    "checkpoint_every")
 
 
 def _experiments(ctx: _Ctx, item: _Item) -> tuple[dict, tuple]:
@@ -85,6 +88,11 @@ def _experiment(ctx: _Ctx, name: str, item: _Item) -> tuple[ExperimentSpec, int,
     if len(sharded) > 1:
         ctx.fail(f"only one parameter can split files across tasks, not {len(sharded)} "
                  f"({', '.join(sharded)})", keys["parameters"].line, f"{f}.parameters")
+    every = 60.0
+    if "checkpoint_every" in keys:
+        every = _get(ctx, keys["checkpoint_every"], f"{f}.checkpoint_every",
+                     lambda v: _is_number(v) and _finite(v) and v >= 1,
+                     "a number of seconds, at least 1")
     _check_placeholders(ctx, command, parameters, keys["command"].line, f"{f}.command")
     for var, (value, line) in env.items():
         _check_placeholders(ctx, value, parameters, line, f"{f}.env.{var}")
@@ -97,7 +105,7 @@ def _experiment(ctx: _Ctx, name: str, item: _Item) -> tuple[ExperimentSpec, int,
         name=name, command=command, parameters=parameters, sampling=sampling, samples=samples,
         after=tuple(dict.fromkeys(a for a, _ in after)), retries=retries, image=image,
         env={k: v for k, (v, _) in env.items()}, workers=workers, line=item.line,
-        resources=resources(ctx, keys, f))
+        resources=resources(ctx, keys, f), checkpoint_every=every)
     return spec, count, after
 
 

@@ -65,6 +65,7 @@ class ExperimentSpec:
         workers: most tasks of this experiment running at once, or None for no limit.
         line: 1-based line of the experiment's key in the file.
         resources: what each task needs of a node (:class:`Resources`).
+        checkpoint_every: seconds between saves of a running attempt's ``HYPER_CHECKPOINT``.
     """
 
     name: str
@@ -79,6 +80,7 @@ class ExperimentSpec:
     workers: int | None
     line: int | None
     resources: Resources = field(default_factory=Resources)
+    checkpoint_every: float = 60.0
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,77 @@
+"""Checkpoint resume after a host is killed, on SSH test hosts: with file:// storage (the
+node saves into a store of its own, which the driver copies here) and with S3 storage on
+loopback (the node saves there itself), the retry on another host starts from the last
+saved step, not from 0."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import wait_for
+from s3server import CREDENTIALS, S3Server
+from test_ssh import run_in_process, ssh_recipe
+
+from hypercli.state import State
+
+pytestmark = pytest.mark.slow
+JOB = Path(__file__).parent / "ckptjob"
+
+
+def run_and_kill(tmp_path, ssh_hosts, hosts, **top):
+    work = tmp_path / "work"
+    shutil.copytree(JOB, work)
+    path = ssh_recipe(tmp_path, ssh_hosts, hosts, {"train": {
+        "retries": 1, "checkpoint_every": 1,
+        "command": "python3 count.py 60 0.1"}}, workdir=str(work), **top)
+    killed = {}
+
+    def kill_after_saves():
+        a = wait_for(lambda: (lambda r: r[0] if r else None)(
+            [x for x in State().attempts("lab-1", status=["running"])]
+            if (Path(State().path)).exists() else []), timeout=60, what="the task running")
+        time.sleep(3.5)  # a few periodic saves
+        killed["node"] = a["node"]
+        hosts[int(a["node"].rsplit("-", 1)[1])].kill()
+    t = threading.Thread(target=kill_after_saves)
+    t.start()
+    state, summary = run_in_process(path)
+    t.join()
+    assert summary.exit_code == 0
+    attempts = state.attempts("lab-1", "train-0000")
+    assert [a["status"] for a in attempts] == ["lost", "succeeded"]
+    assert attempts[1]["node"] != killed["node"]
+    metrics = state.task("lab-1", "train-0000")["metrics"]
+    assert metrics["steps"] == 60 and 0 < metrics["start"] < 60, metrics
+    return state, attempts
+
+
+def test_resume_after_a_host_is_killed_file_storage(ssh_hosts, tmp_path, hyper_home):
+    hosts = ssh_hosts.start(2)
+    run_and_kill(tmp_path, ssh_hosts, hosts)
+    kept = hyper_home / "storage" / "lab-1" / ".checkpoints" / "train-0000"
+    assert list(kept.glob("gen/*.json")) and list(kept.glob("packs/*"))
+
+
+def test_resume_after_a_host_is_killed_s3_storage(ssh_hosts, tmp_path, hyper_home,
+                                                  monkeypatch):
+    hosts = ssh_hosts.start(2)
+    if hosts[0].run("python3 -c 'import boto3'").returncode != 0:
+        pytest.skip("the hosts' python3 has no boto3 (Debian: python3-boto3)")
+    with S3Server(host="10.213.0.1") as s3:
+        for k, v in CREDENTIALS.items():
+            monkeypatch.setenv(k, v)
+        monkeypatch.setenv("HYPER_S3_ENDPOINT_URL", s3.endpoint)
+        for h in hosts:
+            h.run("mkdir -p ~/.aws && printf '[default]\\naws_access_key_id = testing\\n"
+                  "aws_secret_access_key = testing\\n' > ~/.aws/credentials", check=True)
+        s3.make_bucket("bkt")
+        run_and_kill(tmp_path, ssh_hosts, hosts, storage="s3://bkt/out")
+        from hypercli.mount.checkpoint import generations
+        from hypercli.mount.store import open_store
+        gens = generations(open_store("s3://bkt/out/lab-1/.checkpoints/train-0000"))
+        assert {a for a, _ in gens} == {1, 2}  # both attempts saved, in generations of their own
