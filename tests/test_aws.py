@@ -75,6 +75,17 @@ def tags(obj) -> dict:
     return {t["Key"]: t["Value"] for t in obj.get("Tags") or []}
 
 
+def ingress(ec2, group: str) -> list[tuple]:
+    """The group's inbound permissions as (protocol, from port, to port, IPv4 ranges, IPv6
+    ranges, source groups), sorted."""
+    [sg] = ec2.describe_security_groups(GroupIds=[group])["SecurityGroups"]
+    return sorted((p["IpProtocol"], p.get("FromPort"), p.get("ToPort"),
+                   [r["CidrIp"] for r in p.get("IpRanges") or []],
+                   [r["CidrIpv6"] for r in p.get("Ipv6Ranges") or []],
+                   [g["GroupId"] for g in p.get("UserIdGroupPairs") or []])
+                  for p in sg["IpPermissions"])
+
+
 def instance(ec2, iid) -> dict:
     return ec2.describe_instances(InstanceIds=[iid])["Reservations"][0]["Instances"][0]
 
@@ -139,14 +150,52 @@ def test_spot_launch_tags_user_data_disk_key_and_ssh_only_group(ec2, image):
     kinds = {v for k, v in body.items() if k.endswith(".ResourceType")}
     assert kinds == {"instance", "volume", "network-interface", "spot-instances-request"}
     assert (body["MinCount"], body["MaxCount"]) == (1, 1)
-    # the key pair holds our key; the group lets in port 22 from the CIDR and nothing else
+    # the key pair holds our key; the instance is in the cluster's group (rules: next test)
     [kp] = ec2.describe_key_pairs(KeyNames=["hyper-c1"], IncludePublicKey=True)["KeyPairs"]
     assert kp["PublicKey"].split()[1] == KEY.split()[1] and tags(kp)["hyper:cluster"] == "c1"
     [sg] = ec2.describe_security_groups(GroupIds=[prepared["security_group"]])[
         "SecurityGroups"]
     assert sg["GroupName"] == "hyper-c1" and tags(sg)["hyper:owner"] == aws_module.owner()
-    assert [(p["IpProtocol"], p["FromPort"], p["ToPort"], [r["CidrIp"] for r in p["IpRanges"]])
-            for p in sg["IpPermissions"]] == [("tcp", 22, 22, [CIDR])]
+    assert [g["GroupId"] for g in inst["NetworkInterfaces"][0]["Groups"]] == [sg["GroupId"]]
+
+
+def test_the_group_admits_all_traffic_from_itself_and_only_ssh_from_outside(ec2, image):
+    api = AWSAPI(REGION)
+    group = api.prepare(spec(image), KEY)["security_group"]
+    # every protocol and port from the group's own members (the cluster's nodes, at their
+    # private addresses); from anywhere else only TCP 22 from ssh_cidr
+    assert ingress(ec2, group) == [("-1", None, None, [], [], [group]),
+                                   ("tcp", 22, 22, [CIDR], [], [])]
+    rules = ec2.describe_security_group_rules(
+        Filters=[{"Name": "group-id", "Values": [group]}])["SecurityGroupRules"]
+    [mesh] = [r for r in rules if not r["IsEgress"] and r["IpProtocol"] == "-1"]
+    assert mesh["ReferencedGroupInfo"]["GroupId"] == group and "CidrIpv4" not in mesh
+    # kept, not revoked and added again, when prepare runs again (a new caller address);
+    # a rule from another group (here: the VPC's default group) is revoked
+    default = ec2.describe_security_groups(Filters=[
+        {"Name": "group-name", "Values": ["default"]}])["SecurityGroups"][0]["GroupId"]
+    ec2.authorize_security_group_ingress(GroupId=group, IpPermissions=[{
+        "IpProtocol": "-1", "UserIdGroupPairs": [{"GroupId": default}]}])
+    calls = []
+    for op in ("AuthorizeSecurityGroupIngress", "RevokeSecurityGroupIngress"):
+        api.ec2.meta.events.register(f"before-call.ec2.{op}",
+                                     lambda params, op=op, **_: calls.append((op, params)))
+    api.prepare(spec(image, ssh_cidr="198.51.100.7/32"), KEY)
+    assert ingress(ec2, group) == [("-1", None, None, [], [], [group]),
+                                   ("tcp", 22, 22, ["198.51.100.7/32"], [], [])]
+    assert [op for op, _ in calls] == ["RevokeSecurityGroupIngress",
+                                       "AuthorizeSecurityGroupIngress"]
+    assert mesh["SecurityGroupRuleId"] not in str(calls[0][1])
+    calls.clear()
+    api.prepare(spec(image, ssh_cidr="198.51.100.7/32"), KEY)
+    assert calls == []  # nothing to change
+
+
+def test_nodes_record_their_private_address(ec2, image):
+    api = AWSAPI(REGION)
+    vms, _ = launch(api, spec(image, count=1), nodes=("c1-0",))
+    private = instance(ec2, vms[0].id)["PrivateIpAddress"]
+    assert vms[0].private_ip == private and api.describe("c1")[0].private_ip == private
 
 
 def test_on_demand_launch_asks_for_no_spot_capacity(ec2, image):
@@ -172,9 +221,9 @@ def test_prepare_is_idempotent_and_follows_a_new_address_and_key(ec2, image):
     # the caller moved (a new address) and the cluster key was made anew
     again = api.prepare(spec(image, ssh_cidr="198.51.100.7/32"), OTHER_KEY)
     assert again["security_group"] == first["security_group"]
-    [sg] = ec2.describe_security_groups(GroupIds=[first["security_group"]])["SecurityGroups"]
-    assert [[r["CidrIp"] for r in p["IpRanges"]] for p in sg["IpPermissions"]] == \
-        [["198.51.100.7/32"]]
+    group = first["security_group"]
+    assert ingress(ec2, group) == [("-1", None, None, [], [], [group]),
+                                   ("tcp", 22, 22, ["198.51.100.7/32"], [], [])]
     [kp] = ec2.describe_key_pairs(KeyNames=["hyper-c1"], IncludePublicKey=True)["KeyPairs"]
     assert kp["PublicKey"].split()[1] == OTHER_KEY.split()[1]
     assert tags(kp)["hyper:cluster"] == "c1"
@@ -182,9 +231,8 @@ def test_prepare_is_idempotent_and_follows_a_new_address_and_key(ec2, image):
     ec2.authorize_security_group_ingress(GroupId=first["security_group"], IpPermissions=[{
         "IpProtocol": "tcp", "FromPort": 80, "ToPort": 80, "IpRanges": [{"CidrIp": CIDR}]}])
     api.prepare(spec(image, ssh_cidr="2001:db8::/64"), OTHER_KEY)
-    [sg] = ec2.describe_security_groups(GroupIds=[first["security_group"]])["SecurityGroups"]
-    assert [(p["FromPort"], p["IpRanges"], [r["CidrIpv6"] for r in p["Ipv6Ranges"]])
-            for p in sg["IpPermissions"]] == [(22, [], ["2001:db8::/64"])]
+    assert ingress(ec2, group) == [("-1", None, None, [], [], [group]),
+                                   ("tcp", 22, 22, [], ["2001:db8::/64"], [])]
 
 
 def test_user_data_over_the_ec2_limit_is_that_node_s_error(ec2, image):

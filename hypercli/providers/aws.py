@@ -5,9 +5,10 @@ What a cluster gets, every piece tagged ``hyper:cluster``, ``hyper:owner`` and `
 
 * a key pair ``hyper-<cluster>``: the public half of the cluster key made by hypercli
   (replaced when the local key changed);
-* a security group ``hyper-<cluster>`` in the region's default VPC whose only inbound rule is
-  TCP 22 from ``ssh_cidr`` (other inbound rules are revoked, so a new caller address
-  replaces the old one);
+* a security group ``hyper-<cluster>`` in the region's default VPC with exactly two inbound
+  rules: TCP 22 from ``ssh_cidr``, and all traffic from the group itself (the cluster's nodes
+  reach each other on their private addresses, e.g. the ranks of a multi-node task); other
+  inbound rules are revoked, so a new caller address replaces the old one;
 * per node one instance, spot (a one-time request, terminated on interruption, ``MaxPrice``
   when ``max_price`` is set) or on-demand; shutdown from inside terminates it (so the idle
   watchdog's power-off removes it); its root volume is ``disk_gb`` GiB, gp3, deleted with
@@ -120,6 +121,13 @@ def _tags(cluster: str, node: str | None = None) -> list[dict]:
 
 def _tag(obj: dict, key: str) -> str | None:
     return next((t["Value"] for t in obj.get("Tags") or [] if t["Key"] == key), None)
+
+
+def _from_itself(rule: dict, group: str) -> bool:
+    """Whether a rule of DescribeSecurityGroupRules is the cluster's own: inbound, every
+    protocol and port (``-1``), from members of ``group`` itself."""
+    return (not rule.get("IsEgress") and rule.get("IpProtocol") == "-1"
+            and (rule.get("ReferencedGroupInfo") or {}).get("GroupId") == group)
 
 
 def _cluster_filter(cluster: str | None) -> list[dict]:
@@ -268,8 +276,9 @@ class AWSAPI:
             ours = [r for r in rules if not r.get("IsEgress") and r.get("IpProtocol") == "tcp"
                     and r.get("FromPort") == 22 and r.get("ToPort") == 22
                     and r.get("CidrIpv6" if v6 else "CidrIpv4") == cidr]
+            mesh = [r for r in rules if _from_itself(r, group)]
             others = [r["SecurityGroupRuleId"] for r in rules
-                      if not r.get("IsEgress") and r not in ours]
+                      if not r.get("IsEgress") and r not in ours and r not in mesh]
             if others:
                 ec2.revoke_security_group_ingress(GroupId=group, SecurityGroupRuleIds=others)
             if not ours:
@@ -278,6 +287,14 @@ class AWSAPI:
                           {"IpRanges": [{"CidrIp": cidr, "Description": "hypercli SSH"}]})
                 ec2.authorize_security_group_ingress(GroupId=group, IpPermissions=[{
                     "IpProtocol": "tcp", "FromPort": 22, "ToPort": 22, **ranges}])
+            if not mesh:
+                try:
+                    ec2.authorize_security_group_ingress(GroupId=group, IpPermissions=[{
+                        "IpProtocol": "-1", "UserIdGroupPairs": [{
+                            "GroupId": group, "Description": "hypercli: the cluster's nodes"}]}])
+                except ClientError as e:  # added meanwhile by another `hyper up`
+                    if e.response.get("Error", {}).get("Code") != "InvalidPermission.Duplicate":
+                        raise
         return group
 
     def create(self, spec: CloudSpec, nodes: list[str], boot: Boot,
