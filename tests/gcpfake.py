@@ -3,18 +3,23 @@ google-cloud-compute client (``HYPER_GCP_ENDPOINT``).
 
 It keeps the project's instances and disks per zone, firewall rules, images and operations in
 memory, and answers the real paths (``/compute/v1/projects/{p}/zones/{z}/instances``,
-``.../operations/{op}[/wait]``, ``/global/firewalls``, ``/global/images[/family/{f}]``,
+``.../operations/{op}[/wait]``, ``/global/firewalls[/{name}]``, ``/global/images[/family/{f}]``,
 ``/aggregated/{instances,disks}``, ``/regions/{r}``, ``/zones``) with the real JSON shapes:
 camelCase fields, ``kind``, ``id`` (int64 as a string), ``selfLink``, full-URL references,
 errors as ``{"error": {"code", "message", "status", "errors": [{"reason", ...}]}}``.
 
-Operations are long-running like the real ones: an insert, patch or delete answers an
+Operations are long-running like the real ones: an insert, patch, update or delete answers an
 operation that is RUNNING, and it becomes DONE (and takes effect) once it has been asked about
 ``slow_ops`` + 1 times (GET or ``/wait``; a ``/wait`` that answers RUNNING is the real API's
 two-minute wait running out), or on its own after ``op_seconds``. An inserted instance is
 listed as PROVISIONING at once and RUNNING, with its external IP, when its operation is DONE;
 a deleted one is STOPPING until then. Inserts are validated as the real API does for names,
 labels, the machine type's zone and the scheduling fields (HTTP 400 ``invalid``).
+
+Firewall rules are validated as the real API does (names, protocols, ports only for TCP, UDP
+and SCTP, ranges, tags, sources allowed by direction; an INGRESS rule with no source admits
+0.0.0.0/0), inserted, patched (merged) or updated (replaced); ``firewall_verdict`` says which
+rule, if any, lets a packet from an address or another instance into an instance.
 
 Faults: ``fail(zone, fault)`` with ``exhausted`` / ``exhausted-details`` (the insert operation
 ends in ZONE_RESOURCE_POOL_EXHAUSTED[_WITH_DETAILS], HTTP 503), ``quota`` (it ends in
@@ -26,6 +31,7 @@ and ``power_off(zone, name)`` stop an instance with or without a
 
 from __future__ import annotations
 
+import ipaddress
 import itertools
 import json
 import re
@@ -42,6 +48,8 @@ NAME_RE = r"[a-z](?:[-a-z0-9]{0,61}[a-z0-9])?"
 LABEL_KEY_RE, LABEL_VALUE_RE = r"[a-z][a-z0-9_-]{0,62}", r"[a-z0-9_-]{0,63}"
 PREEMPTED = "compute.instances.preempted"
 FAULTS = ("exhausted", "exhausted-details", "quota", "quota-http")
+#: firewall rule protocols by name (any other must be an IP protocol number)
+PROTOCOLS = ("tcp", "udp", "icmp", "esp", "ah", "sctp", "ipip", "all")
 STATUS = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED",
           404: "NOT_FOUND", 409: "ALREADY_EXISTS"}
 
@@ -54,6 +62,15 @@ def _field(obj: dict, path: str):
     for part in path.split("."):
         obj = obj.get(part) if isinstance(obj, dict) else None
     return obj
+
+
+def _covers(entry: dict, protocol: str, port: int | None) -> bool:
+    """Whether a firewall rule's ``allowed``/``denied`` entry covers a protocol and port."""
+    proto = str(entry.get("IPProtocol", "")).lower()
+    if proto != "all" and proto != protocol.lower():
+        return False
+    ranges = [tuple(int(x) for x in (p.split("-") * 2)[:2]) for p in entry.get("ports") or []]
+    return not ranges or (port is not None and any(a <= port <= b for a, b in ranges))
 
 
 def matches(obj: dict, flt: str | None) -> bool:
@@ -140,7 +157,7 @@ class ComputeFake:
                 self.end_headers()
                 self.wfile.write(data)
 
-            do_GET = do_POST = do_DELETE = do_PATCH = _answer
+            do_GET = do_POST = do_DELETE = do_PATCH = do_PUT = _answer
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -484,17 +501,78 @@ class ComputeFake:
                              "fingerprint": "IDbX3QoqCVs="},
                 "deletionProtection": False, "canIpForward": False}
 
+    def _check_firewall(self, body: dict):
+        """Validate a firewall rule as the API does (HTTP 400 ``invalid``); None when it is
+        good. An INGRESS rule with no source at all gets ``sourceRanges: [0.0.0.0/0]``, as
+        GCE gives it."""
+        if not re.fullmatch(NAME_RE, body.get("name") or ""):
+            return self._invalid("name", body.get("name"), f"Must be a match of regex "
+                                 f"'(?:{NAME_RE})'")
+        network = body.get("network") or "global/networks/default"
+        if network not in ("global/networks/default", self.link("global/networks/default")):
+            return self._not_found(network.split(f"projects/{self.project}/")[-1])
+        direction = body.get("direction") or "INGRESS"
+        if direction not in ("INGRESS", "EGRESS"):
+            return self._invalid("direction", direction, "Must be INGRESS or EGRESS.")
+        if not 0 <= int(body.get("priority", 1000)) <= 65535:
+            return self._invalid("priority", body["priority"], "Must be in [0, 65535].")
+        if bool(body.get("allowed")) == bool(body.get("denied")):
+            return self._invalid("allowed", "", "Exactly one of 'allowed' or 'denied' must "
+                                 "be specified.")
+        for action in ("allowed", "denied"):
+            for i, entry in enumerate(body.get(action) or []):
+                proto = str(entry.get("IPProtocol", "")).lower()
+                if proto not in PROTOCOLS and not (proto.isdigit() and int(proto) < 256):
+                    return self._invalid(f"{action}[{i}].IPProtocol", proto,
+                                         "Invalid IP protocol.")
+                for j, ports in enumerate(entry.get("ports") or []):
+                    if proto not in ("tcp", "udp", "sctp"):
+                        return self._invalid(f"{action}[{i}].ports[{j}]", ports,
+                                             "Ports may only be specified on rules whose "
+                                             "protocol is one of [TCP, UDP, SCTP].")
+                    ends = ports.split("-")
+                    if not (len(ends) <= 2 and all(e.isdigit() and int(e) <= 65535
+                                                   for e in ends)):
+                        return self._invalid(f"{action}[{i}].ports[{j}]", ports,
+                                             "Invalid port range.")
+        for r in body.get("sourceRanges") or []:
+            try:
+                ipaddress.ip_network(r, strict=False)
+            except ValueError:
+                return self._invalid("sourceRanges", r, "Invalid IPCidrRange.")
+        for field in ("sourceTags", "targetTags"):
+            for tag in body.get(field) or []:
+                if not re.fullmatch(NAME_RE, tag):
+                    return self._invalid(field, tag, f"Must be a match of regex "
+                                         f"'(?:{NAME_RE})'")
+        if direction == "EGRESS" and (body.get("sourceTags")
+                                      or body.get("sourceServiceAccounts")):
+            return self._invalid("sourceTags", "", "Source tags and source service accounts "
+                                 "are not allowed for EGRESS rules.")
+        for a, b in (("sourceTags", "sourceServiceAccounts"),
+                     ("targetTags", "targetServiceAccounts")):
+            if body.get(a) and body.get(b):
+                return self._invalid(b, "", f"{b} cannot be used at the same time as {a}.")
+        if direction == "INGRESS" and not (body.get("sourceRanges") or body.get("sourceTags")
+                                           or body.get("sourceServiceAccounts")):
+            body["sourceRanges"] = ["0.0.0.0/0"]
+        return None
+
     def _firewalls(self, method, name, body, flt):
         if method == "POST" and name is None:
+            bad = self._check_firewall(body)
+            if bad:
+                return bad
             if body["name"] in self.firewalls:
                 return self._error(409, "alreadyExists", f"The resource 'projects/"
                                    f"{self.project}/global/firewalls/{body['name']}' already "
                                    "exists")
             rule = dict(body, kind="compute#firewall", id=str(next(self._ids)),
                         selfLink=self.link(f"global/firewalls/{body['name']}"),
-                        network=self.link(body.get("network", "global/networks/default")),
+                        network=self.link("global/networks/default"),
+                        direction=body.get("direction") or "INGRESS",
                         priority=body.get("priority", 1000), creationTimestamp=_now(),
-                        disabled=False)
+                        disabled=bool(body.get("disabled")))
             return 200, self._op("insert", rule, None,
                                  lambda: self.firewalls.__setitem__(body["name"], rule))
         if name is None:
@@ -506,8 +584,63 @@ class ComputeFake:
         rule = self.firewalls[name]
         if method == "GET":
             return 200, rule
-        if method == "PATCH":
-            return 200, self._op("patch", rule, None, lambda: rule.update(body))
+        if method in ("PATCH", "PUT"):  # PATCH merges; PUT (update) replaces every field
+            new = dict(rule, **body) if method == "PATCH" else dict(body)
+            if method == "PUT" and body.get("name") != name:
+                return self._invalid("name", body.get("name"), "The name of a firewall "
+                                     "cannot change.")
+            bad = self._check_firewall(new)
+            if bad:
+                return bad
+            new.update({k: rule[k] for k in ("kind", "id", "selfLink", "network",
+                                             "creationTimestamp")})
+            new.setdefault("direction", "INGRESS")
+            new.setdefault("priority", 1000)
+
+            def replace():
+                rule.clear()
+                rule.update(new)
+            return 200, self._op(method.lower().replace("put", "update"), rule, None, replace)
         if method == "DELETE":
             return 200, self._op("delete", rule, None, lambda: self.firewalls.pop(name, None))
         return self._error(400, "badRequest", f"{method} not supported")
+
+    def firewall_verdict(self, source, zone: str, name: str, protocol: str,
+                         port: int | None = None) -> str | None:
+        """Which INGRESS firewall rule lets a packet into instance ``zone/name``, decided as
+        GCE does (cloud.google.com/firewall/docs/firewalls: of the rules that match the
+        target, source, protocol and port, the lowest priority number wins, a deny before an
+        allow of equal priority; with none, the implied deny-ingress rule drops it).
+
+        Args:
+            source: an address outside the network (``"198.51.100.9"``), or ``(zone, name)``
+                of an instance of the network, whose packets come from its internal address
+                with its network tags (source tags match such traffic only).
+            protocol: ``tcp``, ``udp``, ``icmp``, ...; port: the destination port.
+        Returns:
+            the name of the rule that allows it, or None when it is dropped.
+        """
+        with self._lock:
+            dst_tags = set((self.instances[zone][name].get("tags") or {}).get("items") or [])
+            if isinstance(source, tuple):
+                src = self.instances[source[0]][source[1]]
+                ip = src["networkInterfaces"][0]["networkIP"]
+                src_tags = set((src.get("tags") or {}).get("items") or [])
+            else:
+                ip, src_tags = source, set()
+            best = None
+            for rule in self.firewalls.values():
+                targets = set(rule.get("targetTags") or [])
+                if rule["direction"] != "INGRESS" or rule.get("disabled") or (
+                        targets and not targets & dst_tags):
+                    continue
+                if not (any(ipaddress.ip_address(ip) in ipaddress.ip_network(r, strict=False)
+                            for r in rule.get("sourceRanges") or [])
+                        or set(rule.get("sourceTags") or []) & src_tags):
+                    continue
+                for action in ("denied", "allowed"):
+                    if any(_covers(e, protocol, port) for e in rule.get(action) or []):
+                        key = (int(rule["priority"]), action == "allowed")
+                        if best is None or key < best[0]:
+                            best = (key, action, rule["name"])
+            return best[2] if best and best[1] == "allowed" else None

@@ -1,8 +1,8 @@
 """The gcp CloudAPI (hypercli/providers/gcp.py) through the real google-cloud-compute client
 against a local stand-in for the Compute Engine REST API (tests/gcpfake.py): spot and standard
-instances, labels, ssh-keys and boot metadata, the SSH firewall rule, operation waits, zone
-failover on resource exhaustion, quota and credential errors, preemption, image lookup,
-teardown and gc."""
+instances, labels, ssh-keys and boot metadata, the SSH and intra-cluster firewall rules (which
+traffic they let in), operation waits, zone failover on resource exhaustion, quota and
+credential errors, preemption, image lookup, teardown and gc."""
 
 from __future__ import annotations
 
@@ -92,8 +92,8 @@ def test_every_operation_is_waited_until_done(fake, api):
     launch(api, spec())
     ops = [p for m, p, _ in fake.requests if "/operations/" in p]
     # the stand-in answers RUNNING to the first wait of each operation: two waits each for
-    # the firewall rule and both inserts
-    assert len(ops) == 6 and all(p.endswith("/wait") for p in ops)
+    # the two firewall rules and both inserts
+    assert len(ops) == 8 and all(p.endswith("/wait") for p in ops)
     assert all(e["op"]["status"] == "DONE" for e in fake.operations.values())
     assert {i["status"] for i in fake.instances["us-central1-a"].values()} == {"RUNNING"}
 
@@ -108,19 +108,78 @@ def test_standard_instances_and_a_shell_boot_script(fake, api):
     assert not vms[0].spot and vms[0].state == "running"
 
 
-def test_firewall_admits_ssh_from_the_cidr_only_made_once_and_corrected(fake, api):
+def test_firewall_rules_made_once_and_corrected(fake, api):
     assert api.prepare(spec(), KEY) == api.prepare(spec(), KEY)
-    [fw] = fake.firewalls.values()
-    assert fw["name"] == "hyper-c1-ssh" and fw["direction"] == "INGRESS"
-    assert fw["sourceRanges"] == ["203.0.113.0/24"]
-    assert fw["allowed"] == [{"IPProtocol": "tcp", "ports": ["22"]}]
+    assert sorted(fake.firewalls) == ["hyper-c1-internal", "hyper-c1-ssh"]
+    fw = fake.firewalls["hyper-c1-ssh"]
+    assert fw["direction"] == "INGRESS" and fw["sourceRanges"] == ["203.0.113.0/24"]
+    assert fw["allowed"] == [{"IPProtocol": "tcp", "ports": ["22"]}] and not fw.get("sourceTags")
     assert fw["targetTags"] == ["hyper-c1"] and fw["network"].endswith("/networks/default")
     assert fw["description"].startswith("hyper:cluster=c1 ")
-    assert [m for m, p, _ in fake.requests if "firewalls" in p and m != "GET"] == ["POST"]
+    # the cluster's nodes to each other: every protocol, from the tag to the tag, no range
+    internal = fake.firewalls["hyper-c1-internal"]
+    assert internal["direction"] == "INGRESS" and internal["allowed"] == [{"IPProtocol": "all"}]
+    assert internal["sourceTags"] == internal["targetTags"] == ["hyper-c1"]
+    assert not internal.get("sourceRanges") and not internal.get("ports")
+    assert internal["description"].startswith("hyper:cluster=c1 ")
+    writes = [m for m, p, _ in fake.requests if "firewalls" in p and m != "GET"]
+    assert writes == ["POST", "POST"]
     api.prepare(spec(ssh_cidr="198.51.100.7/32"), KEY)  # the caller's address changed
     assert fake.firewalls["hyper-c1-ssh"]["sourceRanges"] == ["198.51.100.7/32"]
+    assert fake.firewalls["hyper-c1-internal"] == internal
+    # a range added by hand to the internal rule would open every port to it: replaced
+    internal["sourceRanges"] = ["0.0.0.0/0"]
+    api.prepare(spec(ssh_cidr="198.51.100.7/32"), KEY)
+    assert not fake.firewalls["hyper-c1-internal"].get("sourceRanges")
+    assert fake.firewalls["hyper-c1-internal"]["sourceTags"] == ["hyper-c1"]
+    writes = [(m, p.rsplit("/", 1)[1]) for m, p, _ in fake.requests
+              if "firewalls" in p and m != "GET"]
+    assert writes[2:] == [("PUT", "hyper-c1-ssh"), ("PUT", "hyper-c1-internal")]
     with pytest.raises(UsageError, match="SSH firewall rule"):
         api.prepare(spec(ssh_cidr=None), KEY)
+
+
+def test_nodes_reach_each_other_and_only_ssh_gets_in_from_outside(fake, api):
+    vms, _ = launch(api, spec())
+    launch(api, spec(cluster="other", count=1), nodes=("other-0",))
+    zone = "us-central1-a"
+    a, b, other = (zone, "c1-0"), (zone, "c1-1"), (zone, "other-0")
+
+    def verdict(source, dst, protocol, port=None):
+        return fake.firewall_verdict(source, *dst, protocol, port)
+    # node to node: any protocol, any port, both ways
+    assert verdict(a, b, "tcp", 29500) == verdict(b, a, "udp", 53) == "hyper-c1-internal"
+    assert verdict(a, b, "icmp") == "hyper-c1-internal"
+    # from outside: port 22 from ssh_cidr only
+    assert verdict("203.0.113.9", b, "tcp", 22) == "hyper-c1-ssh"
+    assert verdict("203.0.113.9", b, "tcp", 29500) is None
+    assert verdict("198.51.100.9", b, "tcp", 22) is None
+    # another cluster's node is outside too
+    assert verdict(other, b, "tcp", 29500) is None and verdict(a, other, "tcp", 29500) is None
+    # each node's internal address, where the others reach it
+    ips = {n: i["networkInterfaces"][0]["networkIP"]
+           for n, i in fake.instances[zone].items()}
+    assert {v.node: v.private_ip for v in vms} == {"c1-0": ips["c1-0"], "c1-1": ips["c1-1"]}
+    assert {v.node: v.private_ip for v in api.describe("c1")} == \
+        {"c1-0": ips["c1-0"], "c1-1": ips["c1-1"]}
+
+
+@pytest.mark.parametrize("change, error", [
+    (dict(allowed=[{"I_p_protocol": "all", "ports": ["22"]}]), "Ports may only be specified"),
+    (dict(direction="EGRESS"), "not allowed for EGRESS"),
+    (dict(source_tags=["Not A Tag"]), "sourceTags"),
+    (dict(allowed=[]), "Exactly one of 'allowed' or 'denied'"),
+])
+def test_the_stand_in_refuses_firewall_rules_the_api_refuses(fake, api, change, error):
+    from google.cloud import compute_v1
+    base = dict(name="hyper-bad-internal", network="global/networks/default",
+                direction="INGRESS", source_tags=["hyper-bad"], target_tags=["hyper-bad"],
+                allowed=[{"I_p_protocol": "all"}])
+    base.update(change)
+    base["allowed"] = [compute_v1.Allowed(**a) for a in base["allowed"]]
+    with pytest.raises(CloudError, match=error) as e:
+        api._firewall(compute_v1.Firewall(**base))
+    assert e.value.code == "invalid" and fake.firewalls == {}
 
 
 def test_zone_failover_on_exhaustion(fake, api):
@@ -282,15 +341,17 @@ def test_teardown_and_gc_leave_nothing(fake, api):
     launch(api, spec(cluster="other", count=1), nodes=("other-0",))
     held = api.resources("c1")
     assert sorted((r.kind, r.id) for r in held) == [
-        ("disk", "c1-0"), ("disk", "c1-1"), ("firewall", "hyper-c1-ssh"),
-        ("instance", "c1-0"), ("instance", "c1-1")]
+        ("disk", "c1-0"), ("disk", "c1-1"), ("firewall", "hyper-c1-internal"),
+        ("firewall", "hyper-c1-ssh"), ("instance", "c1-0"), ("instance", "c1-1")]
     assert [r.kind for r in held][:2] == ["instance", "instance"]  # deletion order
     removed = remove_all(api, "c1")
-    assert {"instance c1-0", "instance c1-1", "firewall hyper-c1-ssh"} <= set(removed)
+    assert {"instance c1-0", "instance c1-1", "firewall hyper-c1-ssh",
+            "firewall hyper-c1-internal"} <= set(removed)
     assert api.resources("c1") == [] and api.describe("c1") == []
-    assert "hyper-c1-ssh" not in fake.firewalls and "c1-0" not in fake.disks["us-central1-a"]
+    assert sorted(fake.firewalls) == ["hyper-other-internal", "hyper-other-ssh"]
+    assert "c1-0" not in fake.disks["us-central1-a"]
     others = api.resources(None)
-    assert {r.cluster for r in others} == {"other"} and len(others) == 3
+    assert {r.cluster for r in others} == {"other"} and len(others) == 4
     assert api.delete([r for r in held if r.kind == "instance"]) == []  # already gone
     remove_all(api, None)
     assert api.resources(None) == [] and not fake.firewalls

@@ -3,10 +3,14 @@
 What a cluster gets (the tags of :mod:`hypercli.providers.cloud` as GCP labels, ``-`` for
 ``:``; label values made valid: lower case, ``[a-z0-9_-]``, 63 characters):
 
-* a firewall rule ``hyper-<cluster>-ssh`` on the ``default`` network: TCP 22 from ``ssh_cidr``
-  only, to instances with the network tag ``hyper-<cluster>``. Firewall rules take no labels,
-  so the rule's description carries ``hyper:cluster=<cluster>``; a rule that already exists
-  with another source range (the caller's address changed) is patched to ``ssh_cidr``;
+* two firewall rules on the ``default`` network, both for instances with the network tag
+  ``hyper-<cluster>``: ``hyper-<cluster>-ssh``, TCP 22 from ``ssh_cidr`` only, and
+  ``hyper-<cluster>-internal``, every protocol from instances with that same tag (the
+  cluster's nodes reach each other on their internal addresses, e.g. the ranks of a
+  multi-node task; GCE matches source tags on internal traffic only, so nothing from outside
+  gets in by it). Firewall rules take no labels, so each rule's description carries
+  ``hyper:cluster=<cluster>``; a rule that already exists but admits something else (the
+  caller's address changed, a source added by hand) is replaced as a whole;
 * per node one instance named after the node (made a valid GCE name), labelled
   ``hyper-cluster``, ``hyper-node``, ``hyper-owner`` (the exact names are also kept in metadata
   ``hyper-cluster`` / ``hyper-node``), SPOT with ``instanceTerminationAction: DELETE`` (or
@@ -167,6 +171,22 @@ def _when(stamp: str) -> datetime:
         return datetime.min.replace(tzinfo=timezone.utc)
 
 
+def firewall_names(cluster: str) -> tuple[str, str]:
+    """The names of a cluster's firewall rules (SSH, internal), valid GCE names."""
+    tag = gce_name(f"hyper-{cluster}")
+    return f"{tag[:59].rstrip('-')}-ssh", f"{tag[:54].rstrip('-')}-internal"
+
+
+def _admits(rule) -> tuple:
+    """What a firewall rule admits, in a form to compare (priority and description left
+    out): a found rule whose form differs from the wanted one is replaced."""
+    return (rule.direction or "INGRESS", bool(rule.disabled), sorted(rule.source_ranges),
+            sorted(rule.source_tags), sorted(rule.source_service_accounts),
+            sorted(rule.target_tags), sorted(rule.target_service_accounts),
+            sorted((a.I_p_protocol, tuple(a.ports)) for a in rule.allowed),
+            sorted((d.I_p_protocol, tuple(d.ports)) for d in rule.denied))
+
+
 def _last(link: str) -> str:
     return link.rstrip("/").rsplit("/", 1)[-1]
 
@@ -284,11 +304,14 @@ class GCPAPI:
         return f"project {self.project}, no region set"
 
     def prepare(self, spec: CloudSpec, ssh_public_key: str) -> dict:
-        """Make (or find, or correct) the firewall rule ``hyper-<cluster>-ssh``: TCP 22 from
-        ``spec.ssh_cidr`` to the tag ``hyper-<cluster>``; waits for its global operation.
+        """Make (or find, or correct) the cluster's two firewall rules (module docstring):
+        ``hyper-<cluster>-ssh`` (TCP 22 from ``spec.ssh_cidr``) and ``hyper-<cluster>-internal``
+        (every protocol from the tag ``hyper-<cluster>``), both to instances with the tag
+        ``hyper-<cluster>``; waits for their global operations.
 
         Returns:
-            ``{"firewall": rule name, "network_tag": tag}`` for :meth:`create`.
+            ``{"firewall": SSH rule name, "internal_firewall": internal rule name,
+            "network_tag": tag}`` for :meth:`create`.
         Raises:
             UsageError: ``spec.ssh_cidr`` is not set. CredentialsError, CloudError.
         """
@@ -296,33 +319,41 @@ class GCPAPI:
             raise UsageError("no address range for the SSH firewall rule",
                              "set cluster.ssh_cidr, e.g. 203.0.113.7/32")
         tag = gce_name(f"hyper-{spec.cluster}")
-        name = f"{tag[:59].rstrip('-')}-ssh"
-        allowed = [compute_v1.Allowed(I_p_protocol="tcp", ports=["22"])]
+        ssh, internal = firewall_names(spec.cluster)
+        mark = f"{TAG_CLUSTER}={spec.cluster} {TAG_OWNER}={owner()}"
+        common = dict(network="global/networks/default", direction="INGRESS", target_tags=[tag])
+        self._firewall(compute_v1.Firewall(
+            name=ssh, description=f"{mark}: SSH", source_ranges=[spec.ssh_cidr],
+            allowed=[compute_v1.Allowed(I_p_protocol="tcp", ports=["22"])], **common))
+        self._firewall(compute_v1.Firewall(
+            name=internal, description=f"{mark}: traffic between the cluster's nodes",
+            source_tags=[tag], allowed=[compute_v1.Allowed(I_p_protocol="all")], **common))
+        return {"firewall": ssh, "internal_firewall": internal, "network_tag": tag}
+
+    def _firewall(self, want: compute_v1.Firewall) -> None:
+        """Insert the firewall rule ``want``, or replace the rule of its name when that
+        admits something else (``firewalls.update``, a full replacement: a source added by
+        hand goes too); waits for the global operation. Raises CredentialsError, CloudError."""
         fw = self._client(compute_v1.FirewallsClient)
         try:
-            with _calls("reading the firewall rule"):
-                rule = fw.get(project=self.project, firewall=name)
+            with _calls(f"reading the firewall rule {want.name}"):
+                rule = fw.get(project=self.project, firewall=want.name)
         except CloudError as e:
             if e.code != NOT_FOUND:
                 raise
             rule = None
         if rule is None:
-            new = compute_v1.Firewall(
-                name=name, network="global/networks/default", direction="INGRESS",
-                description=f"{TAG_CLUSTER}={spec.cluster} {TAG_OWNER}={owner()}: SSH",
-                source_ranges=[spec.ssh_cidr], target_tags=[tag], allowed=allowed)
-            with _calls("creating the firewall rule"):
-                op = fw.insert_unary(project=self.project, firewall_resource=new)
-            self._wait(op, "creating the firewall rule")
-        elif (list(rule.source_ranges) != [spec.ssh_cidr] or list(rule.target_tags) != [tag]
-              or [(a.I_p_protocol, list(a.ports)) for a in rule.allowed] != [("tcp", ["22"])]):
-            fix = compute_v1.Firewall(source_ranges=[spec.ssh_cidr], target_tags=[tag],
-                                      allowed=allowed)
-            with _calls("updating the firewall rule"):
-                op = fw.patch_unary(project=self.project, firewall=name,
-                                    firewall_resource=fix)
-            self._wait(op, "updating the firewall rule")
-        return {"firewall": name, "network_tag": tag}
+            what = f"creating the firewall rule {want.name}"
+            with _calls(what):
+                op = fw.insert_unary(project=self.project, firewall_resource=want)
+        elif _admits(rule) != _admits(want):
+            what = f"updating the firewall rule {want.name}"
+            with _calls(what):
+                op = fw.update_unary(project=self.project, firewall=want.name,
+                                     firewall_resource=want)
+        else:
+            return
+        self._wait(op, what)
 
     def _labels(self, cluster: str, node: str | None = None) -> dict:
         labels = {label_key(TAG_CLUSTER): label_value(cluster),
@@ -490,9 +521,9 @@ class GCPAPI:
 
     def resources(self, cluster: str | None = None) -> list[Resource]:
         """Instances and disks labelled ``hyper-cluster`` (= ``cluster``), and firewall rules
-        whose description says ``hyper:cluster=`` (or named ``hyper-<cluster>-ssh``; a
-        ``hyper-*`` rule without that description is listed with cluster None), in deletion
-        order. Raises CredentialsError, CloudError."""
+        whose description says ``hyper:cluster=`` (or named like the cluster's rules,
+        :func:`firewall_names`; a ``hyper-*`` rule without that description is listed with
+        cluster None), in deletion order. Raises CredentialsError, CloudError."""
         key = label_key(TAG_CLUSTER)
         out = [Resource("instance", i.name, _metadata(i, "hyper-cluster") or
                         i.labels.get(key), z) for z, i in self._instances(cluster)]
@@ -501,7 +532,7 @@ class GCPAPI:
                     request={"project": self.project, "filter": self._filter(cluster)}):
                 out += [Resource("disk", d.name, cluster or d.labels.get(key), _last(scope))
                         for d in listing.disks]
-        mine = gce_name(f"hyper-{cluster}")[:59].rstrip("-") + "-ssh" if cluster else None
+        mine = firewall_names(cluster) if cluster else ()
         with _calls("listing firewall rules"):
             for f in self._client(compute_v1.FirewallsClient).list(project=self.project):
                 m = re.match(rf"{re.escape(TAG_CLUSTER)}=(\S+)", f.description or "")
@@ -509,7 +540,7 @@ class GCPAPI:
                 if cluster is None and (owner_ or f.name.startswith("hyper-")):
                     out.append(Resource("firewall", f.name, owner_, "global"))
                 elif cluster is not None and (owner_ == cluster or
-                                              (owner_ is None and f.name == mine)):
+                                              (owner_ is None and f.name in mine)):
                     out.append(Resource("firewall", f.name, cluster, "global"))
         return out
 
