@@ -110,7 +110,7 @@ SOCKET_IFNAME = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 CHECKPOINT_WRAPPER = r"""
 ck="$HYPER_CHECKPOINT"
 save() {
-  if [ -n "$(ls -A "$ck" 2>/dev/null)" ]; then
+  if [ -n "$HYPER_CKPT_SAVE" ] && [ -n "$(ls -A "$ck" 2>/dev/null)" ]; then
     sh -c "$HYPER_CKPT_SAVE" || echo "hyper: saving the checkpoint failed" >&2
   fi
 }

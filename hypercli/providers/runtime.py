@@ -134,7 +134,8 @@ class NodeRuntime:
         """Give a launch spec its checkpoint (:mod:`hypercli.mount.checkpoint`): the folder
         ``<root>/ckpt/<workflow>/<task>`` as ``HYPER_CHECKPOINT``, and the node-side commands
         the agent runs around the task: restore (attempts after the first) and save (every
-        ``every`` s, at a preemption notice, at the end).
+        ``every`` s, at a preemption notice, at the end). Every rank of a multi-node task
+        restores; only rank 0's folder is saved.
 
         Args:
             url: the checkpoint store as the node reaches it; default the workflow's storage.
@@ -146,9 +147,11 @@ class NodeRuntime:
         url = shlex.quote(url or checkpoint_url(self.wf["storage"], wid, task))
         q = shlex.quote(folder)
         spec["env"]["HYPER_CHECKPOINT"] = folder
+        saves = spec["env"].get("HYPER_NODE_RANK", "0") == "0"  # a gang saves rank 0's
         spec["checkpoint"] = {
             "dir": folder, "every": every, "preempted": f"{self.root}/preempted",
-            "save": f"{env_prefix()}{self.hyper} checkpoint-save {q} {url} {number} {state}",
+            "save": (f"{env_prefix()}{self.hyper} checkpoint-save {q} {url} {number} {state}"
+                     if saves else ""),
             "restore": (f"{env_prefix()}{self.hyper} checkpoint-restore {url} {q} {state}"
                         if number > 1 else None)}
 

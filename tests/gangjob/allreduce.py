@@ -16,4 +16,5 @@ print(json.dumps({"sum": t.item(), "rank": r, "world": dist.get_world_size()}), 
 if os.environ.get("HYPER_METRICS"):
     with open(os.environ["HYPER_METRICS"], "a") as f:
         f.write(json.dumps({"sum": t.item(), "steps": steps}) + "\n")
+dist.barrier()
 dist.destroy_process_group()
