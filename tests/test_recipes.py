@@ -77,3 +77,84 @@ def test_distributed_training_resumes_from_its_checkpoint(hyper_home, tmp_path):
     assert by[(2, 0)] == by[(2, 1)] == "succeeded"
     m = state.task("distributed-training-1", "train-0000")["metrics"]
     assert 0 < m["started_at_epoch"] < 20 and m["in_sync"] and m["loss"] < 0.05, m
+
+
+def local_copy(name: str, tmp_path, mount: str, dataset: str) -> "Path":
+    """The recipe with its mount and dataset moved under tmp_path, run from recipes/."""
+    import yaml
+    recipe = yaml.safe_load((ROOT / "recipes" / f"{name}.yaml").read_text())
+    [(old_mount, _)] = recipe["mounts"].items()
+    recipe["mounts"] = {mount: f"chunks+file://{dataset}"}
+    recipe["workdir"] = str(ROOT / "recipes")
+    for exp in recipe["experiments"].values():
+        for p in (exp.get("parameters") or {}).values():
+            if isinstance(p, dict) and p.get("of") == old_mount:
+                p["of"] = mount
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def unmount(path) -> None:
+    import subprocess
+    subprocess.run(["fusermount3", "-uz", str(path)], capture_output=True)
+
+
+def test_preprocess_recipe(hyper_home, hyper, tmp_path):
+    import importlib.util
+    import subprocess
+    import sys
+    spec = importlib.util.spec_from_file_location(
+        "tokenise_shard", ROOT / "recipes" / "preprocess" / "tokenise_shard.py")
+    tokeniser = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tokeniser)  # the recipe's own tokenizer
+    text, ds, mnt = tmp_path / "text", tmp_path / "dataset", tmp_path / "corpus"
+    subprocess.run([sys.executable, ROOT / "recipes" / "preprocess" / "make_corpus.py", text,
+                    "--limit", "120"], check=True, capture_output=True)
+    r = hyper("data", "push", text, f"file://{ds}")
+    assert r.returncode == 0, r.stderr
+    path = local_copy("preprocess", tmp_path, str(mnt), str(ds))
+    try:
+        r = hyper("run", path, timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+        out = tmp_path / "out"
+        r = hyper("outputs", "preprocess", "tokenize", out, "--merge")
+        assert r.returncode == 0 and "merged tokens.jsonl" in r.stdout, r.stdout + r.stderr
+        rows = [json.loads(line) for line in (out / "tokens.jsonl").read_text().splitlines()]
+        assert sorted(r["file"] for r in rows) == sorted(p.name for p in text.iterdir())
+        for row in rows[:: 17]:  # the tokens are the text's, file by file
+            assert row["tokens"] == tokeniser.tokens((text / row["file"]).read_text(
+                errors="replace"))
+        state = State()
+        total = sum(len(r["tokens"]) for r in rows)
+        assert state.task("preprocess-1", "vocabulary-0000")["metrics"]["tokens"] == total
+        assert state.task("preprocess-1", "vocabulary-0000")["metrics"]["shards"] == 8
+        assert hyper("down", "preprocess").returncode == 0
+    finally:
+        unmount(mnt)
+
+
+def test_inference_recipe(hyper_home, hyper, tmp_path):
+    import subprocess
+    import sys
+    pytest.importorskip("sklearn")
+    images, ds, mnt = tmp_path / "images", tmp_path / "dataset", tmp_path / "mnt"
+    subprocess.run([sys.executable, ROOT / "recipes" / "inference" / "make_images.py", images],
+                   check=True, capture_output=True)
+    assert hyper("data", "push", images, f"file://{ds}").returncode == 0
+    path = local_copy("inference", tmp_path, str(mnt), str(ds))
+    try:
+        r = hyper("run", path, timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+        out = tmp_path / "out"
+        r = hyper("outputs", "inference", "predict", out, "--merge")
+        assert r.returncode == 0, r.stdout + r.stderr
+        rows = [json.loads(x) for x in (out / "predictions.jsonl").read_text().splitlines()]
+        names = sorted(p.name for p in images.rglob("*.pgm"))
+        assert sorted(r["file"] for r in rows) == names  # every image, exactly once
+        accuracy = sum(r["label"] == r["predicted"] for r in rows) / len(rows)
+        assert accuracy > 0.9, accuracy
+        assert len(State().tasks("inference-1")) == 1 + 4
+        assert hyper("down", "inference").returncode == 0
+    finally:
+        unmount(mnt)
