@@ -11,7 +11,9 @@ token are required; a NIC's subnet, security group and public IP, and a VM's NIC
 a NIC in use by a VM, a public IP, security group or subnet in use by a NIC cannot be deleted;
 a VM's zones cannot change; an admin user name like ``root`` is refused; eviction policy and
 max price are for Spot VMs only. A VM whose NIC and OS disk have ``deleteOption: Delete``
-takes them along when it is deleted.
+takes them along when it is deleted. A security group's rules are checked as ARM checks them
+(priorities, conflicts, protocols, address prefixes, port ranges) and it gets ARM's default
+rules; ``nsg_verdict`` says which rule decides an inbound packet.
 
 Long-running operations: a PUT or DELETE answers 201/202 with an ``Azure-AsyncOperation``
 header (resource group deletes: a ``Location`` header, as ARM does) that reads ``InProgress``
@@ -49,6 +51,19 @@ TYPES = {"virtualnetworks": "Microsoft.Network/virtualNetworks",
          "networkinterfaces": "Microsoft.Network/networkInterfaces",
          "virtualmachines": "Microsoft.Compute/virtualMachines",
          "disks": "Microsoft.Compute/disks"}
+#: security rule protocols and the service tags a rule may name (a part of them)
+RULE_PROTOCOLS = ("Tcp", "Udp", "Icmp", "Esp", "Ah", "*")
+SERVICE_TAGS = ("*", "virtualnetwork", "internet", "azureloadbalancer")
+AZURE_LB = "168.63.129.16"
+#: every network security group's default rules: name, priority, direction, source,
+#: destination, access (learn.microsoft.com/azure/virtual-network/network-security-groups-overview)
+DEFAULT_RULES = [
+    ("AllowVnetInBound", 65000, "Inbound", "VirtualNetwork", "VirtualNetwork", "Allow"),
+    ("AllowAzureLoadBalancerInBound", 65001, "Inbound", "AzureLoadBalancer", "*", "Allow"),
+    ("DenyAllInBound", 65500, "Inbound", "*", "*", "Deny"),
+    ("AllowVnetOutBound", 65000, "Outbound", "VirtualNetwork", "VirtualNetwork", "Allow"),
+    ("AllowInternetOutBound", 65001, "Outbound", "*", "Internet", "Allow"),
+    ("DenyAllOutBound", 65500, "Outbound", "*", "*", "Deny")]
 #: user names Azure refuses for a Linux VM's admin (a part of the documented list)
 RESERVED_USERS = {"root", "admin", "administrator", "guest", "owner", "sys", "test", "user"}
 
@@ -84,6 +99,59 @@ class ArmError(Exception):
     def __init__(self, status: int, code: str, message: str):
         super().__init__(message)
         self.status, self.code, self.message = status, code, message
+
+
+def _ranges(props: dict, field: str) -> list[str]:
+    """A security rule's values of ``field`` and its plural (``sourceAddressPrefix`` and
+    ``sourceAddressPrefixes``, ...)."""
+    plural = field + ("es" if field.endswith("x") else "s")
+    return ([props[field]] if props.get(field) else []) + list(props.get(plural) or [])
+
+
+def _check_rules(rules: list[dict]) -> None:
+    """Validate a security group's rules as ARM does; raise ArmError (400) for the first
+    bad one: priority outside 100-4096, two rules of one direction and priority, an unknown
+    protocol, access or direction, not exactly one of ``xAddressPrefix`` and
+    ``xAddressPrefixes``, a prefix that is neither ``*``, a service tag nor an address
+    range, a bad port range."""
+    seen: dict[tuple, str] = {}
+    for r in rules:
+        p, name = r.get("properties") or {}, r.get("name")
+        prio = p.get("priority")
+        if not isinstance(prio, int) or not 100 <= prio <= 4096:
+            raise ArmError(400, "SecurityRuleInvalidPriority", "Security rule has invalid "
+                           f"Priority. Value provided: {prio} Allowed range 100-4096.")
+        if (prio, p.get("direction")) in seen:
+            raise ArmError(400, "SecurityRuleConflict", f"Security rule "
+                           f"{seen[prio, p.get('direction')]} conflicts with rule {name}. Rules "
+                           "cannot have the same Priority and Direction.")
+        seen[prio, p.get("direction")] = name
+        for field, allowed in (("protocol", RULE_PROTOCOLS), ("access", ("Allow", "Deny")),
+                               ("direction", ("Inbound", "Outbound"))):
+            if str(p.get(field)).lower() not in {a.lower() for a in allowed}:
+                raise ArmError(400, "InvalidRequestFormat", "Cannot parse the request: "
+                               f"{field} '{p.get(field)}' of security rule {name}.")
+        for end in ("source", "destination"):
+            if bool(p.get(f"{end}AddressPrefix")) == bool(p.get(f"{end}AddressPrefixes")):
+                raise ArmError(400, "SecurityRuleInvalidAddressPrefix", f"Security rule {name} "
+                               f"needs exactly one of {end}AddressPrefix and "
+                               f"{end}AddressPrefixes.")
+            for prefix in _ranges(p, f"{end}AddressPrefix"):
+                try:
+                    if prefix.lower() not in SERVICE_TAGS:
+                        ipaddress.ip_network(prefix, strict=False)
+                except ValueError:
+                    raise ArmError(400, "SecurityRuleInvalidAddressPrefix", "Security rule "
+                                   f"has invalid Address prefix. Value provided: {prefix}"
+                                   ) from None
+            for ports in _ranges(p, f"{end}PortRange") or [None]:
+                ends = str(ports).split("-")
+                if ports != "*" and not (len(ends) <= 2 and all(
+                        e.isdigit() and int(e) <= 65535 for e in ends)):
+                    raise ArmError(400, "SecurityRuleInvalidPortRange", "Security rule has "
+                                   f"invalid Port range. Value provided: {ports}. Value should "
+                                   "be an integer OR integer range with '-' delimiter. Valid "
+                                   "range 0-65535.")
 
 
 def _ref(obj: dict | None) -> str | None:
@@ -198,6 +266,50 @@ class ArmFake:
         time.sleep(self.lro_seconds + 0.02)
         with self._lock:
             self._settle()
+
+    def nsg_verdict(self, group: str, nsg: str, source: str, destination: str,
+                    protocol: str, port: int | None = None) -> tuple[str, str]:
+        """Which rule of the security group ``group/nsg`` decides an inbound packet, as Azure
+        does (learn.microsoft.com/azure/virtual-network/network-security-groups-overview: the
+        rules, then the default rules, lowest priority number first; the first that matches
+        decides). ``VirtualNetwork`` is the address space of the group's virtual networks,
+        ``Internet`` anything outside it.
+
+        Args:
+            source, destination: IPv4 addresses (the destination is the NIC's private
+                address: Azure translates a public one before the NSG sees the packet).
+            protocol: ``Tcp``, ``Udp``, ``Icmp``; port: the destination port (None: none).
+        Returns:
+            (``Allow`` or ``Deny``, the deciding rule's name).
+        """
+        with self._lock:
+            g = self.groups[group.lower()]["name"]
+            props = self._get(self._rid(g, "networksecuritygroups", nsg))["properties"]
+            vnet = [ipaddress.ip_network(a) for v in self.resources_in(g)
+                    if v["type"] == TYPES["virtualnetworks"]
+                    for a in v["properties"]["addressSpace"]["addressPrefixes"]]
+
+            def holds(prefix: str, ip: str) -> bool:
+                addr, tag = ipaddress.ip_address(ip), prefix.lower()
+                inside = any(addr in n for n in vnet)
+                if tag in SERVICE_TAGS:
+                    return {"*": True, "virtualnetwork": inside, "internet": not inside,
+                            "azureloadbalancer": ip == AZURE_LB}[tag]
+                return addr in ipaddress.ip_network(prefix, strict=False)
+
+            def covers(ports: str) -> bool:
+                a, b = (ports.split("-") * 2)[:2] if ports != "*" else ("0", "65535")
+                return ports == "*" or (port is not None and int(a) <= port <= int(b))
+            rules = props["securityRules"] + props["defaultSecurityRules"]
+            for rule in sorted(rules, key=lambda r: r["properties"]["priority"]):
+                p = rule["properties"]
+                if (p["direction"] == "Inbound" and p["protocol"] in ("*", protocol)
+                        and any(holds(x, source) for x in _ranges(p, "sourceAddressPrefix"))
+                        and any(holds(x, destination)
+                                for x in _ranges(p, "destinationAddressPrefix"))
+                        and any(covers(x) for x in _ranges(p, "destinationPortRange"))):
+                    return p["access"], rule["name"]
+        raise AssertionError("no rule matched: the default rules match everything")
 
     # -- request handling ------------------------------------------------------------------------
     def _rid(self, group: str, kind: str, name: str) -> str:
@@ -438,8 +550,16 @@ class ArmFake:
             for s in props.get("subnets", []):
                 s["id"] = f"{rid}/subnets/{s['name']}"
         elif kind == "networksecuritygroups":
+            _check_rules(props.get("securityRules", []))
             for s in props.get("securityRules", []):
                 s["id"] = f"{rid}/securityRules/{s['name']}"
+            props["defaultSecurityRules"] = [  # read-only: what a client sends is ignored
+                {"name": name, "id": f"{rid}/defaultSecurityRules/{name}", "properties": {
+                    "protocol": "*", "sourcePortRange": "*", "destinationPortRange": "*",
+                    "sourceAddressPrefix": src, "destinationAddressPrefix": dst,
+                    "access": access, "priority": prio, "direction": direction,
+                    "provisioningState": "Succeeded"}}
+                for name, prio, direction, src, dst, access in DEFAULT_RULES]
         elif kind == "publicipaddresses":
             if (body.get("sku") or {}).get("name") == "Standard" and \
                     props.get("publicIPAllocationMethod") != "Static":

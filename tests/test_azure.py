@@ -1,6 +1,7 @@
 """The azure CloudAPI (hypercli/providers/azure.py) through the real azure-mgmt clients against
 a local TLS stand-in for Azure Resource Manager (tests/azurefake.py): spot and regular VMs in a
-resource group with network, security group, public IPs and NICs, long-running operations, zone
+resource group with network, security group (SSH from the caller, every port between the
+cluster's nodes, and which packets get in), public IPs and NICs, long-running operations, zone
 failover on SkuNotAvailable and allocation failures, quota and auth errors, power states,
 teardown by resource group, and gc across clusters."""
 
@@ -148,15 +149,76 @@ def test_spot_without_max_price_pays_up_to_on_demand(fake):
     assert vm_puts(fake)[0][1]["properties"]["billingProfile"] == {"maxPrice": -1}
 
 
-def test_security_group_admits_ssh_from_the_cidr_only(fake):
+def test_security_group_admits_the_cluster_and_ssh_from_the_cidr_only(fake):
     api().prepare(spec(), KEY)
     [nsg] = [b for m, p, b in fake.requests if m == "PUT" and "networkSecurityGroups" in p]
-    [rule] = nsg["properties"]["securityRules"]
-    p = rule["properties"]
+    ssh, cluster = nsg["properties"]["securityRules"]
+    p = ssh["properties"]
+    assert ssh["name"] == "ssh"
     assert (p["sourceAddressPrefix"], p["destinationPortRange"], p["protocol"], p["access"],
             p["direction"], p["priority"]) == ("203.0.113.0/24", "22", "Tcp", "Allow",
                                                "Inbound", 1000)
+    # the cluster's subnet to itself, every protocol and port, applied after the SSH rule
+    q = cluster["properties"]
+    assert cluster["name"] == "cluster"
+    assert (q["sourceAddressPrefix"], q["destinationAddressPrefix"], q["protocol"],
+            q["sourcePortRange"], q["destinationPortRange"], q["access"], q["direction"]) == (
+        "10.77.0.0/20", "10.77.0.0/20", "*", "*", "*", "Allow", "Inbound")
+    assert p["priority"] < q["priority"] < 4096
     assert nsg["tags"]["hyper:cluster"] == "c1"
+    # the defaults are Azure's own, DenyAllInBound included: nothing sent, nothing changed
+    assert "defaultSecurityRules" not in nsg["properties"]
+    [stored] = [r for r in fake.resources_in("hyper-c1") if r["name"] == "hyper-c1-nsg"]
+    assert [(r["name"], r["properties"]["priority"])
+            for r in stored["properties"]["defaultSecurityRules"]][:3] == [
+        ("AllowVnetInBound", 65000), ("AllowAzureLoadBalancerInBound", 65001),
+        ("DenyAllInBound", 65500)]
+
+
+def test_nodes_reach_each_other_and_only_ssh_gets_in_from_the_internet(fake):
+    a = api()
+    vms, _ = launch(a, spec())
+    ip = {v.node: v.private_ip for v in a.describe("c1")}
+    assert {v.node: v.private_ip for v in vms} == ip  # each node's private address
+    assert all(x.startswith("10.77.") for x in ip.values())
+
+    def verdict(source, dst, protocol, port=None):
+        return fake.nsg_verdict("hyper-c1", "hyper-c1-nsg", source, dst, protocol, port)
+    # node to node: any protocol and port, by the cluster rule
+    assert verdict(ip["c1-0"], ip["c1-1"], "Tcp", 29500) == ("Allow", "cluster")
+    assert verdict(ip["c1-1"], ip["c1-0"], "Udp", 53) == ("Allow", "cluster")
+    assert verdict(ip["c1-0"], ip["c1-1"], "Icmp") == ("Allow", "cluster")
+    # from the Internet: port 22 from ssh_cidr, nothing else
+    assert verdict("203.0.113.9", ip["c1-1"], "Tcp", 22) == ("Allow", "ssh")
+    assert verdict("203.0.113.9", ip["c1-1"], "Tcp", 29500) == ("Deny", "DenyAllInBound")
+    assert verdict("198.51.100.9", ip["c1-1"], "Tcp", 22) == ("Deny", "DenyAllInBound")
+
+
+@pytest.mark.parametrize("rule, code", [
+    (dict(priority=50), "SecurityRuleInvalidPriority"),
+    (dict(priority=1000), "SecurityRuleConflict"),
+    (dict(source_address_prefix="anywhere"), "SecurityRuleInvalidAddressPrefix"),
+    (dict(destination_port_range="22-99999"), "SecurityRuleInvalidPortRange"),
+])
+def test_the_stand_in_refuses_security_rules_arm_refuses(fake, rule, code):
+    from azure.core.exceptions import HttpResponseError
+    from azure.mgmt.network import models as nm
+    base = dict(name="extra", protocol="*", direction="Inbound", access="Allow", priority=900,
+                source_address_prefix="10.0.0.0/8", source_port_range="*",
+                destination_address_prefix="*", destination_port_range="*")
+    a = api()
+    a.prepare(spec(), KEY)
+    with pytest.raises(HttpResponseError) as e:
+        a.net.network_security_groups.begin_create_or_update(
+            "hyper-c1", "hyper-c1-nsg", nm.NetworkSecurityGroup(
+                location="eastus", security_rules=[
+                    nm.SecurityRule(name="ssh", protocol="Tcp", direction="Inbound",
+                                    access="Allow", priority=1000,
+                                    source_address_prefix="203.0.113.0/24",
+                                    source_port_range="*", destination_address_prefix="*",
+                                    destination_port_range="22"),
+                    nm.SecurityRule(**{**base, **rule})]), polling_interval=0.01).result()
+    assert e.value.error.code == code
 
 
 def test_prepare_is_idempotent_and_follows_a_new_cidr(fake):
@@ -165,8 +227,9 @@ def test_prepare_is_idempotent_and_follows_a_new_cidr(fake):
     assert a.prepare(spec(ssh_cidr="198.51.100.7/32"), KEY) == first
     assert kinds_in(fake, "hyper-c1") == ["networkSecurityGroups", "virtualNetworks"]
     [nsg] = [r for r in fake.resources_in("hyper-c1") if r["name"] == "hyper-c1-nsg"]
-    assert [r["properties"]["sourceAddressPrefix"]
-            for r in nsg["properties"]["securityRules"]] == ["198.51.100.7/32"]
+    assert [(r["name"], r["properties"]["sourceAddressPrefix"])
+            for r in nsg["properties"]["securityRules"]] == [("ssh", "198.51.100.7/32"),
+                                                             ("cluster", "10.77.0.0/20")]
     with pytest.raises(UsageError, match="source address"):
         a.prepare(spec(ssh_cidr=None), KEY)
 

@@ -3,8 +3,12 @@
 What a cluster gets, all in one resource group (``resource_group``, default
 ``hyper-<cluster>``) tagged ``hyper:cluster`` and ``hyper:owner``:
 
-* a virtual network ``hyper-<cluster>-vnet`` with subnet ``nodes`` and a network security group
-  ``hyper-<cluster>-nsg`` with one inbound rule: TCP 22 from ``ssh_cidr`` (priority 1000);
+* a virtual network ``hyper-<cluster>-vnet`` (10.77.0.0/16) with subnet ``nodes``
+  (10.77.0.0/20) and a network security group ``hyper-<cluster>-nsg`` with two inbound rules:
+  ``ssh``, TCP 22 from ``ssh_cidr`` (priority 1000), and ``cluster``, every protocol and port
+  from the subnet to the subnet (priority 1100, after ``ssh``): the cluster's nodes reach each
+  other on their private addresses, e.g. the ranks of a multi-node task. Azure's default rules
+  stay as they are, so anything else from the Internet meets ``DenyAllInBound``;
 * per node a static Standard public IP ``<node>-ip``, a NIC ``<node>-nic`` and a VM ``<node>``,
   each tagged ``hyper:cluster``/``hyper:node``/``hyper:owner``: priority Spot, eviction policy
   Delete and ``max_price`` (-1: up to the on-demand price), or priority Regular; its OS disk of
@@ -99,6 +103,8 @@ KINDS = {"microsoft.compute/virtualmachines": "instance",
          "microsoft.network/networksecuritygroups": "security_group",
          "microsoft.network/virtualnetworks": "network"}
 ORDER = list(KINDS.values())
+VNET_SPACE, SUBNET = "10.77.0.0/16", "10.77.0.0/20"  # the cluster's network and its subnet
+SSH_PRIORITY, CLUSTER_PRIORITY = 1000, 1100  # NSG rules: lower numbers are applied first
 
 
 def vm_name(text: str) -> str:
@@ -237,7 +243,9 @@ class AzureAPI:
                f"({n} hyper resource groups)"
 
     def prepare(self, spec: CloudSpec, ssh_public_key: str) -> dict:
-        """Create or update the group, network security group and virtual network.
+        """Create or update the group, network security group and virtual network (module
+        docstring; the security group's rules are written whole, so a rule added by hand or an
+        old caller address goes).
 
         Returns:
             ``{"resource_group": name, "nsg": id, "subnet": id}``.
@@ -258,18 +266,24 @@ class AzureAPI:
             nsg = self.net.network_security_groups.begin_create_or_update(
                 rg, f"hyper-{spec.cluster}-nsg", nm.NetworkSecurityGroup(
                     location=self.region, tags=tags,
-                    security_rules=[nm.SecurityRule(
-                        name="ssh", protocol="Tcp", direction="Inbound", access="Allow",
-                        priority=1000, source_address_prefix=spec.ssh_cidr,
-                        source_port_range="*", destination_address_prefix="*",
-                        destination_port_range="22")]),
+                    security_rules=[
+                        nm.SecurityRule(
+                            name="ssh", protocol="Tcp", direction="Inbound", access="Allow",
+                            priority=SSH_PRIORITY, source_address_prefix=spec.ssh_cidr,
+                            source_port_range="*", destination_address_prefix="*",
+                            destination_port_range="22"),
+                        nm.SecurityRule(
+                            name="cluster", protocol="*", direction="Inbound", access="Allow",
+                            priority=CLUSTER_PRIORITY, source_address_prefix=SUBNET,
+                            source_port_range="*", destination_address_prefix=SUBNET,
+                            destination_port_range="*")]),
                 polling_interval=self.poll).result()
         with _calls("creating the virtual network"):
             vnet = self.net.virtual_networks.begin_create_or_update(
                 rg, f"hyper-{spec.cluster}-vnet", nm.VirtualNetwork(
                     location=self.region, tags=tags,
-                    address_space=nm.AddressSpace(address_prefixes=["10.77.0.0/16"]),
-                    subnets=[nm.Subnet(name="nodes", address_prefix="10.77.0.0/20")]),
+                    address_space=nm.AddressSpace(address_prefixes=[VNET_SPACE]),
+                    subnets=[nm.Subnet(name="nodes", address_prefix=SUBNET)]),
                 polling_interval=self.poll).result()
         return {"resource_group": rg, "nsg": nsg.id, "subnet": vnet.subnets[0].id}
 
