@@ -56,6 +56,21 @@ def up(state: State, spec: ClusterSpec, provider=None,
     return state.nodes(spec.name, status="up")
 
 
+def replace(state: State, provider, node: dict) -> list[dict]:
+    """Launch what a cluster lacks after ``node`` was preempted or terminated, through the
+    provider's ``replacement`` spec, record it, and return the new ``nodes`` rows ([] when
+    the provider launches no replacements).
+
+    Raises:
+        HyperError: the launch failed (CloudError, CredentialsError, InfraError).
+    """
+    spec = provider.replacement(node) if hasattr(provider, "replacement") else None
+    if spec is None:
+        return []
+    before = {n["name"] for n in state.nodes(spec.name)}
+    return [n for n in up(state, spec, provider) if n["name"] not in before]
+
+
 def down(state: State, name: str) -> list[str]:
     """Take a cluster down: cancel its running attempts and workflows, remove its nodes.
 

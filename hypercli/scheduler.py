@@ -378,9 +378,8 @@ class Scheduler:
     def _replace(self, node: str, why: str) -> None:
         """Launch a replacement for a node the cloud took back, in a thread of its own; its
         nodes join the run through a ``replaced`` event."""
-        replace = getattr(self.provider, "replace", None)
         row = self.nodes.get(node)
-        if replace is None or row is None or node in self.replacing:
+        if not hasattr(self.provider, "replacement") or row is None or node in self.replacing:
             return
         if not ("preempted" in why or why.startswith("gone")):
             return
@@ -389,12 +388,16 @@ class Scheduler:
 
         def run() -> None:
             rows: list = []
+            from hypercli.cluster import replace
+            st = State(self.state.path)  # this thread's own connection
             try:
-                rows = replace(row)
+                rows = replace(st, self.provider, row)
             except HyperError as e:
                 self.events.put(("error", node, f"replacement not launched: {e}"))
             except Exception as e:  # a bug must not kill the run
                 self.events.put(("error", node, f"replacement failed: {type(e).__name__}: {e}"))
+            finally:
+                st.close()
             self.events.put(("replaced", node, rows))
         threading.Thread(target=run, name=f"replace-{node}", daemon=True).start()
 

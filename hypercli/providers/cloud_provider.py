@@ -345,22 +345,15 @@ class CloudProvider(SSHProvider):
         if pub.exists():
             self.known_hosts(cluster).pin(target.host, target.port, pub.read_text().strip())
 
-    def replace(self, node: dict) -> list[dict]:
-        """Launch what the cluster lacks after ``node`` was preempted or terminated (the
-        cluster's recorded size), record it, and return the new ``nodes`` rows.
-
-        Raises:
-            HyperError: the launch failed (CloudError, CredentialsError, InfraError).
-        """
-        from hypercli.cluster import up
-        st = S.State()
-        c = st.cluster(node["cluster"])
+    def replacement(self, node: dict) -> ClusterSpec | None:
+        """The cluster spec to launch again after ``node`` was preempted or terminated: its
+        ``launch`` creates what the cluster lacks (its recorded size); None when the cluster
+        is no longer recorded. The caller launches and records it (``cluster.replace``)."""
+        c = S.State().cluster(node["cluster"])
         if c is None:
-            return []
-        spec = ClusterSpec(c["name"], c["provider"], (c["spec"] or {}).get("workers"),
+            return None
+        return ClusterSpec(c["name"], c["provider"], (c["spec"] or {}).get("workers"),
                            (c["spec"] or {}).get("options") or {})
-        before = {n["name"] for n in st.nodes(c["name"])}
-        return [n for n in up(st, spec, self) if n["name"] not in before]
 
     # -- health --------------------------------------------------------------------------------
     def probe(self, node: dict) -> str:
