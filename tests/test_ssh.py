@@ -113,6 +113,7 @@ def test_container_task_with_image_pushed_from_here(ssh_hosts, tiny_image, tmp_p
             "command": 'echo "inside $(cat /etc/hostname 2>/dev/null) {{v}}"\n'
                        "busybox | head -1\n"
                        'printf %s {{v}} > "$HYPER_OUTPUT/v"\n'
+                       'printf %s {{v}} > "$HYPER_CHECKPOINT/state"\n'  # bound in the box
                        'echo "{\\"ok\\": 1}" >> "$HYPER_METRICS"'}})
         state, summary = run_in_process(path)
     finally:
@@ -126,6 +127,12 @@ def test_container_task_with_image_pushed_from_here(ssh_hosts, tiny_image, tmp_p
     assert all(t["metrics"] == {"ok": 1} for t in state.tasks(summary.workflow))
     log = (hyper_home / "logs" / f"{summary.workflow}.box-0000.1" / "stdout").read_text()
     assert "BusyBox" in log
+    from hypercli.mount.checkpoint import restore  # the container's checkpoint was saved
+    for t, v in (("box-0000", "a b"), ("box-0001", "$(id)")):
+        got = tmp_path / "ck" / t
+        kept = out / ".checkpoints" / t
+        assert restore(f"file://{kept}", got, tmp_path / f"{t}.json").generation
+        assert (got / "state").read_text() == v
     used = {a["node"] for a in state.attempts(summary.workflow)}
     for h in hosts:  # the image reached the hosts that ran a task, by push (no registry)
         has = h.run(f"docker image inspect {TINY_IMAGE} >/dev/null 2>&1").returncode == 0
