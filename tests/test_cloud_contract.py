@@ -1,14 +1,19 @@
 """One contract, every cloud API (hypercli/providers/cloud.py's CloudAPI): aws on moto, gcp and
 azure through their real clients against the local stand-ins. Each: prepare twice (idempotent),
 create two nodes, describe them, list what the cluster holds, tear it all down with the same
-loop as `hyper down`, and find nothing left."""
+loop as `hyper down`, and find nothing left. Every node records its private address, where the
+cluster's other nodes reach it."""
 
 from __future__ import annotations
 
 import pytest
 
+import ipaddress
+import json
+
 from hypercli.providers.cloud import VM, Boot, CloudSpec, Resource
-from hypercli.providers.cloud_provider import remove_all
+from hypercli.providers.cloud_provider import node_info, remove_all
+from hypercli.ssh.conn import Target
 
 KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOMqqnkVzrm0SdG6UOoqKLsabgH5C9okWi0dh2l9GKJl hyper-k"
 
@@ -78,3 +83,41 @@ def test_cloud_api_contract(cloud):
     removed = remove_all(api, "k1")
     assert len(removed) >= 3
     assert api.resources("k1") == [] and api.describe("k1") == []
+
+
+def test_every_node_records_its_private_address(cloud, monkeypatch, tmp_path):
+    api, spec = cloud
+    nodes = ["k1-0", "k1-1"]
+    boot = Boot({n: f"#cloud-config\n# {n}\n" for n in nodes}, "root", KEY)
+    vms, errors = api.create(spec, nodes, boot, api.prepare(spec, KEY))
+    assert errors == {}
+    seen = {v.id: v for v in api.describe("k1")}
+    monkeypatch.delenv("HYPER_CLOUD_ADDRESSES", raising=False)
+    for vm in vms:
+        target = Target(vm.public_ip or "192.0.2.1", 22, "root")
+        info = node_info(api.name, spec, vm, target, {"cpus": 2})
+        assert info["private_address"] == vm.private_ip == seen[vm.id].private_ip
+        assert ipaddress.ip_address(info["private_address"]).is_private
+        assert info["private_address"] != info["public_ip"] and info["cpus"] == 2
+    # with the test seam naming an instance, the other nodes reach it at the seam's host
+    seam = tmp_path / "addresses.json"
+    seam.write_text(json.dumps({vms[0].id: "10.213.0.11:22"}))
+    monkeypatch.setenv("HYPER_CLOUD_ADDRESSES", str(seam))
+    info = node_info(api.name, spec, vms[0], Target("10.213.0.11", 22, "root"), {})
+    assert info["private_address"] == "10.213.0.11" and info["private_ip"] == vms[0].private_ip
+    remove_all(api, "k1")
+
+
+def test_an_ssh_node_records_the_host_it_was_reached_at(ssh_hosts, hyper_home):
+    """The ssh provider's nodes have no cloud to ask: the address they were reached at is
+    where the cluster's other nodes reach them (the cloud providers replace it above)."""
+    from hypercli.providers.ssh import SSHProvider
+    host = ssh_hosts.start(1)[0]
+    prov = SSHProvider(trust_new_hosts=True)
+    inst = prov.bootstrap("lab-0", Target(host.ip, host.port, "root",
+                                          str(ssh_hosts.client_key)), "lab")
+    try:
+        assert inst.extra["private_address"] == host.ip == inst.address["host"]
+        assert inst.extra["cpus"] >= 1  # what the agent reported is kept beside it
+    finally:
+        prov.drop("lab-0")

@@ -115,7 +115,8 @@ class VM:
         zone: where it runs.
         state: ``pending`` | ``running`` | ``stopping`` | ``terminated`` | ``preempted``
             (a spot node the cloud took back, when the API tells).
-        public_ip, private_ip: addresses, or None while it has none.
+        public_ip, private_ip: addresses, or None while it has none; the cluster's nodes
+            reach each other at their private addresses.
         instance_type: machine type; spot: spot capacity.
         extra: anything else worth recording (price, image, launch time).
     """
@@ -186,8 +187,9 @@ class CloudAPI(Protocol):
 
     def prepare(self, spec: CloudSpec, ssh_public_key: str) -> dict:
         """Create (or find) the cluster's shared resources, idempotently: network, security
-        group or firewall rule (22 from ``spec.ssh_cidr`` only), key pair, resource group.
-        Returns what :meth:`create` needs of them (opaque to the caller)."""
+        group or firewall rules (from outside only TCP 22 from ``spec.ssh_cidr``; between the
+        cluster's own nodes every protocol and port, on their private addresses), key pair,
+        resource group. Returns what :meth:`create` needs of them (opaque to the caller)."""
 
     def create(self, spec: CloudSpec, nodes: list[str], boot: Boot,
                prepared: dict) -> tuple[list[VM], dict[str, Exception]]:

@@ -12,9 +12,10 @@ provider's (:mod:`hypercli.providers.ssh`).
    as soon as the node's address is known, so the first contact is verified: no
    trust-on-first-use, and a changed key is refused like on any SSH host;
 3. the cloud's shared resources are made (:meth:`CloudAPI.prepare`: key pair, firewall for port
-   22 from the caller's address only), the instances are created (zones tried in order on
-   capacity errors), and each node is bootstrapped over SSH as soon as it is running, with
-   retries while it boots.
+   22 from the caller's address only and for all traffic between the cluster's own nodes),
+   the instances are created (zones tried in order on capacity errors), and each node is
+   bootstrapped over SSH as soon as it is running, with retries while it boots; its ``info``
+   records its private address (:func:`node_info`), where the other nodes reach it.
 
 ``terminate`` (``hyper down``) terminates the instances, then lists everything tagged for the
 cluster and deletes it, again and again until the cloud reports nothing left (or a deadline),
@@ -182,6 +183,27 @@ def seam_addresses() -> dict:
         return {}
 
 
+def node_info(provider: str, cs: CloudSpec, vm: VM, target: Target, extra: dict) -> dict:
+    """The ``info`` recorded for a cloud node: what bootstrap found (``extra``) and what
+    the cloud says (provider, region, zone, instance type, spot, public and private IP).
+
+    ``private_address`` is the address the cluster's other nodes reach it at (the ranks of
+    a multi-node task): ``vm.private_ip`` (the cluster's firewall admits all traffic between
+    its nodes there); with the test seam naming the instance, the seam's host instead (the
+    test hosts reach each other there, not at the stand-in's made-up addresses); the SSH
+    address when the cloud gave no private IP.
+
+    Args:
+        provider: ``aws``, ``gcp`` or ``azure``; cs: the cluster; vm: the instance;
+        target: where it was reached over SSH; extra: ``Instance.extra`` from bootstrap.
+    """
+    seamed = vm.id in seam_addresses()
+    return {**extra, "cloud": provider, "region": cs.region, "zone": vm.zone,
+            "instance_type": vm.instance_type, "spot": vm.spot, "public_ip": vm.public_ip,
+            "private_ip": vm.private_ip,
+            "private_address": target.host if seamed else (vm.private_ip or target.host)}
+
+
 def make_api(provider: str, options: dict) -> CloudAPI:
     """The CloudAPI of ``provider`` for a cluster's options (``region``, ``project``, ...).
 
@@ -320,10 +342,7 @@ class CloudProvider(SSHProvider):
                 raise NodeError(node, f"instance {vm.id} did not answer over SSH within "
                                 f"{BOOT_TIMEOUT:.0f} s: {last}")
             return Instance(node, vm.id, inst.slots, inst.address,
-                            {**inst.extra, "cloud": self.name, "region": cs.region,
-                             "zone": vm.zone, "instance_type": vm.instance_type,
-                             "spot": vm.spot, "public_ip": vm.public_ip,
-                             "private_ip": vm.private_ip})
+                            node_info(self.name, cs, vm, target, inst.extra))
         res = fan_out([v.node for v in vms], one)
         return list(res.ok.values()), dict(res.failed)
 

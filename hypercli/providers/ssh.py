@@ -161,7 +161,8 @@ class SSHProvider:
 
     # -- the contract --------------------------------------------------------------------
     def bootstrap(self, name: str, target: Target, cluster: str) -> Instance:
-        """Connect, install the agent, and describe the host. Raises NodeError."""
+        """Connect, install the agent, and describe the host (``extra``: what the agent
+        reports, and ``private_address``, the host it was reached at). Raises NodeError."""
         conn = self.connection(name, target, cluster, BOOTSTRAP_TIMEOUT)
         r = conn.run("command -v python3 >/dev/null || exit 127; "
                      f"mkdir -p ~/.hyper/bin && test -s ~/{AGENT_REL} && echo present; "
@@ -178,6 +179,7 @@ class SSHProvider:
         finally:
             client.close()
         info.pop("version", None)
+        info["private_address"] = target.host  # where the cluster's other nodes reach it
         slots = max(1, int(info.get("cpus") or 1))  # a cap; resources decide the rest
         return Instance(name, str(target), slots, {"host": target.host, "port": target.port,
                                                "user": target.user,
