@@ -110,9 +110,13 @@ SOCKET_IFNAME = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 CHECKPOINT_WRAPPER = r"""
 ck="$HYPER_CHECKPOINT"
 save() {
-  if [ -n "$HYPER_CKPT_SAVE" ] && [ -n "$(ls -A "$ck" 2>/dev/null)" ]; then
-    sh -c "$HYPER_CKPT_SAVE" || echo "hyper: saving the checkpoint failed" >&2
-  fi
+  [ -n "$HYPER_CKPT_SAVE" ] || return 0
+  for f in "$ck"/* "$ck"/.[!.]* "$ck"/..?*; do  # not empty (a shell test, no process)
+    if [ -e "$f" ] || [ -L "$f" ]; then
+      sh -c "$HYPER_CKPT_SAVE" || echo "hyper: saving the checkpoint failed" >&2
+      return 0
+    fi
+  done
 }
 if [ -n "$HYPER_CKPT_RESTORE" ]; then
   sh -c "$HYPER_CKPT_RESTORE" || { echo "hyper: restoring the checkpoint failed" >&2; exit 75; }
