@@ -26,7 +26,7 @@ def run_and_kill(tmp_path, ssh_hosts, hosts, **top):
     work = tmp_path / "work"
     shutil.copytree(JOB, work)
     path = ssh_recipe(tmp_path, ssh_hosts, hosts, {"train": {
-        "retries": 1, "checkpoint_every": 1,
+        "retries": 2, "checkpoint_every": 1,  # 2: a loaded machine may lose a node twice
         "command": "python3 count.py 60 0.1"}}, workdir=str(work), **top)
     killed = {}
 
@@ -41,10 +41,14 @@ def run_and_kill(tmp_path, ssh_hosts, hosts, **top):
     t.start()
     state, summary = run_in_process(path)
     t.join()
-    assert summary.exit_code == 0
+    assert summary.exit_code == 0, [
+        (a["status"], a["exit_code"], a["error"],
+         (Path(State().path).parent / "logs" / a["id"] / "stderr").read_text()[-2000:]
+         if (Path(State().path).parent / "logs" / a["id"] / "stderr").exists() else "")
+        for a in state.attempts("lab-1")]
     attempts = state.attempts("lab-1", "train-0000")
-    assert [a["status"] for a in attempts] == ["lost", "succeeded"]
-    assert attempts[1]["node"] != killed["node"]
+    assert attempts[0]["status"] == "lost" and attempts[0]["node"] == killed["node"]
+    assert attempts[-1]["status"] == "succeeded" and attempts[-1]["node"] != killed["node"]
     metrics = state.task("lab-1", "train-0000")["metrics"]
     assert metrics["steps"] == 60 and 0 < metrics["start"] < 60, metrics
     return state, attempts
