@@ -111,3 +111,32 @@ def test_a_killed_attempt_resumes_from_its_checkpoint(hyper_home, write_recipe, 
     assert metrics["steps"] == 40 and 0 < metrics["start"] < 40  # resumed, not from 0
     log = (hyper_home / "local" / "tasks" / attempts[1]["id"] / "stdout").read_text()
     assert f"attempt 2 starts at step {metrics['start']}" in log
+
+
+def test_many_saves_chain_deltas_and_restore_fetches_little_more_than_it_needs(tmp_path):
+    src, url = tmp_path / "ck", f"file://{tmp_path}/store"
+    src.mkdir()
+    rnd = random.Random(7)
+    size = 4 << 20
+    (src / "w.bin").write_bytes(rnd.randbytes(size))
+    C.save(src, url, 1, tmp_path / "s.json")
+    for i in range(2 * C.FULL_EVERY + 3):  # past two full generations
+        with open(src / "w.bin", "r+b") as f:
+            f.seek(rnd.randrange(size - 4096))
+            f.write(rnd.randbytes(4096))
+        (src / "step").write_text(str(i))
+        r = C.save(src, url, 1, tmp_path / "s.json")
+        assert r.uploaded < 2 * C.BLOCK + 8192  # the changed blocks and a small manifest
+        if i == 5:
+            (src / "extra").write_text("gone later")
+        if i == 9:
+            (src / "extra").unlink()
+    fulls = [g for g in open_store(url).list("gen/")
+             if json.loads(open_store(url).get(g[0]))["base"] is None]
+    assert len(fulls) == 3  # the first, then one per FULL_EVERY deltas
+    out = tmp_path / "out"
+    r = C.restore(url, out, tmp_path / "o.json")
+    assert (out / "w.bin").read_bytes() == (src / "w.bin").read_bytes()
+    assert (out / "step").read_text() == str(2 * C.FULL_EVERY + 2)
+    assert not (out / "extra").exists()
+    assert r.downloaded <= size * 1.15  # ranged reads of old packs, not whole packs

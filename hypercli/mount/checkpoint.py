@@ -1,30 +1,37 @@
 """Checkpoints that follow a task across its attempts: a folder (``HYPER_CHECKPOINT``) saved
 to an object store in generations and restored, on whatever node, for the next attempt.
 
-Under a checkpoint URL ``C`` (``<storage>/<workflow>/<task>/checkpoint``)::
+Under a checkpoint URL ``C`` (``<storage>/<workflow>/.checkpoints/<task>``)::
 
-    C/packs/<sha256>                 blocks that were new at a save, concatenated
-    C/gen/<attempt>.<seq>.json       one generation: {"attempt", "seq", "time", "files":
-                                     {path: {"size", "mode", "blocks": [[sha256, pack,
-                                     offset, length], ...]}}}, written last
+    C/packs/<sha256>                 the blocks that were new at one save, concatenated
+    C/gen/<attempt>.<seq>.json       one generation, written last:
+        {"attempt", "seq", "time", "base": the generation it changes, or null,
+         "files": {path: {"size", "mode", "n": number of blocks,
+                          "blocks": {index: [sha256, pack, offset, length], ...}}}}
+
+A *full* generation (``base`` null) lists every block of every file; a *delta* lists only the
+blocks that differ from its base (the generation the node last saved or restored); a file it
+does not list is gone. A chain of deltas ends at a full generation within FULL_EVERY saves.
 
 Rules:
-  * Files are cut into fixed blocks of BLOCK bytes, named by their SHA-256. A save uploads one
-    pack holding only the blocks no earlier generation it knows of holds, then the generation
-    that lists every file's blocks: what did not change is not sent again (fixed-size blocks,
-    as rsync's; a checkpoint rewritten in place changes the blocks around the bytes that
-    changed). A file whose size and mtime did not change since the last save is not read.
+  * Files are cut into fixed blocks of BLOCK bytes, named by their SHA-256 (rsync's fixed
+    blocks: a checkpoint rewritten in place changes only the blocks around the bytes that
+    changed). A save uploads one pack holding only blocks no generation it knows of holds,
+    then a manifest listing only what changed: a save sends little more than what changed
+    (a 1 MiB change: 9 blocks of 128 KiB at worst, a small delta, and every FULL_EVERY saves a
+    full manifest). A file whose size and mtime did not change is not read.
   * A generation exists once its manifest does (written after its pack): a save cut short
     leaves no generation, and restore takes the newest *complete* one.
   * Generations are named by attempt number then sequence, and restore takes the greatest:
     a late save of an older attempt (a fenced node that comes back) never wins over a newer
     attempt's generations, and nothing is ever overwritten.
-  * Restore makes the folder exactly the generation's files (others removed), fetching each
-    pack it needs once, and checks every block's SHA-256; a block that does not match is an
-    error (nothing half-restored is left: files are renamed into place when whole).
-  * What a node knows (blocks and where they are, files' sizes and mtimes) is kept in a state
-    file beside the folder, under an flock, so a periodic save and the final one never run at
-    once.
+  * Restore makes the folder exactly the generation's files (others removed) and checks
+    every block's SHA-256; a pack mostly made of blocks still in use is fetched whole, one
+    holding few of them by ranged reads of those blocks only (packs of old saves are mostly
+    superseded). A file is renamed into place when whole.
+  * What a node knows (blocks, files' sizes and mtimes, the generation its folder is) is kept
+    in a state file beside the folder, under an flock, so a periodic save and the final one
+    never run at once.
 """
 
 from __future__ import annotations
@@ -35,19 +42,22 @@ import json
 import os
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from hypercli.mount.store import NotFound, Store, StoreError, open_store
 
-BLOCK = 256 << 10  #: bytes per block (a 1 MiB change in place sends 1-1.25 MiB)
+BLOCK = 128 << 10  #: bytes per block (an unaligned 1 MiB change spans 9 blocks)
+FULL_EVERY = 20   #: at most this many deltas before a full generation
+WHOLE_PACK = 0.5  #: fetch a pack whole when at least this share of it is still in use
 
 
 @dataclass
 class SaveReport:
-    """What a save did: the generation written (None when nothing changed), bytes uploaded,
-    bytes of the folder, files read (changed)."""
+    """What a save did: the generation written (None when nothing changed), bytes uploaded
+    (pack and manifest), bytes of the folder, bytes of files read (changed)."""
 
     generation: str | None
     uploaded: int
@@ -92,7 +102,7 @@ def _state(path: Path):
         except (OSError, ValueError):
             st = {}
         st.setdefault("blocks", {})  # sha256 → [pack, offset, length]
-        st.setdefault("files", {})   # path → {"size", "mtime_ns", "mode", "blocks"}
+        st.setdefault("files", {})   # path → {"size", "mtime_ns", "mode", "blocks": [sha]}
         yield st
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(st))
@@ -162,14 +172,80 @@ def save(folder: str | os.PathLike, url: str, attempt: int,
         for sha, (off, length) in fresh.items():
             known[sha] = [pack_name, off, length]
         seq = st["seq"] + 1 if st.get("attempt") == attempt else 1
+        delta = bool(st.get("gen")) and st.get("chain", 0) < FULL_EVERY
         gen = {"attempt": attempt, "seq": seq, "time": time.time(),
-               "files": {rel: {"size": f["size"], "mode": f["mode"],
-                               "blocks": [[b, *known[b]] for b in f["blocks"]]}
-                         for rel, f in files.items()}}
+               "base": st["gen"] if delta else None, "files": {}}
+        for rel, f in files.items():
+            before = (old_files.get(rel) or {}).get("blocks") or [] if delta else []
+            gen["files"][rel] = {
+                "size": f["size"], "mode": f["mode"], "n": len(f["blocks"]),
+                "blocks": {str(i): [b, *known[b]] for i, b in enumerate(f["blocks"])
+                           if i >= len(before) or before[i] != b}}
         name = _gen_name(attempt, seq)
-        store.put(name, json.dumps(gen).encode())  # last: the generation is complete
-        st.update(attempt=attempt, seq=seq, files=files)
-        return SaveReport(name, uploaded, total, read)
+        data = json.dumps(gen, separators=(",", ":")).encode()
+        store.put(name, data)  # last: the generation is complete
+        st.update(attempt=attempt, seq=seq, files=files, gen=name,
+                  chain=st.get("chain", 0) + 1 if delta else 0)
+        return SaveReport(name, uploaded + len(data), total, read)
+
+
+def newest(store: Store) -> tuple[list[str], set[str]] | None:
+    """What restoring the newest complete generation reads: (the generations of its chain,
+    newest first; the packs its files use), or None when there is none."""
+    gens = generations(store)
+    if not gens:
+        return None
+    chain, files = _resolve(store, _gen_name(*gens[-1]))
+    return chain, {b[1] for f in files.values() for b in f["blocks"]}
+
+
+def _resolve(store: Store, name: str) -> tuple[list[str], dict]:
+    """A generation's chain (its name, then the names of the generations it changes, back
+    to a full one) and its full block lists: {path: {"size", "mode", "blocks": [[sha, pack,
+    off, length], ...]}}."""
+    names, chain = [], []
+    while name is not None and len(chain) <= FULL_EVERY + 1:
+        try:
+            gen = json.loads(store.get(name))
+        except (NotFound, ValueError) as e:
+            raise StoreError(f"{store.url}/{name}: {e}") from None
+        chain.append(gen)
+        names.append(name)
+        name = gen.get("base")
+    if name is not None:
+        raise StoreError(f"{store.url}: a chain of generations longer than {FULL_EVERY}")
+    files: dict = {}
+    for gen in reversed(chain):  # the full one first, then each delta over it
+        out = {}
+        for rel, f in gen["files"].items():
+            prev = files.get(rel, {}).get("blocks", []) if gen.get("base") else []
+            blocks = [prev[i] if i < len(prev) else None for i in range(f["n"])]
+            for i, b in f["blocks"].items():
+                blocks[int(i)] = b
+            if None in blocks:
+                raise StoreError(f"{store.url}: generation {gen['attempt']}.{gen['seq']} "
+                                 f"leaves blocks of {rel} undefined")
+            out[rel] = {"size": f["size"], "mode": f.get("mode", 0o644), "blocks": blocks}
+        files = out
+    return names, files
+
+
+def _fetch_plan(files: dict) -> dict[str, list[tuple[int, int]]]:
+    """pack → the byte ranges (offset, length) of it the files use, merged when adjacent."""
+    used: dict[str, set] = {}
+    for f in files.values():
+        for _, pack, off, length in f["blocks"]:
+            used.setdefault(pack, set()).add((off, length))
+    plan = {}
+    for pack, spans in used.items():
+        merged: list[list[int]] = []
+        for off, length in sorted(spans):
+            if merged and merged[-1][0] + merged[-1][1] == off:
+                merged[-1][1] += length
+            else:
+                merged.append([off, length])
+        plan[pack] = [(o, n) for o, n in merged]
+    return plan
 
 
 def restore(url: str, folder: str | os.PathLike, state_path: str | os.PathLike,
@@ -179,7 +255,6 @@ def restore(url: str, folder: str | os.PathLike, state_path: str | os.PathLike,
     Raises:
         StoreError: the store failed, or a block did not match its SHA-256.
     """
-    from concurrent.futures import ThreadPoolExecutor
     store = open_store(url)
     root = Path(folder)
     root.mkdir(parents=True, exist_ok=True)
@@ -187,48 +262,67 @@ def restore(url: str, folder: str | os.PathLike, state_path: str | os.PathLike,
     if not gens:
         return RestoreReport(None, 0, 0)
     name = _gen_name(*gens[-1])
-    try:
-        gen = json.loads(store.get(name))
-    except (NotFound, ValueError) as e:
-        raise StoreError(f"{store.url}/{name}: {e}") from None
+    _, files = _resolve(store, name)
+    attempt, seq = gens[-1]
+    sizes = dict(store.list("packs/"))
+    ranged = getattr(store, "get_range", None)
     with _state(Path(state_path)) as st, tempfile.TemporaryDirectory(
             dir=Path(state_path).parent) as tmp:
-        need = {b[1] for f in gen["files"].values() for b in f["blocks"]}
-        packs: dict[str, Path] = {}
+        got: dict[str, tuple[Path, dict]] = {}  # pack → (local file, {pack offset: file offset})
 
-        def fetch(pack: str) -> int:
+        def fetch(item) -> int:
+            pack, spans = item
             dest = Path(tmp) / pack.replace("/", "_")
-            n = store.get_to_file(pack, dest)
-            packs[pack] = dest
+            live = sum(n for _, n in spans)
+            if ranged is None or live >= WHOLE_PACK * sizes.get(pack, live):
+                n = store.get_to_file(pack, dest)
+                got[pack] = (dest, {o: o for o, _ in spans})
+                return n
+            where, n = {}, 0
+            with open(dest, "wb") as w:
+                for off, length in spans:
+                    data = ranged(pack, off, length)
+                    if len(data) != length:
+                        raise StoreError(f"{store.url}/{pack}: short read at {off}")
+                    where[off] = n
+                    w.write(data)
+                    n += length
+            got[pack] = (dest, where)
             return n
 
         with ThreadPoolExecutor(max_workers=jobs) as pool:
-            downloaded = sum(pool.map(fetch, sorted(need)))
-        total = 0
-        for rel, f in gen["files"].items():
-            out = root / rel
-            out.parent.mkdir(parents=True, exist_ok=True)
-            part = out.with_name(out.name + ".restoring")
-            with open(part, "wb") as w:
-                for sha, pack, off, length in f["blocks"]:
-                    with open(packs[pack], "rb") as r:
-                        r.seek(off)
+            downloaded = sum(pool.map(fetch, _fetch_plan(files).items()))
+        handles = {pack: open(path, "rb") for pack, (path, _) in got.items()}
+        try:
+            total = 0
+            for rel, f in files.items():
+                out = root / rel
+                out.parent.mkdir(parents=True, exist_ok=True)
+                part = out.with_name(out.name + ".restoring")
+                with open(part, "wb") as w:
+                    for sha, pack, off, length in f["blocks"]:
+                        r = handles[pack]
+                        base = max((o for o in got[pack][1] if o <= off), default=0)
+                        r.seek(got[pack][1][base] + off - base)
                         data = r.read(length)
-                    if hashlib.sha256(data).hexdigest() != sha:
-                        part.unlink()
-                        raise StoreError(f"{store.url}/{pack}: a block of {rel} does not match "
-                                         "its SHA-256")
-                    w.write(data)
-            os.chmod(part, f.get("mode", 0o644))
-            os.replace(part, out)
-            total += f["size"]
+                        if hashlib.sha256(data).hexdigest() != sha:
+                            part.unlink()
+                            raise StoreError(f"{store.url}/{pack}: a block of {rel} does not "
+                                             "match its SHA-256")
+                        w.write(data)
+                os.chmod(part, f["mode"])
+                os.replace(part, out)
+                total += f["size"]
+        finally:
+            for h in handles.values():
+                h.close()
         for rel, p in list(_walk(root)):
-            if rel not in gen["files"]:
+            if rel not in files:
                 p.unlink()
-        st["blocks"] = {b[0]: b[1:] for f in gen["files"].values() for b in f["blocks"]}
-        st["files"] = {rel: {"size": f["size"], "mode": f.get("mode", 0o644),
+        st["blocks"] = {b[0]: b[1:] for f in files.values() for b in f["blocks"]}
+        st["files"] = {rel: {"size": f["size"], "mode": f["mode"],
                              "mtime_ns": (root / rel).stat().st_mtime_ns,
                              "blocks": [b[0] for b in f["blocks"]]}
-                       for rel, f in gen["files"].items()}
-        st.update(attempt=gen["attempt"], seq=gen["seq"])
+                       for rel, f in files.items()}
+        st.update(attempt=attempt, seq=seq, gen=name, chain=FULL_EVERY)
     return RestoreReport(name, downloaded, total)

@@ -111,6 +111,17 @@ class FileStore:
         except OSError as e:
             raise StoreError(f"{self.url}/{key}: {e.strerror or e}") from None
 
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        """``length`` bytes from byte ``start`` of the object. Raises NotFound, StoreError."""
+        try:
+            with open(self._path(key), "rb") as f:
+                f.seek(start)
+                return f.read(length)
+        except FileNotFoundError:
+            raise NotFound(f"{self.url}/{key}: no such object") from None
+        except OSError as e:
+            raise StoreError(f"{self.url}/{key}: {e.strerror or e}") from None
+
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()
 
@@ -197,6 +208,16 @@ class S3Store:
             return n
         except OSError as e:
             raise StoreError(f"{self.url}/{key}: {e}") from None
+        except Exception as e:
+            raise self._err(key, e) from None
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        """``length`` bytes from byte ``start`` of the object (an HTTP Range request).
+        Raises NotFound, StoreError."""
+        try:
+            return self.client.get_object(Bucket=self.bucket, Key=self._key(key),
+                                          Range=f"bytes={start}-{start + length - 1}"
+                                          )["Body"].read()
         except Exception as e:
             raise self._err(key, e) from None
 

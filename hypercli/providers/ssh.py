@@ -25,7 +25,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import io
-import json
 import os
 import shlex
 import shutil
@@ -315,21 +314,20 @@ class SSHSession:
             self._push_checkpoint(conn, task)
 
     def _push_checkpoint(self, conn: Connection, task: str) -> None:
-        """Copy the newest generation kept here (and the packs it needs) to the node."""
-        from hypercli.mount.checkpoint import generations
+        """Copy the newest generation kept here (its chain, and the packs it needs) to the
+        node."""
+        from hypercli.mount.checkpoint import newest
         from hypercli.mount.outputs import checkpoint_url
         from hypercli.mount.store import open_store
         store = open_store(checkpoint_url(self.wf["storage"], self.wf["id"], task))
-        gens = generations(store)
-        if not gens:
+        found = newest(store)
+        if found is None:
             return
-        name = "gen/%08d.%08d.json" % gens[-1]
-        packs = {b[1] for f in json.loads(store.get(name))["files"].values()
-                 for b in f["blocks"]}
+        chain, packs = found
         base = Path(store.url[len("file://"):])
         buf = io.BytesIO()
         with tarfile.open(fileobj=buf, mode="w") as tar:
-            for rel in sorted(packs) + [name]:  # the generation last
+            for rel in sorted(packs) + chain[::-1]:  # the generations last, the newest last
                 tar.add(str(base / rel), arcname=rel)
         d = shlex.quote(self._node_store(task))
         conn.run(f"mkdir -p {d} && tar -C {d} -xf -", stdin=buf.getvalue(), timeout=600)
