@@ -230,27 +230,21 @@ def _resolve(store: Store, name: str) -> tuple[list[str], dict]:
     return names, files
 
 
-def _fetch_plan(files: dict) -> dict[str, list[tuple[int, int]]]:
-    """pack → the byte ranges (offset, length) of it the files use, merged when adjacent."""
-    used: dict[str, set] = {}
-    for f in files.values():
-        for _, pack, off, length in f["blocks"]:
-            used.setdefault(pack, set()).add((off, length))
-    plan = {}
-    for pack, spans in used.items():
-        merged: list[list[int]] = []
-        for off, length in sorted(spans):
-            if merged and merged[-1][0] + merged[-1][1] == off:
-                merged[-1][1] += length
-            else:
-                merged.append([off, length])
-        plan[pack] = [(o, n) for o, n in merged]
-    return plan
+def _spans(blocks: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted (offset, length) byte ranges merged where adjacent."""
+    merged: list[list[int]] = []
+    for off, length in sorted(set(blocks)):
+        if merged and merged[-1][0] + merged[-1][1] == off:
+            merged[-1][1] += length
+        else:
+            merged.append([off, length])
+    return [(o, n) for o, n in merged]
 
 
 def restore(url: str, folder: str | os.PathLike, state_path: str | os.PathLike,
             jobs: int = 8) -> RestoreReport:
-    """Make ``folder`` the newest complete generation at ``url`` (module docstring).
+    """Make ``folder`` the newest complete generation at ``url`` (module docstring). Blocks
+    are written into their files as the packs stream in, each checked as it completes.
 
     Raises:
         StoreError: the store failed, or a block did not match its SHA-256.
@@ -263,59 +257,75 @@ def restore(url: str, folder: str | os.PathLike, state_path: str | os.PathLike,
         return RestoreReport(None, 0, 0)
     name = _gen_name(*gens[-1])
     _, files = _resolve(store, name)
-    attempt, seq = gens[-1]
     sizes = dict(store.list("packs/"))
     ranged = getattr(store, "get_range", None)
-    with _state(Path(state_path)) as st, tempfile.TemporaryDirectory(
-            dir=Path(state_path).parent) as tmp:
-        got: dict[str, tuple[Path, dict]] = {}  # pack → (local file, {pack offset: file offset})
+    stream = getattr(store, "iter_chunks", None)
+    # pack → {pack offset: (length, sha, [(fd, file offset), ...])}
+    wanted: dict[str, dict[int, tuple]] = {}
+    fds: dict[str, int] = {}
+    try:
+        for rel, f in files.items():
+            part = (root / rel).with_name(Path(rel).name + ".restoring")
+            part.parent.mkdir(parents=True, exist_ok=True)
+            fd = fds[rel] = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, f["mode"])
+            os.ftruncate(fd, f["size"])
+            pos = 0
+            for sha, pack, off, length in f["blocks"]:
+                entry = wanted.setdefault(pack, {}).setdefault(off, (length, sha, []))
+                entry[2].append((fd, pos))
+                pos += length
 
-        def fetch(item) -> int:
-            pack, spans = item
-            dest = Path(tmp) / pack.replace("/", "_")
+        def put(pack: str, off: int, data: bytes) -> None:
+            length, sha, targets = wanted[pack][off]
+            if len(data) != length or hashlib.sha256(data).hexdigest() != sha:
+                raise StoreError(f"{store.url}/{pack}: a block at {off} does not match its "
+                                 "SHA-256")
+            for fd, pos in targets:
+                os.pwrite(fd, data, pos)
+
+        def fetch(pack: str) -> int:
+            blocks = wanted[pack]
+            spans = _spans([(o, b[0]) for o, b in blocks.items()])
             live = sum(n for _, n in spans)
             if ranged is None or live >= WHOLE_PACK * sizes.get(pack, live):
-                n = store.get_to_file(pack, dest)
-                got[pack] = (dest, {o: o for o, _ in spans})
+                chunks = stream(pack) if stream else iter([store.get(pack)])
+                buf, at, n = bytearray(), 0, 0  # at: the pack offset of buf[0]
+                todo = sorted(blocks)
+                i = 0
+                for chunk in chunks:
+                    buf += chunk
+                    n += len(chunk)
+                    while i < len(todo) and todo[i] + blocks[todo[i]][0] <= at + len(buf):
+                        off = todo[i]
+                        put(pack, off, bytes(buf[off - at:off - at + blocks[off][0]]))
+                        i += 1
+                    drop = min(len(buf), (todo[i] - at) if i < len(todo) else len(buf))
+                    del buf[:drop]  # what no block still to come needs
+                    at += drop
+                if i < len(todo):
+                    raise StoreError(f"{store.url}/{pack}: shorter than its blocks")
                 return n
-            where, n = {}, 0
-            with open(dest, "wb") as w:
-                for off, length in spans:
-                    data = ranged(pack, off, length)
-                    if len(data) != length:
-                        raise StoreError(f"{store.url}/{pack}: short read at {off}")
-                    where[off] = n
-                    w.write(data)
-                    n += length
-            got[pack] = (dest, where)
+            n = 0
+            for off, length in spans:
+                data = ranged(pack, off, length)
+                n += len(data)
+                for o in sorted(b for b in blocks if off <= b < off + length):
+                    put(pack, o, data[o - off:o - off + blocks[o][0]])
             return n
 
         with ThreadPoolExecutor(max_workers=jobs) as pool:
-            downloaded = sum(pool.map(fetch, _fetch_plan(files).items()))
-        handles = {pack: open(path, "rb") for pack, (path, _) in got.items()}
-        try:
-            total = 0
-            for rel, f in files.items():
-                out = root / rel
-                out.parent.mkdir(parents=True, exist_ok=True)
-                part = out.with_name(out.name + ".restoring")
-                with open(part, "wb") as w:
-                    for sha, pack, off, length in f["blocks"]:
-                        r = handles[pack]
-                        base = max((o for o in got[pack][1] if o <= off), default=0)
-                        r.seek(got[pack][1][base] + off - base)
-                        data = r.read(length)
-                        if hashlib.sha256(data).hexdigest() != sha:
-                            part.unlink()
-                            raise StoreError(f"{store.url}/{pack}: a block of {rel} does not "
-                                             "match its SHA-256")
-                        w.write(data)
-                os.chmod(part, f["mode"])
-                os.replace(part, out)
-                total += f["size"]
-        finally:
-            for h in handles.values():
-                h.close()
+            downloaded = sum(pool.map(fetch, sorted(wanted)))
+    except BaseException:
+        for rel, fd in fds.items():
+            os.close(fd)
+            (root / rel).with_name(Path(rel).name + ".restoring").unlink(missing_ok=True)
+        raise
+    total = 0
+    with _state(Path(state_path)) as st:
+        for rel, fd in fds.items():
+            os.close(fd)
+            os.replace((root / rel).with_name(Path(rel).name + ".restoring"), root / rel)
+            total += files[rel]["size"]
         for rel, p in list(_walk(root)):
             if rel not in files:
                 p.unlink()
@@ -324,5 +334,6 @@ def restore(url: str, folder: str | os.PathLike, state_path: str | os.PathLike,
                              "mtime_ns": (root / rel).stat().st_mtime_ns,
                              "blocks": [b[0] for b in f["blocks"]]}
                        for rel, f in files.items()}
+        attempt, seq = gens[-1]
         st.update(attempt=attempt, seq=seq, gen=name, chain=FULL_EVERY)
     return RestoreReport(name, downloaded, total)

@@ -111,6 +111,17 @@ class FileStore:
         except OSError as e:
             raise StoreError(f"{self.url}/{key}: {e.strerror or e}") from None
 
+    def iter_chunks(self, key: str, size: int = 1 << 20) -> Iterator[bytes]:
+        """The object's bytes, ``size`` at a time, as they are read. Raises NotFound,
+        StoreError."""
+        try:
+            with open(self._path(key), "rb") as f:
+                yield from iter(lambda: f.read(size), b"")
+        except FileNotFoundError:
+            raise NotFound(f"{self.url}/{key}: no such object") from None
+        except OSError as e:
+            raise StoreError(f"{self.url}/{key}: {e.strerror or e}") from None
+
     def get_range(self, key: str, start: int, length: int) -> bytes:
         """``length`` bytes from byte ``start`` of the object. Raises NotFound, StoreError."""
         try:
@@ -208,6 +219,15 @@ class S3Store:
             return n
         except OSError as e:
             raise StoreError(f"{self.url}/{key}: {e}") from None
+        except Exception as e:
+            raise self._err(key, e) from None
+
+    def iter_chunks(self, key: str, size: int = 1 << 20) -> Iterator[bytes]:
+        """The object's bytes, ``size`` at a time, as they arrive. Raises NotFound,
+        StoreError."""
+        try:
+            body = self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"]
+            yield from body.iter_chunks(size)
         except Exception as e:
             raise self._err(key, e) from None
 
