@@ -52,6 +52,7 @@ from hypercli.mount.store import NotFound, Store, StoreError, open_store
 BLOCK = 128 << 10  #: bytes per block (an unaligned 1 MiB change spans 9 blocks)
 FULL_EVERY = 20   #: at most this many deltas before a full generation
 WHOLE_PACK = 0.5  #: fetch a pack whole when at least this share of it is still in use
+PART = 16 << 20   #: bytes: a pack fetched whole is read in parallel ranges of at least this
 
 
 @dataclass
@@ -283,38 +284,49 @@ def restore(url: str, folder: str | os.PathLike, state_path: str | os.PathLike,
             for fd, pos in targets:
                 os.pwrite(fd, data, pos)
 
-        def fetch(pack: str) -> int:
+        def jobs_of(pack: str) -> list[tuple[str, int, int, list[int]]]:
+            """(pack, start, length, block offsets) ranges to stream: the whole pack, cut
+            into up to ``jobs`` parts on block boundaries, when most of it is in use (one
+            stream is CPU-bound here: hashing and writing run in the fetching thread); else
+            each run of blocks in use."""
             blocks = wanted[pack]
-            spans = _spans([(o, b[0]) for o, b in blocks.items()])
+            offs = sorted(blocks)
+            spans = _spans([(o, blocks[o][0]) for o in offs])
             live = sum(n for _, n in spans)
-            if ranged is None or live >= WHOLE_PACK * sizes.get(pack, live):
-                chunks = stream(pack) if stream else iter([store.get(pack)])
-                buf, at, n = bytearray(), 0, 0  # at: the pack offset of buf[0]
-                todo = sorted(blocks)
-                i = 0
-                for chunk in chunks:
-                    buf += chunk
-                    n += len(chunk)
-                    while i < len(todo) and todo[i] + blocks[todo[i]][0] <= at + len(buf):
-                        off = todo[i]
-                        put(pack, off, bytes(buf[off - at:off - at + blocks[off][0]]))
-                        i += 1
-                    drop = min(len(buf), (todo[i] - at) if i < len(todo) else len(buf))
-                    del buf[:drop]  # what no block still to come needs
-                    at += drop
-                if i < len(todo):
-                    raise StoreError(f"{store.url}/{pack}: shorter than its blocks")
-                return n
-            n = 0
-            for off, length in spans:
-                data = ranged(pack, off, length)
-                n += len(data)
-                for o in sorted(b for b in blocks if off <= b < off + length):
-                    put(pack, o, data[o - off:o - off + blocks[o][0]])
+            size = sizes.get(pack, live)
+            if stream is None:
+                return [(pack, 0, size, offs)]
+            if ranged is not None and live < WHOLE_PACK * size:
+                return [(pack, o, n, [b for b in offs if o <= b < o + n]) for o, n in spans]
+            parts = max(1, min(jobs, size // PART))
+            cuts = [offs[len(offs) * k // parts] for k in range(parts)] + [size]
+            return [(pack, cuts[k], cuts[k + 1] - cuts[k],
+                     [b for b in offs if cuts[k] <= b < cuts[k + 1]])
+                    for k in range(parts) if cuts[k] < cuts[k + 1]]
+
+        def fetch(job) -> int:
+            pack, first, length, todo = job
+            blocks = wanted[pack]
+            chunks = (stream(pack, start=first, length=length) if stream
+                      else iter([store.get(pack)]))
+            buf, at, n, i = bytearray(), first, 0, 0  # at: the pack offset of buf[0]
+            for chunk in chunks:
+                buf += chunk
+                n += len(chunk)
+                while i < len(todo) and todo[i] + blocks[todo[i]][0] <= at + len(buf):
+                    off = todo[i]
+                    put(pack, off, bytes(buf[off - at:off - at + blocks[off][0]]))
+                    i += 1
+                drop = min(len(buf), (todo[i] - at) if i < len(todo) else len(buf))
+                del buf[:drop]  # what no block still to come needs
+                at += drop
+            if i < len(todo):
+                raise StoreError(f"{store.url}/{pack}: shorter than its blocks")
             return n
 
+        work = [j for pack in sorted(wanted) for j in jobs_of(pack)]
         with ThreadPoolExecutor(max_workers=jobs) as pool:
-            downloaded = sum(pool.map(fetch, sorted(wanted)))
+            downloaded = sum(pool.map(fetch, work))
     except BaseException:
         for rel, fd in fds.items():
             os.close(fd)

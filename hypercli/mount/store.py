@@ -111,12 +111,20 @@ class FileStore:
         except OSError as e:
             raise StoreError(f"{self.url}/{key}: {e.strerror or e}") from None
 
-    def iter_chunks(self, key: str, size: int = 1 << 20) -> Iterator[bytes]:
-        """The object's bytes, ``size`` at a time, as they are read. Raises NotFound,
-        StoreError."""
+    def iter_chunks(self, key: str, size: int = 1 << 20, start: int = 0,
+                    length: int | None = None) -> Iterator[bytes]:
+        """The object's bytes from ``start`` (``length`` of them, default to the end),
+        ``size`` at a time, as they are read. Raises NotFound, StoreError."""
         try:
             with open(self._path(key), "rb") as f:
-                yield from iter(lambda: f.read(size), b"")
+                f.seek(start)
+                left = length if length is not None else -1
+                while left:
+                    data = f.read(size if left < 0 else min(size, left))
+                    if not data:
+                        return
+                    left -= len(data) if left > 0 else 0
+                    yield data
         except FileNotFoundError:
             raise NotFound(f"{self.url}/{key}: no such object") from None
         except OSError as e:
@@ -222,11 +230,17 @@ class S3Store:
         except Exception as e:
             raise self._err(key, e) from None
 
-    def iter_chunks(self, key: str, size: int = 1 << 20) -> Iterator[bytes]:
-        """The object's bytes, ``size`` at a time, as they arrive. Raises NotFound,
+    def iter_chunks(self, key: str, size: int = 1 << 20, start: int = 0,
+                    length: int | None = None) -> Iterator[bytes]:
+        """The object's bytes from ``start`` (``length`` of them, default to the end; an
+        HTTP Range request), ``size`` at a time, as they arrive. Raises NotFound,
         StoreError."""
         try:
-            body = self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"]
+            kw = {}
+            if start or length is not None:
+                end = "" if length is None else str(start + length - 1)
+                kw["Range"] = f"bytes={start}-{end}"
+            body = self.client.get_object(Bucket=self.bucket, Key=self._key(key), **kw)["Body"]
             yield from body.iter_chunks(size)
         except Exception as e:
             raise self._err(key, e) from None
