@@ -562,6 +562,11 @@ from hypercli.cli_image import image  # noqa: E402  (hyper image build/ls)
 
 cli.add_command(image)
 
+from hypercli.cli_cluster import exec_, ssh, ssh_config  # noqa: E402  (hyper exec/ssh)
+
+for _command in (exec_, ssh, ssh_config):
+    cli.add_command(_command)
+
 
 def main() -> None:
     """Entry point of the ``hyper`` console script."""
