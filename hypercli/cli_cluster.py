@@ -55,6 +55,9 @@ def exec_(cluster, command, nodes):
                          on_line=on_line, on_note=on_note)
     except KeyboardInterrupt:
         sys.exit(130)
+    except BrokenPipeError:  # `hyper exec ... | head`: the reader has gone
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(141)
     sys.exit(result.exit_code)
 
 

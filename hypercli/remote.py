@@ -230,6 +230,10 @@ def _local(node: dict, command: str, emit: OnLine, stop: threading.Event,
                     lines.pop(fd).close()
         if stop.is_set():
             os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
         code = proc.wait()
     finally:
         for f in (proc.stdout, proc.stderr):
@@ -252,7 +256,8 @@ def exec_on(state: S.State, cluster: str, command: str, *, nodes: Sequence[str] 
             ``HYPER_NODE`` set to the node's name.
         nodes: node names or indexes (:func:`pick_nodes`); empty = all.
         on_line: receives each line of output (without its newline) as it arrives; calls
-            are serialized (one at a time, from the nodes' threads).
+            are serialized (one at a time, from the nodes' threads). What it raises (e.g.
+            BrokenPipeError) stops every node's command and is raised again here.
         on_note: receives "skipped" notes for nodes that are not up (before anything runs),
             an "error" note for each node that cannot be reached, as it happens, and an
             "exit" note for each node that exits non-zero; serialized with ``on_line``.
@@ -272,10 +277,18 @@ def exec_on(state: S.State, cluster: str, command: str, *, nodes: Sequence[str] 
     gpu_machine = any((n.get("info") or {}).get("gpus") for n in every)
     result = ExecResult()
     lock = threading.Lock()
+    stop = threading.Event()
+    failed: list[BaseException] = []  # what on_line raised (a closed pipe): stops everything
 
     def emit(node: str, stream: str, line: bytes) -> None:
         with lock:
-            on_line(node, stream, line)
+            if failed:
+                return
+            try:
+                on_line(node, stream, line)
+            except BaseException as e:
+                failed.append(e)
+                stop.set()
 
     def note(node: str, kind: str, text: str) -> None:
         with lock:
@@ -291,7 +304,6 @@ def exec_on(state: S.State, cluster: str, command: str, *, nodes: Sequence[str] 
                          + ", ".join(f"{k} is {v}" for k, v in result.skipped.items()),
                          f"`hyper status {cluster}` shows its nodes; `hyper up` brings "
                          "them back")
-    stop = threading.Event()
     provider = None
     if c["provider"] != "local":
         from hypercli.providers.ssh import SSHProvider
@@ -335,6 +347,8 @@ def exec_on(state: S.State, cluster: str, command: str, *, nodes: Sequence[str] 
         if provider is not None:
             for n in live:
                 provider.drop(n["name"])
+    if failed:
+        raise failed[0]
     result.codes = {n["name"]: result.codes[n["name"]] for n in live if n["name"] in result.codes}
     return result
 

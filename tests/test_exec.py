@@ -133,7 +133,9 @@ def test_exec_reports_a_killed_host_and_goes_on(hyper, ssh_hosts):
 def test_exec_skips_nodes_that_are_not_up(hyper, ssh_hosts):
     up_lab(hyper, ssh_hosts)
     from hypercli.state import State
-    State().set_node_status("lab-1", "lost")
+    state = State()
+    state.set_node_status("lab-1", "lost")
+    state.close()
     r = hyper("exec", "lab", "--", "hostname")
     assert (r.returncode, r.stdout) == (0, "lab-0 | h1\n")
     assert "lab-1 | hyper: node is lost, not up: skipped" in r.stderr
@@ -148,6 +150,20 @@ def test_exec_on_a_local_cluster_runs_here_in_each_nodes_view(hyper, tmp_path):
     assert r.returncode == 5
     assert sorted(r.stdout.splitlines()) == [f"loc-0 | loc-0 {tmp_path}",
                                              f"loc-1 | loc-1 {tmp_path}"]
+    # a reader that goes away (`| head`) stops the commands: no wait for their end
+    p = subprocess.Popen([*hyper_cmd(), "exec", "loc", "--", "yes | head -c 20000000; sleep 60"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         stdin=subprocess.DEVNULL)
+    try:
+        assert p.stdout.readline() in (b"loc-0 | y\n", b"loc-1 | y\n")
+        p.stdout.close()
+        assert p.wait(30) == 141
+        assert b"Traceback" not in p.stderr.read()
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        p.stderr.close()
     r = hyper("ssh", "loc")
     assert r.returncode == 2 and "no host to ssh to" in r.stderr and "hyper exec loc" in r.stderr
     assert hyper("ssh-config", "loc").returncode == 2
@@ -165,7 +181,9 @@ def test_ssh_runs_the_system_client_with_the_pinned_key(hyper, ssh_hosts, hyper_
     # the command line it exec's
     from hypercli.remote import ssh_argv
     from hypercli.state import State
-    argv = ssh_argv(State(), "lab", "lab-0")
+    state = State()
+    argv = ssh_argv(state, "lab", "lab-0")
+    state.close()
     known = hyper_home / "ssh" / "lab.known_hosts"
     assert argv[0] == shutil.which("ssh")
     for opt in (["-i", str(ssh_hosts.client_key)], ["-o", "StrictHostKeyChecking=yes"],
