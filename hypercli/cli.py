@@ -121,6 +121,39 @@ def _line(sched) -> str:
     return f"[{time.time() - sched.started:5.0f}s] " + "; ".join(parts)
 
 
+class _LeaveNow(BaseException):
+    """A second Ctrl-C, SIGTERM or SIGHUP while the interrupt question is asked."""
+
+
+def _ask_leave_or_cancel() -> str:
+    """Ask, after Ctrl-C, whether to leave the tasks running or cancel them. A second Ctrl-C,
+    SIGTERM or SIGHUP (the terminal closing) answers "leave", the safe answer, at once; so
+    does the end of input."""
+    import signal
+
+    def restore():
+        for s, h in old.items():
+            signal.signal(s, h)
+
+    def leave_now(signum, frame):
+        restore()  # a third signal is only noted by the run loop
+        raise _LeaveNow()
+    old = {s: signal.signal(s, leave_now) for s in (signal.SIGINT, signal.SIGTERM,
+                                                      signal.SIGHUP)}
+    try:
+        return click.prompt("\ninterrupted: leave the tasks running or cancel them?",
+                            type=click.Choice(["leave", "cancel"]), default="leave")
+    except (_LeaveNow, click.Abort):
+        restore()
+        try:
+            click.echo("\nleaving the tasks running")
+        except OSError:  # the terminal is gone (SIGHUP)
+            pass
+        return "leave"
+    finally:
+        restore()
+
+
 @cli.command()
 @click.argument("recipe", type=click.Path(dir_okay=False))
 @click.option("--new", is_flag=True, help="Start a new workflow even if one can be resumed.")
@@ -189,8 +222,7 @@ def run(recipe, new, on_interrupt, trust_new_hosts, cluster, detach, wait):
             return on_interrupt
         if not sys.stdin.isatty():
             return "leave"
-        return click.prompt("\ninterrupted: leave the tasks running or cancel them?",
-                            type=click.Choice(["leave", "cancel"]), default="leave")
+        return _ask_leave_or_cancel()
 
     try:
         summary = Scheduler(state, wid, provider, nodes, on_interrupt=ask).run(progress)

@@ -1,0 +1,117 @@
+"""Defects a new user met: stale `ps`, Ctrl-C that traps, `down` without a word, silent wrong
+answers, progress counts, messages, clusters kept forever. Real `hyper` processes on the local
+provider."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import select
+import signal
+import time
+
+import pytest
+
+from conftest import ROOT, hyper_cmd, wait_for
+from hypercli.state import State
+
+SLOW = """
+    name: slow
+    cluster: {workers: 2}
+    experiments:
+      work:
+        parameters: {i: [1, 2, 3]}
+        command: sleep 30
+"""
+
+
+def live_attempts(wid: str = "slow-1") -> list[dict]:
+    try:
+        return State().attempts(wid, status=["running"])
+    except Exception:  # workflow not created yet
+        return []
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def task_pids(home, attempts) -> list[int]:
+    return [json.loads((home / "local" / "tasks" / a["id"] / "pid").read_text())["pid"]
+            for a in attempts]
+
+
+class Terminal:
+    """`hyper ARGS` in a pseudo-terminal of its own (a child of pty.fork)."""
+
+    def __init__(self, *args):
+        self.pid, self.fd = pty.fork()
+        if self.pid == 0:  # child: the real CLI on a terminal
+            os.chdir(ROOT)
+            os.execvp(hyper_cmd()[0], [*hyper_cmd(), *map(str, args)])
+        self.buf = b""
+        self.status = None
+
+    def read_until(self, token: bytes, timeout: float = 30) -> None:
+        end = time.time() + timeout
+        while token not in self.buf and time.time() < end:
+            if select.select([self.fd], [], [], 0.2)[0]:
+                try:
+                    self.buf += os.read(self.fd, 4096)
+                except OSError:
+                    break
+        assert token in self.buf, self.buf.decode(errors="replace")[-2000:]
+
+    def wait(self, timeout: float) -> int | None:
+        """The exit code, or None when the process is still there after timeout s."""
+        end = time.time() + timeout
+        while time.time() < end:
+            if select.select([self.fd], [], [], 0.1)[0]:
+                try:
+                    self.buf += os.read(self.fd, 4096)
+                except OSError:
+                    pass
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.status = os.waitstatus_to_exitcode(status)
+                return self.status
+        return None
+
+    def close(self) -> None:
+        if self.status is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            os.waitpid(self.pid, 0)
+        os.close(self.fd)
+
+
+# -- 4: a second Ctrl-C (or SIGTERM) at the interrupt question leaves at once --------------
+@pytest.mark.parametrize("second", ["ctrl-c", "sigterm"])
+def test_second_interrupt_at_the_question_leaves_at_once(hyper_home, write_recipe, hyper,
+                                                         second):
+    path = write_recipe(SLOW)
+    term = Terminal("run", path)
+    try:
+        running = wait_for(lambda: len(live_attempts()) == 2 and live_attempts(),
+                           what="2 running")
+        os.write(term.fd, b"\x03")  # Ctrl-C, delivered by the terminal as SIGINT
+        term.read_until(b"leave the tasks running or cancel them?")
+        if second == "ctrl-c":
+            os.write(term.fd, b"\x03")
+        else:
+            os.kill(term.pid, signal.SIGTERM)
+        code = term.wait(timeout=15)
+        assert code == 130, term.buf.decode(errors="replace")[-2000:]
+        assert b"left slow-1 running" in term.buf
+        assert all(alive(pid) for pid in task_pids(hyper_home, running))
+        assert {a["status"] for a in State().attempts("slow-1")} == {"running"}
+    finally:
+        term.close()
+        hyper("cancel", "slow-1")
