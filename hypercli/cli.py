@@ -66,6 +66,12 @@ def _ago(t: float | None) -> str:
         f"{s / 3600:.1f}h ago"
 
 
+def _when(t: float) -> str:
+    """A time of day (with the date when not today) and how long ago."""
+    fmt = "%H:%M:%S" if time.localtime(t)[:3] == time.localtime()[:3] else "%Y-%m-%d %H:%M:%S"
+    return f"{time.strftime(fmt, time.localtime(t))} ({_ago(t)})"
+
+
 # -- plan ---------------------------------------------------------------------------------
 @cli.command()
 @click.argument("recipe", type=click.Path(dir_okay=False))
@@ -450,7 +456,12 @@ def status(cluster, as_json):
 @click.argument("workflow", required=False)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def ps(workflow, as_json):
-    """List workflows, or the tasks of WORKFLOW (an id or a recipe name)."""
+    """List workflows, or the tasks of WORKFLOW (an id or a recipe name).
+
+    When no `hyper run` drives a workflow that has not ended, says so and since when; with
+    WORKFLOW, also asks its nodes what its running tasks do now (nothing is recorded).
+    """
+    from hypercli.workflows import observe, undriven
     state = _state()
     if workflow is None:
         rows = [{"workflow": w["id"], "status": w["status"], "cluster": w["cluster"],
@@ -467,19 +478,35 @@ def ps(workflow, as_json):
             counts = ", ".join(f"{v} {k}" for k, v in sorted(totals.items()))
             click.echo(f"{r['workflow']:<28} {r['status']:<10} {_ago(r['created_at']):<10} "
                        f"{counts}")
+            since = undriven(state, r["workflow"])
+            if since is not None:
+                click.echo(f"{'':<28} no `hyper run` drives it: states as of "
+                           f"{_when(since)}; `hyper ps {r['workflow']}` asks its nodes")
         if not rows:
             click.echo("no workflows yet; `hyper run RECIPE` starts one")
         return
     wid = state.workflow(workflow)["id"]
+    since = undriven(state, wid)
+    observed = observe(state, wid) if since is not None else {}
     live = {a["task"]: a for a in state.attempts(wid)}
     rows = [{"task": t["id"], "experiment": t["experiment"], "status": t["status"],
              "attempts": t["attempts"], "node": (live.get(t["id"]) or {}).get("node"),
              "params": t["params"], "metrics": t["metrics"] or {},
              "waiting": t["wait"] if t["status"] == "pending" else None}
             for t in state.tasks(wid)]
+    for r in rows:
+        if r["task"] in observed:
+            r["observed"] = observed[r["task"]]  # what its node says now, not recorded
     if as_json:
         _print_json(rows)
         return
+    if since is not None:
+        wf = state.workflow(wid)
+        from rich.markup import escape
+        _console().print(f"[yellow]stale:[/] no `hyper run` drives {wid}; its states are as "
+                         f"of the last update at {_when(since)}. `hyper run "
+                         f"{escape(wf['recipe_path'] or wf['name'])}` re-attaches and "
+                         "collects what ended", soft_wrap=True)
     from rich.table import Table
     table = Table(title=f"workflow {wid}", title_justify="left", box=None)
     for col in ("task", "status", "attempts", "node", "params"):
@@ -487,6 +514,9 @@ def ps(workflow, as_json):
     for r in rows:
         params = " ".join(f"{k}={_fmt(v)}" for k, v in r["params"].items())
         status = f"{r['status']} ({r['waiting']})" if r["waiting"] else r["status"]
+        if r.get("observed") and r["observed"] != r["status"]:
+            status += f" → {r['observed']}" + (" (not collected: `hyper run` collects it)"
+                                               if r["observed"].startswith("exited") else "")
         table.add_row(r["task"], status, str(r["attempts"]), r["node"] or "-", params)
     _console().print(table)
 

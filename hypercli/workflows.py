@@ -151,6 +151,86 @@ def results(state: S.State, ref: str, sort: str | None = None, ascending: bool =
     return wid, sort, rows
 
 
+def _pid_alive(pid) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (ProcessLookupError, ValueError, TypeError):
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def undriven(state: S.State, wid: str) -> float | None:
+    """When a workflow has not ended but no process drives it (its ``driver_pid`` is empty or
+    dead, and it is not handed to a live background driver), the time (unix s) of its last
+    recorded change (newest attempt or event time): its states are as of then. None when it
+    has ended or is driven."""
+    wf = state.workflow(wid)
+    if wf["status"] not in ("running", "cancelling"):
+        return None
+    if wf.get("driver_pid") and _pid_alive(wf["driver_pid"]):
+        return None
+    if wf.get("detached"):
+        from hypercli.driver import driver_pid
+        if driver_pid():
+            return None
+    times = [wf["created_at"]]
+    for a in state.attempts(wid):
+        times += [a["created_at"], a["started_at"] or 0, a["ended_at"] or 0]
+    times += [e["ts"] for e in state.events(wid, limit=1)]
+    return max(times)
+
+
+def observe(state: S.State, wid: str, timeout: float = 2.0) -> dict[str, str]:
+    """Ask the nodes, for at most ``timeout`` s, what the workflow's live attempts (as the
+    state file has them) are doing now, without recording anything: task id → what the node
+    says (``exited 0``, ``lost``, ``running``; ``not answering`` when the node did not answer
+    in time). Uses the agent's ``poll`` request with no wait (``hypercli/node/agent.py``)."""
+    import threading
+    live = state.attempts(wid, status=S.LIVE_ATTEMPT)
+    if not live:
+        return {}
+    wf = state.workflow(wid)
+    by_node: dict[str, list[dict]] = {}
+    for a in live:
+        by_node.setdefault(a["node"], []).append(a)
+    nodes = {n["name"]: n for n in state.nodes(wf["cluster"])}
+    out: dict[str, str] = {}
+    seen: dict[str, dict] = {}
+
+    def ask(node: str, attempts: list[dict]) -> None:
+        client = None
+        try:
+            client = provider_of(state, wf["cluster"]).connect(nodes[node])
+            states = client.call("poll", ids=[a["id"] for a in attempts], wait=0)["states"]
+            seen.update(states)
+        except (HyperError, KeyError, OSError):
+            pass
+        finally:
+            if client is not None:
+                client.close()
+    threads = [threading.Thread(target=ask, args=item, daemon=True)
+               for item in by_node.items()]
+    for t in threads:
+        t.start()
+    end = time.time() + timeout
+    for t in threads:
+        t.join(max(0.0, end - time.time()))
+    for a in live:
+        s = dict(seen.get(a["id"]) or {})
+        if not s:
+            text = "not answering"
+        elif s.get("state") == "exited":
+            text = f"exited {s.get('code')}"
+        else:
+            text = str(s.get("state"))
+        if a["rank"]:
+            text = f"rank {a['rank']} {text}"
+        out[a["task"]] = f"{out[a['task']]}, {text}" if a["task"] in out else text
+    return out
+
+
 def pick_attempt(state: S.State, ref: str, number: int | None = None, rank: int = 0) -> dict:
     """The attempt of a task (``TASK`` or ``WORKFLOW/TASK``): number N, else the newest; for a
     multi-node task, that attempt's rank ``rank``.

@@ -115,3 +115,36 @@ def test_second_interrupt_at_the_question_leaves_at_once(hyper_home, write_recip
     finally:
         term.close()
         hyper("cancel", "slow-1")
+
+
+# -- 3: `hyper ps` says when no run drives a workflow, and asks the nodes -------------------
+def test_ps_says_stale_and_asks_the_nodes(hyper_home, write_recipe, hyper, tmp_path):
+    import subprocess
+    path = write_recipe("""
+        name: quick
+        cluster: {workers: 1}
+        experiments:
+          one: {command: "sleep 1; echo done"}
+    """)
+    p = subprocess.Popen([*hyper_cmd(), "run", str(path)], cwd=ROOT,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        [a] = wait_for(lambda: live_attempts("quick-1"), what="running")
+    finally:
+        p.kill()
+        p.wait(timeout=10)
+    exit_file = hyper_home / "local" / "tasks" / a["id"] / "exit"
+    wait_for(exit_file.exists, timeout=20, what="the task to end")
+    before = State().attempts("quick-1")
+    r = hyper("ps", "quick-1", check=True)
+    assert "no `hyper run` drives quick-1" in r.stdout, r.stdout
+    assert "last update at" in r.stdout and f"hyper run {path}" in r.stdout
+    assert "running → exited 0 (not collected" in r.stdout, r.stdout
+    assert State().attempts("quick-1") == before  # nothing recorded
+    rows = json.loads(hyper("ps", "quick-1", "--json", check=True).stdout)
+    assert rows[0]["status"] == "running" and rows[0]["observed"] == "exited 0"
+    listing = hyper("ps", check=True).stdout
+    assert "no `hyper run` drives it" in listing
+    r = hyper("run", path, check=True)  # re-attaches and collects
+    assert "no `hyper run` drives" not in hyper("ps", "quick-1").stdout
+    assert "no `hyper run` drives" not in hyper("ps").stdout
