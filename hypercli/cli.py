@@ -26,6 +26,7 @@ def _state():
 
 
 from hypercli.console import console as _console  # noqa: E402
+from hypercli.console import plural  # noqa: E402
 
 
 class HyperGroup(click.Group):
@@ -381,10 +382,31 @@ def up(recipe, provider, hosts, identity_file, user, workers, name, trust_new_ho
 
 @cli.command()
 @click.argument("cluster")
-def down(cluster):
-    """Take CLUSTER down: cancel its tasks and remove its nodes."""
+@click.option("-y", "--yes", is_flag=True,
+              help="Cancel the cluster's running workflows without asking.")
+def down(cluster, yes):
+    """Take CLUSTER down: cancel its tasks and remove its nodes.
+
+    With workflows still running on it, asks first on a terminal; elsewhere refuses unless
+    --yes is given.
+    """
     from hypercli.cluster import down as down_
-    removed = down_(_state(), cluster)
+    from hypercli.cluster import work_on
+    from hypercli.errors import UsageError
+    state = _state()
+    if state.cluster(cluster) is not None and state.cluster(cluster)["status"] == "up":
+        work = work_on(state, cluster)
+        if work and not yes:
+            what = "; ".join(f"{w['workflow']} ({w['running']} running, {w['pending']} "
+                             "pending)" for w in work)
+            text = (f"cluster {cluster} has {plural(len(work), 'workflow')} not ended: "
+                    f"{what}; taking it down cancels them")
+            if not sys.stdin.isatty():
+                raise UsageError(text, f"`hyper down {cluster} --yes` cancels them and takes "
+                                 "it down")
+            if not click.confirm(f"{text}. Go on?", default=False):
+                raise UsageError(f"cluster {cluster} left up")
+    removed = down_(state, cluster)
     for line in removed:
         click.echo(f"removed {line}")
     click.echo(f"cluster {cluster} is down")

@@ -71,6 +71,21 @@ def replace(state: State, provider, node: dict) -> list[dict]:
     return [n for n in up(state, spec, provider) if n["name"] not in before]
 
 
+def work_on(state: State, name: str) -> list[dict]:
+    """What ``down`` would cancel: the cluster's workflows that have not ended, each
+    ``{"workflow", "running", "pending"}`` (numbers of tasks), oldest first."""
+    out = []
+    for wf in reversed(state.workflows(limit=10000)):
+        if wf["cluster"] == name and wf["status"] in ("running", "cancelling"):
+            counts: dict = {}
+            for c in state.counts(wf["id"]).values():
+                for k, v in c.items():
+                    counts[k] = counts.get(k, 0) + v
+            out.append({"workflow": wf["id"], "running": counts.get("running", 0),
+                        "pending": counts.get("pending", 0)})
+    return out
+
+
 def down(state: State, name: str) -> list[str]:
     """Take a cluster down: cancel its running attempts and workflows, remove its nodes.
 

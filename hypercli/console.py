@@ -13,3 +13,9 @@ def console(stderr: bool = False):
     if not con.is_terminal and "COLUMNS" not in os.environ:
         con.width = 160
     return con
+
+
+def plural(n: int, word: str, many: str | None = None) -> str:
+    """``1 task``, ``2 tasks``: a count and its noun, plural unless the count is 1 (``many``
+    for nouns whose plural is not ``word + "s"``)."""
+    return f"{n:,} {word if n == 1 else many or word + 's'}"

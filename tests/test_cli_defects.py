@@ -148,3 +148,54 @@ def test_ps_says_stale_and_asks_the_nodes(hyper_home, write_recipe, hyper, tmp_p
     r = hyper("run", path, check=True)  # re-attaches and collects
     assert "no `hyper run` drives" not in hyper("ps", "quick-1").stdout
     assert "no `hyper run` drives" not in hyper("ps").stdout
+
+
+# -- 5: `hyper down` with work running asks, or refuses without --yes -----------------------
+def test_down_with_running_tasks_needs_yes(hyper_home, write_recipe, hyper):
+    import subprocess
+    path = write_recipe(SLOW)
+    p = subprocess.Popen([*hyper_cmd(), "run", str(path)], cwd=ROOT,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        running = wait_for(lambda: len(live_attempts()) == 2 and live_attempts(),
+                           what="2 running")
+    finally:
+        p.kill()
+        p.wait(timeout=10)
+    pids = task_pids(hyper_home, running)
+    r = hyper("down", "slow")  # stdin is not a terminal
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "slow-1" in r.stderr and "2 running" in r.stderr and "--yes" in r.stderr
+    assert "Traceback" not in r.stderr
+    state = State()
+    assert state.cluster("slow")["status"] == "up"
+    assert {a["status"] for a in state.attempts("slow-1")} == {"running"}
+    assert all(alive(pid) for pid in pids)
+    r = hyper("down", "slow", "--yes")
+    assert r.returncode == 0, r.stderr
+    assert "cluster slow is down" in r.stdout
+    wait_for(lambda: not any(alive(pid) for pid in pids), timeout=15, what="tasks to stop")
+    assert State().cluster("slow")["status"] == "down"
+    assert State().workflow("slow-1")["status"] == "cancelled"
+
+
+def test_down_asks_on_a_terminal(hyper_home, write_recipe, hyper):
+    import subprocess
+    path = write_recipe(SLOW)
+    p = subprocess.Popen([*hyper_cmd(), "run", str(path)], cwd=ROOT,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: len(live_attempts()) == 2, what="2 running")
+    finally:
+        p.kill()
+        p.wait(timeout=10)
+    term = Terminal("down", "slow")
+    try:
+        term.read_until(b"cancel")
+        term.read_until(b"[y/N]")
+        os.write(term.fd, b"n\r")
+        assert term.wait(timeout=15) == 2
+    finally:
+        term.close()
+    assert State().cluster("slow")["status"] == "up"
+    assert hyper("down", "slow", "--yes").returncode == 0

@@ -211,7 +211,7 @@ def test_down_cancels_a_detached_workflow(hyper_home, write_recipe, hyper):
     running = wait_for(lambda: len(live_attempts()) == 2 and live_attempts(), what="running")
     p.send_signal(signal.SIGINT)
     assert p.wait(timeout=30) == 130
-    r = hyper("down", "slow")
+    r = hyper("down", "slow", "--yes")  # without --yes: refused (tasks are running)
     assert r.returncode == 0, r.stderr
     assert not any(alive(pid) for pid in task_pids(hyper_home, running))
     state = State()
