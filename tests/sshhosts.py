@@ -17,6 +17,12 @@ a host is podman with its own image store per host.
     h1.run("ls /tmp")                 # a shell command inside the host, not over SSH
     pool.stop()
 
+GPUs: ``pool.start(2, gpus=[2, 4])`` or ``h1.set_gpus(4, memory_mib=81920)`` puts a stand-in
+``nvidia-smi`` in the host's own /usr/local/sbin (a per-host folder bound over it, first on
+sshd's PATH for root), answering ``-L`` and ``--query-gpu=... --format=csv,...`` as the real
+tool does; hosts without GPUs have no ``nvidia-smi``. For the local provider,
+``write_nvidia_smi(folder, 2)`` writes the same stand-in into a folder to put first on PATH.
+
 Needs root, Linux, ``sshd``, ``ssh-keygen``, ``unshare``, ``nsenter`` and ``ip``; the
 fixtures skip the test otherwise. Containers also need podman, runc and busybox-static.
 Everything a pool creates is found again by PID or by name (never ``pkill`` by pattern), and a
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import atexit
 import fcntl
+import hashlib
 import itertools
 import json
 import os
@@ -75,6 +82,11 @@ runroot = "/run/containers/storage"
 
 DOCKER_SHIM = ("#!/bin/sh\n# docker on a test host is podman (tests/sshhosts.py)\n"
                "exec /usr/bin/podman \"$@\"\n")
+
+NVIDIA_SMI = "nvidia-smi"
+GPU_NAME = "NVIDIA A100-SXM4-40GB"
+GPU_MEMORY_MIB = 40960
+DRIVER_VERSION = "535.129.03"
 
 _seq = itertools.count()
 _live_pools: weakref.WeakSet = weakref.WeakSet()
@@ -291,6 +303,7 @@ class TestHost:
     host_key_line: str
     netns: str = field(repr=False, default="")
     veth: str = field(repr=False, default="")
+    gpus: int = 0                     # GPUs its nvidia-smi stand-in reports (set_gpus)
     _proc: subprocess.Popen | None = field(repr=False, default=None)
     _pidns: str | None = field(repr=False, default=None)
 
@@ -315,8 +328,9 @@ class TestHost:
                      (r / "etc-containers", "/etc/containers")]
             if Path("/usr/local/bin/docker").exists():
                 bind.append((r / "bin" / "docker", "/usr/local/bin/docker"))
-            else:
-                bind.append((r / "sbin", "/usr/local/sbin"))
+        # per host, first on PATH: the docker shim (when no docker is installed) and the
+        # nvidia-smi stand-in of a host with GPUs (set_gpus)
+        bind.append((r / "sbin", "/usr/local/sbin"))
         bind.append((r / "tmp", "/tmp"))           # last: the per-host folder may be under /tmp
         script = [
             "set -e",
@@ -325,7 +339,7 @@ class TestHost:
             "mkdir -p -m 755 /run/sshd /run/lock",
             "mount -t tmpfs -o mode=1777,nosuid,nodev tmpfs /dev/shm",
             # mount points podman's package would make anyway (empty folders, root fs)
-            "mkdir -p /var/lib/containers /etc/containers",
+            "mkdir -p /var/lib/containers /etc/containers /usr/local/sbin",
             *(f"mount --bind {shlex.quote(str(src))} {dst}" for src, dst in bind),
             "cd /",
             f"exec {SSHD} -D -e -f /etc/ssh/sshd_config",
@@ -443,6 +457,18 @@ class TestHost:
             except ProcessLookupError:
                 pass
 
+    # GPUs -------------------------------------------------------------------------------
+    def set_gpus(self, count: int, memory_mib: int | list[int] = GPU_MEMORY_MIB, *,
+                 name: str | list[str] = GPU_NAME, utilization: int | list[int] = 0,
+                 memory_used_mib: int | list[int] = 0) -> None:
+        """Give the host ``count`` GPUs: a stand-in ``nvidia-smi`` in its own /usr/local/sbin
+        (see nvidia_smi_script), with UUIDs unique to this host; 0 removes it (no nvidia-smi).
+        Works up or down, and takes effect at once; kept over restart()."""
+        write_nvidia_smi(self.root / "sbin", count, memory_mib, name=name,
+                         utilization=utilization, memory_used_mib=memory_used_mib,
+                         uuid_seed=str(self.root))
+        self.gpus = count
+
     # inspection ---------------------------------------------------------------------------
     def run(self, cmd: str, *, timeout: float = 60, check: bool = False,
             input: str | bytes | None = None, stdin=None) -> subprocess.CompletedProcess:
@@ -508,13 +534,17 @@ class HostPool:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def start(self, n: int, names: list[str] | None = None, timeout: float = 20) -> list[TestHost]:
-        """Start n hosts in parallel; returns them once every sshd listens."""
+    def start(self, n: int, names: list[str] | None = None, timeout: float = 20,
+              gpus: int | list[int] | None = None) -> list[TestHost]:
+        """Start n hosts in parallel; returns them once every sshd listens. ``gpus``: GPUs of
+        each host (one number for all, or one per host), as ``TestHost.set_gpus`` gives."""
         with self._lock:
             if self._stopped:
                 raise RuntimeError("pool stopped")
             names = names or [f"h{len(self.hosts) + i + 1}" for i in range(n)]
             assert len(names) == n, "one name per host"
+            per_host = [gpus or 0] * n if not isinstance(gpus, (list, tuple)) else list(gpus)
+            assert len(per_host) == n, "one GPU count per host"
             me, me_start = os.getpid(), _start_time(os.getpid())
             hosts: list[TestHost] = []
             with _state_lock():
@@ -538,6 +568,9 @@ class HostPool:
             self.hosts += hosts
             try:
                 self._prepare(hosts)
+                for h, g in zip(hosts, per_host):
+                    if g:
+                        h.set_gpus(g)
                 for h in hosts:
                     h._launch()
                 end = time.monotonic() + timeout
@@ -615,9 +648,14 @@ class HostPool:
                                 symlinks=True)
             (r / "etc-containers" / "containers.conf").write_text(CONTAINERS_CONF)
             (r / "etc-containers" / "storage.conf").write_text(STORAGE_CONF)
+            # what the machine has in /usr/local/sbin stays visible in the host's own copy
+            if Path("/usr/local/sbin").is_dir():
+                shutil.copytree("/usr/local/sbin", r / "sbin", dirs_exist_ok=True, symlinks=True,
+                                ignore=shutil.ignore_patterns(NVIDIA_SMI))
             shim = r / ("bin" if Path("/usr/local/bin/docker").exists() else "sbin") / "docker"
-            shim.write_text(DOCKER_SHIM)
-            shim.chmod(0o755)
+            if shim.parent.name == "bin" or shutil.which("podman"):
+                shim.write_text(DOCKER_SHIM)
+                shim.chmod(0o755)
         _wait_all(inside, "network namespace setup")
         _wait_all(keygens, "ssh-keygen")
         for h in hosts:
@@ -691,6 +729,178 @@ def _stop_forgotten_pools() -> None:
             pool.stop()
         except Exception:
             pass
+
+
+# ------------------------------------------------------------------------- nvidia-smi stand-in
+
+_SMI_TEMPLATE = r"""#!/bin/sh
+# Stand-in for nvidia-smi (tests/sshhosts.py): @COUNT@ GPU(s) and no driver. It answers, in the
+# real tool's formats:
+#   nvidia-smi -L
+#   nvidia-smi --query-gpu=FIELD,... --format=csv[,noheader][,nounits] [-i|--id=INDEX,...]
+#   nvidia-smi                      (a short summary table)
+# FIELDs: index, name|gpu_name, uuid|gpu_uuid, memory.total, memory.used, memory.free,
+# utilization.gpu, count, driver_version, pci.bus_id|gpu_bus_id. Anything else fails with the
+# real tool's message on stdout and exit status 2.
+# index|name|uuid|memory.total|memory.used|utilization.gpu|pci.bus_id
+GPUS='@ROWS@'
+DRIVER='@DRIVER@'
+bad() { echo "Invalid combination of input arguments. Please run 'nvidia-smi -h' for help."
+        echo; exit 2; }
+list= query= format= ids= more=
+while [ $# -gt 0 ]; do
+  case $1 in
+    -L|--list-gpus) list=1;;
+    --query-gpu=*) query=${1#--query-gpu=}; [ -n "$query" ] || bad;;
+    --format=*) format=${1#--format=}; [ -n "$format" ] || bad;;
+    -i|--id) [ $# -ge 2 ] || bad; shift; ids=$1;;
+    --id=*) ids=${1#--id=};;
+    -h|--help) echo "NVIDIA System Management Interface -- v$DRIVER (stand-in)"; echo
+               echo "    -L,   --list-gpus    Display a list of GPUs connected to the system."
+               echo "    --query-gpu=         Information about GPU."
+               echo "    --format=            csv, noheader, nounits"
+               exit 0;;
+    *) echo "ERROR: Option $1 is not recognized. Please run 'nvidia-smi -h' for help."; echo
+       exit 2;;
+  esac
+  shift
+done
+if [ -n "$ids" ]; then
+  old_ifs=$IFS; IFS=,
+  for i in $ids; do
+    printf '%s\n' "$GPUS" | awk -F'|' -v i="$i" '$1 == i || $3 == i { f = 1 } END { exit !f }' \
+      || { echo "No devices were found"; exit 6; }
+  done
+  IFS=$old_ifs
+fi
+rows() { printf '%s\n' "$GPUS" | awk -F'|' -v ids=",$ids," \
+  'ids == ",," || index(ids, "," $1 ",") || index(ids, "," $3 ",")'; }
+if [ -n "$list" ]; then
+  [ -z "$query$format" ] || bad
+  rows | awk -F'|' '{ printf "GPU %s: %s (UUID: %s)\n", $1, $2, $3 }'
+  exit 0
+fi
+if [ -z "$query" ]; then
+  [ -z "$format" ] || bad
+  echo "+---------------------------------------------------------------------------------------+"
+  printf '| NVIDIA-SMI %-18s Driver Version: %-18s CUDA Version: 12.2   |\n' "$DRIVER" "$DRIVER"
+  echo "|-----------------------------------------+----------------------+----------------------+"
+  rows | awk -F'|' '{ printf "| %3s  %-34s | %8s / %-9s | %3s%%                 |\n",
+                      $1, $2, $5 "MiB", $4 "MiB", $6 }'
+  echo "+---------------------------------------------------------------------------------------+"
+  exit 0
+fi
+[ -n "$format" ] || bad
+header=1 units=1 csv=
+old_ifs=$IFS; IFS=,
+for o in $format; do
+  case $o in csv) csv=1;; noheader) header=0;; nounits) units=0;; *) bad;; esac
+done
+[ -n "$csv" ] || bad
+fields=
+for f in $query; do
+  case $f in
+    index|count|driver_version|memory.total|memory.used|memory.free|utilization.gpu) ;;
+    name|gpu_name) f=name;;
+    uuid|gpu_uuid) f=uuid;;
+    pci.bus_id|gpu_bus_id) f=pci.bus_id;;
+    *) echo "Field \"$f\" is not a valid field to query."; echo; exit 2;;
+  esac
+  fields=$fields${fields:+,}$f
+done
+IFS=$old_ifs
+[ -n "$fields" ] || bad
+count=$(printf '%s\n' "$GPUS" | grep -c .)
+rows | awk -F'|' -v fields="$fields" -v header=$header -v units=$units -v count="$count" \
+           -v driver="$DRIVER" '
+function unit(f) { return f ~ /^memory\./ ? " [MiB]" : f == "utilization.gpu" ? " [%]" : "" }
+function value(f) {
+  if (f == "index") return $1
+  if (f == "name") return $2
+  if (f == "uuid") return $3
+  if (f == "memory.total") return $4 (units ? " MiB" : "")
+  if (f == "memory.used") return $5 (units ? " MiB" : "")
+  if (f == "memory.free") return ($4 - $5) (units ? " MiB" : "")
+  if (f == "utilization.gpu") return $6 (units ? " %" : "")
+  if (f == "count") return count
+  if (f == "driver_version") return driver
+  if (f == "pci.bus_id") return $7
+}
+BEGIN { n = split(fields, F, ",")
+        if (header) { for (i = 1; i <= n; i++)
+                        printf "%s%s%s", (i > 1 ? ", " : ""), F[i], unit(F[i])
+                      print "" } }
+{ for (i = 1; i <= n; i++) printf "%s%s", (i > 1 ? ", " : ""), value(F[i]); print "" }'
+"""
+
+
+def _per_gpu(value, count: int, what: str) -> list:
+    values = list(value) if isinstance(value, (list, tuple)) else [value] * count
+    if len(values) != count:
+        raise ValueError(f"{what}: {len(values)} values for {count} GPUs")
+    return values
+
+
+def gpu_uuid(seed: str, index: int) -> str:
+    """The UUID the stand-in reports for GPU ``index`` (``GPU-`` then 8-4-4-4-12 hex digits,
+    as the real tool prints): fixed by seed and index, so a host keeps its UUIDs over a restart
+    and two hosts never share one."""
+    h = hashlib.sha256(f"{seed}/{index}".encode()).hexdigest()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+
+
+def nvidia_smi_script(count: int, memory_mib: int | list[int] = GPU_MEMORY_MIB, *,
+                      name: str | list[str] = GPU_NAME, utilization: int | list[int] = 0,
+                      memory_used_mib: int | list[int] = 0, uuid_seed: str = "local",
+                      driver_version: str = DRIVER_VERSION) -> str:
+    """Text of a /bin/sh stand-in for ``nvidia-smi`` with ``count`` GPUs (indexes 0..count-1).
+    Each of memory_mib, name, utilization (%) and memory_used_mib is one value for every GPU or
+    a list with one per GPU. Output, as the real tool's:
+      ``--query-gpu=index,name,memory.total,uuid --format=csv,noheader,nounits`` →
+          ``0, NVIDIA A100-SXM4-40GB, 40960, GPU-1b2c...``
+      ``--query-gpu=index,utilization.gpu,memory.used --format=csv,noheader,nounits`` →
+          ``0, 37, 1024``
+      without ``nounits``: ``40960 MiB``, ``37 %``; without ``noheader`` a first line such
+          as ``index, name, memory.total [MiB], uuid``
+      ``-L`` → ``GPU 0: NVIDIA A100-SXM4-40GB (UUID: GPU-1b2c...)``
+    An unknown field prints ``Field "x" is not a valid field to query.`` and exits 2, an
+    unknown option ``ERROR: Option x is not recognized...`` (exit 2)."""
+    if count < 1:
+        raise ValueError("a stand-in nvidia-smi needs at least one GPU")
+    mem = _per_gpu(memory_mib, count, "memory_mib")
+    names = _per_gpu(name, count, "name")
+    util = _per_gpu(utilization, count, "utilization")
+    used = _per_gpu(memory_used_mib, count, "memory_used_mib")
+    rows = []
+    for i in range(count):
+        if not 0 <= used[i] <= mem[i] or not 0 <= util[i] <= 100:
+            raise ValueError(f"GPU {i}: memory used {used[i]} of {mem[i]} MiB, {util[i]} %")
+        if any(c in names[i] for c in "|'\n,"):
+            raise ValueError(f"GPU name {names[i]!r}: no | ' , or newline")
+        rows.append(f"{i}|{names[i]}|{gpu_uuid(uuid_seed, i)}|{int(mem[i])}|{int(used[i])}|"
+                    f"{int(util[i])}|00000000:{0x07 + i * 0x10:02X}:00.0")
+    return (_SMI_TEMPLATE.replace("@COUNT@", str(count)).replace("@ROWS@", "\n".join(rows))
+            .replace("@DRIVER@", driver_version))
+
+
+def write_nvidia_smi(folder: str | os.PathLike, count: int,
+                     memory_mib: int | list[int] = GPU_MEMORY_MIB, **kw) -> Path | None:
+    """Write the stand-in as ``folder/nvidia-smi`` (mode 755, replaced atomically so a running
+    query never reads half a script); ``count`` 0 removes it. Returns its path (None for 0).
+    For the local provider: ``monkeypatch.setenv("PATH", f"{folder}:{os.environ['PATH']}")``.
+    Keyword arguments: those of nvidia_smi_script."""
+    folder = Path(folder)
+    path = folder / NVIDIA_SMI
+    if not count:
+        path.unlink(missing_ok=True)
+        return None
+    text = nvidia_smi_script(count, memory_mib, **kw)
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".{NVIDIA_SMI}.{os.getpid()}.{threading.get_ident()}"
+    tmp.write_text(text)
+    tmp.chmod(0o755)
+    os.replace(tmp, path)
+    return path
 
 
 # ---------------------------------------------------------------------------- container image
