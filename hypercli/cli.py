@@ -616,9 +616,14 @@ def outputs(workflow, args, merge, jobs):
               help="Rank of a multi-node task.")
 def logs(task, follow, attempt, rank):
     """Print the output of TASK (``search-0007`` or ``WORKFLOW/search-0007``)."""
+    from rich.markup import escape
+
     from hypercli.workflows import log_chunks, pick_attempt
     state = _state()
-    a = pick_attempt(state, task, attempt, rank)
+    err_con = _console(stderr=True)
+    a = pick_attempt(state, task, attempt, rank,
+                     note=lambda line: err_con.print(f"[dim]note:[/] {escape(line)}",
+                                                     soft_wrap=True))
     out, err = sys.stdout.buffer, sys.stderr.buffer
     try:
         for stream, data in log_chunks(state, a, follow=follow):

@@ -510,6 +510,20 @@ class State:
                                (wid, limit)).fetchall()
         return [dict(r) for r in reversed(rows)]
 
+    def task_matches(self, ref: str) -> list[dict]:
+        """Every workflow that a bare task reference (``search-0007``, or the name of a
+        one-task experiment) could mean: ``{"workflow", "task", "status"}`` (the workflow's
+        status), newest workflow first."""
+        rows = self.db.execute(
+            "SELECT t.workflow, t.id, w.status FROM tasks t JOIN workflows w ON w.id=t.workflow"
+            " WHERE t.id=? ORDER BY w.created_at DESC", (ref,)).fetchall()
+        if not rows:
+            rows = self.db.execute(
+                "SELECT t.workflow, MIN(t.id), w.status FROM tasks t JOIN workflows w ON "
+                "w.id=t.workflow WHERE t.experiment=? GROUP BY t.workflow HAVING COUNT(*)=1 "
+                "ORDER BY w.created_at DESC", (ref,)).fetchall()
+        return [{"workflow": r[0], "task": r[1], "status": r[2]} for r in rows]
+
 
 def _row(r: sqlite3.Row | None, *json_cols: str) -> dict | None:
     if r is None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import secrets
 import os
 import time
 from pathlib import Path
@@ -109,7 +110,8 @@ def start_or_resume(state: S.State, recipe: Recipe, wf: Workflow, *, new: bool =
     storage = recipe.storage or default_storage()
     wid = state.create_workflow(wf, cluster=recipe.cluster.name, recipe_path=recipe.path,
                                 storage=storage, workdir=recipe.workdir,
-                                spec={"mounts": dict(recipe.mounts)})
+                                spec={"mounts": dict(recipe.mounts),
+                                      "token": secrets.token_hex(4)})
     for exp, plan in wf.shards.items():  # the file lists, kept beside the state file
         plan.save(wid, exp)
     return wid, False
@@ -134,14 +136,20 @@ def results(state: S.State, ref: str, sort: str | None = None, ascending: bool =
         (workflow id, the metric sorted by or None, rows) where each row has task, experiment,
         status, params (dict), metrics (dict), attempts (int). Tasks without the metric last.
     Raises:
-        UsageError: unknown workflow.
+        UsageError: unknown workflow; ``sort`` names a metric no task reported.
     """
     wid = state.workflow(ref)["id"]
     rows = [{"task": t["id"], "experiment": t["experiment"], "status": t["status"],
              "params": t["params"], "metrics": t["metrics"] or {}, "attempts": t["attempts"]}
             for t in state.tasks(wid)]
+    reported = list(dict.fromkeys(k for r in rows for k in r["metrics"]))
     if sort is None:
-        sort = next((k for r in rows for k in r["metrics"]), None)
+        sort = next(iter(reported), None)
+    elif sort not in reported:
+        raise UsageError(f"no task of {wid} reported a metric {sort!r}",
+                         f"its metrics: {', '.join(reported)}" if reported else
+                         "its tasks reported no metrics (a task appends JSON lines to "
+                         "$HYPER_METRICS)")
     if sort is not None:
         def key(r):
             v = r["metrics"].get(sort)
@@ -231,14 +239,76 @@ def observe(state: S.State, wid: str, timeout: float = 2.0) -> dict[str, str]:
     return out
 
 
-def pick_attempt(state: S.State, ref: str, number: int | None = None, rank: int = 0) -> dict:
-    """The attempt of a task (``TASK`` or ``WORKFLOW/TASK``): number N, else the newest; for a
-    multi-node task, that attempt's rank ``rank``.
+def resolve_task(state: S.State, ref: str) -> tuple[str, str, str | None]:
+    """``TASK`` or ``WORKFLOW/TASK`` → (workflow id, task id, note). A bare task id means
+    the newest workflow that has it; the note (else None) says which one was chosen when
+    several workflows have it.
 
     Raises:
-        UsageError: unknown task, no such attempt or rank, or the task never started.
+        UsageError: no such task; a bare task id of several workflows that have not ended
+            (the message lists them as WORKFLOW/TASK).
     """
+    if "/" in ref:
+        return (*state.find_task(ref), None)
+    matches = state.task_matches(ref)
+    open_ = [m for m in matches if m["status"] in ("running", "cancelling")]
+    if len(open_) > 1:
+        raise UsageError(f"task {ref!r} is in {len(open_)} workflows that have not ended: "
+                         + ", ".join(f"{m['workflow']}/{m['task']}" for m in open_),
+                         "give it as WORKFLOW/TASK")
     wid, tid = state.find_task(ref)
+    note = None
+    if len(matches) > 1:
+        others = [m["workflow"] for m in matches if m["workflow"] != wid]
+        note = (f"{ref}: showing {wid}/{tid}, the newest of {len(matches)} workflows with "
+                f"this task (also in {', '.join(others[:5])}"
+                f"{', …' if len(others) > 5 else ''}; give WORKFLOW/TASK for another)")
+    return wid, tid, note
+
+
+def _never_started(state: S.State, wid: str, tid: str) -> UsageError:
+    """Why a task has no attempt: skipped (an experiment it comes after did not succeed),
+    cancelled before it started, or not started yet."""
+    task = state.task(wid, tid)
+    if task["status"] == "skipped":
+        exp = next((e for e in state.experiments(wid) if e["name"] == task["experiment"]), None)
+        counts = state.counts(wid)
+        bad = [a for a in (exp or {}).get("after", [])
+               if any(counts.get(a, {}).get(s) for s in ("failed", "skipped", "cancelled"))]
+        failed = next((t["id"] for t in state.tasks(wid, status=["failed"])
+                       if t["experiment"] in bad), None)
+        why = (f"experiment {', '.join(bad)}, which {task['experiment']} comes after, did not "
+               "succeed" if bad else "an experiment it comes after failed")
+        ev = next((e for e in reversed(state.events(wid))
+                   if e["message"].startswith(f"experiment {task['experiment']} skipped")), None)
+        when = f" ({time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(ev['ts']))})" if ev else ""
+        return UsageError(f"task {wid}/{tid} was skipped{when}: {why}; it will "
+                          "never start, so it has no logs",
+                          f"`hyper logs {wid}/{failed}` shows the failure" if failed else
+                          f"`hyper ps {wid}` shows what failed")
+    if task["status"] == "cancelled":
+        when = (f" at {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(task['ended_at']))}"
+                if task.get("ended_at") else "")
+        return UsageError(f"task {wid}/{tid} was cancelled before it started{when}, so it "
+                          "has no logs", f"`hyper ps {wid}` shows the workflow's tasks")
+    return UsageError(f"task {wid}/{tid} has not started yet ({task['status']})",
+                      f"`hyper ps {wid}` shows why it waits")
+
+
+def pick_attempt(state: S.State, ref: str, number: int | None = None, rank: int = 0,
+                 note: Callable[[str], None] | None = None) -> dict:
+    """The attempt of a task (``TASK`` or ``WORKFLOW/TASK``): number N, else the newest; for a
+    multi-node task, that attempt's rank ``rank``. ``note`` gets a line naming the workflow
+    chosen for a bare task id that several workflows have (:func:`resolve_task`).
+
+    Raises:
+        UsageError: unknown or ambiguous task, no such attempt or rank, or the task never
+            started (skipped, cancelled before it started, or waiting: the message says
+            which).
+    """
+    wid, tid, chosen = resolve_task(state, ref)
+    if chosen and note:
+        note(chosen)
     attempts = state.attempts(wid, tid)
     ranks = {a["rank"] for a in attempts}
     if rank not in ranks and attempts:
@@ -247,7 +317,7 @@ def pick_attempt(state: S.State, ref: str, number: int | None = None, rank: int 
                          "it is not a multi-node task")
     attempts = [a for a in attempts if a["rank"] == rank]
     if not attempts:
-        raise UsageError(f"task {wid}/{tid} has not started yet", "`hyper ps` shows its status")
+        raise _never_started(state, wid, tid)
     if number is None:
         return attempts[-1]
     for a in attempts:

@@ -199,3 +199,66 @@ def test_down_asks_on_a_terminal(hyper_home, write_recipe, hyper):
         term.close()
     assert State().cluster("slow")["status"] == "up"
     assert hyper("down", "slow", "--yes").returncode == 0
+
+
+# -- 6: silent wrong answers ---------------------------------------------------------------
+BROKEN = """
+    name: broken
+    cluster: {workers: 2}
+    experiments:
+      prepare:
+        parameters: {i: [1, 2]}
+        command: |
+          echo '{"accuracy": 0.5, "loss": 1}' >> "$HYPER_METRICS"
+          for n in $(seq 1 15); do echo "line $n of {{i}}" >&2; done
+          test {{i}} -ne 2
+      report:
+        after: [prepare]
+        command: echo never
+"""
+
+
+def test_results_sorted_by_a_metric_nobody_reported(hyper, write_recipe):
+    path = write_recipe(BROKEN)
+    assert hyper("run", path).returncode == 1
+    r = hyper("results", "broken", "--sort", "acc")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "acc" in r.stderr and "accuracy" in r.stderr and "loss" in r.stderr
+    assert hyper("results", "broken", "--sort", "loss").returncode == 0
+
+
+def test_logs_of_a_skipped_or_cancelled_task_say_why(hyper, write_recipe, hyper_home):
+    path = write_recipe(BROKEN)
+    assert hyper("run", path).returncode == 1
+    r = hyper("logs", "broken-1/report")
+    assert r.returncode == 2 and "not started yet" not in r.stderr, r.stderr
+    assert "skipped" in r.stderr and "prepare" in r.stderr and "failed" in r.stderr
+    assert "will never start" in r.stderr
+    state = State()  # a task cancelled before it started
+    state.set_tasks("broken-1", [{"id": "report-0000", "status": "cancelled"}])
+    r = hyper("logs", "broken-1/report")
+    assert r.returncode == 2 and "cancelled before it started" in r.stderr, r.stderr
+
+
+def test_a_bare_task_id_names_its_workflow_or_asks(hyper, write_recipe):
+    for name in ("first", "second"):
+        path = write_recipe(f"""
+            name: {name}
+            cluster: {{workers: 1}}
+            experiments:
+              x: {{command: "echo from {name}"}}
+        """, f"{name}.yaml")
+        assert hyper("run", path).returncode == 0
+    r = hyper("logs", "x-0000", check=True)
+    assert "from second" in r.stdout
+    assert "second-1" in r.stderr and "first-1" in r.stderr, r.stderr
+    r = hyper("logs", "second-1/x-0000", check=True)
+    assert r.stderr == ""
+    state = State()
+    for wid in ("first-1", "second-1"):  # two that have not ended: no guessing
+        state.set_workflow(wid, status="running")
+    r = hyper("logs", "x-0000")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "first-1/x-0000" in r.stderr and "second-1/x-0000" in r.stderr
+    for wid in ("first-1", "second-1"):
+        state.set_workflow(wid, status="succeeded")
