@@ -342,6 +342,11 @@ class Scheduler:
                  on_interrupt: Callable[[], str] | None = None):
         self.state, self.wid, self.provider = state, workflow, provider
         self.wf = state.workflow(workflow)
+        #: in every attempt id: another state file's workflow of the same name, on the same
+        #: hosts, has other attempt ids (a node's agent answers a launch it knows with the
+        #: state of that attempt); older workflows have none
+        token = (self.wf.get("spec") or {}).get("token")
+        self.token = f"-{token}" if token else ""
         self.on_interrupt = on_interrupt or (lambda: "leave")
         self.events: queue.Queue = queue.Queue()
         self.nodes = {n["name"]: n for n in nodes}
@@ -620,7 +625,8 @@ class Scheduler:
             task["attempts"] = number
             running += 1
             for rank, node in enumerate(nodes):
-                aid = f"{self.wid}.{task['id']}.{number}" + (f"-r{rank}" if gang else "")
+                aid = f"{self.wid}.{task['id']}.{number}{self.token}" + (
+                    f"-r{rank}" if gang else "")
                 a = {"id": aid, "task": task["id"], "node": node, "number": number,
                      "rank": rank, "claim": claims[rank], "status": "launching"}
                 self.live[aid] = a

@@ -125,7 +125,8 @@ def test_container_task_with_image_pushed_from_here(ssh_hosts, tiny_image, tmp_p
     assert {(out / t["id"] / "v").read_text() for t in state.tasks(summary.workflow)} == \
         {"a b", "$(id)"}
     assert all(t["metrics"] == {"ok": 1} for t in state.tasks(summary.workflow))
-    log = (hyper_home / "logs" / f"{summary.workflow}.box-0000.1" / "stdout").read_text()
+    box = state.attempts(summary.workflow, "box-0000")[0]["id"]
+    log = (hyper_home / "logs" / box / "stdout").read_text()
     assert "BusyBox" in log
     from hypercli.mount.checkpoint import restore  # the container's checkpoint was saved
     for t, v in (("box-0000", "a b"), ("box-0001", "$(id)")):
@@ -369,10 +370,11 @@ def test_small_logs_come_inline_large_logs_and_outputs_by_tar(ssh_hosts, tmp_pat
     hosts[0].kill()  # everything below is read from the copies kept here
     logs = hyper_home / "logs"
     for i, task in enumerate(["quiet-0000", "quiet-0001", "quiet-0002"], 1):
-        d = logs / f"lab-1.{task}.1"
+        d = logs / state.attempts(summary.workflow, task)[0]["id"]
         assert (d / "stdout").read_text() == f"small {i}\n"
         assert (d / "stderr").read_text() == f"err {i}\n"
-    assert (logs / "lab-1.loud-0000.1" / "stdout").read_bytes() == b"x" * 300000
+    loud = state.attempts(summary.workflow, "loud-0000")[0]["id"]
+    assert (logs / loud / "stdout").read_bytes() == b"x" * 300000
     # `hyper logs` with the node gone: from the copies; empty streams have no file
     from hypercli.workflows import log_chunks
     quiet = state.attempts(summary.workflow, "quiet-0001")[0]
