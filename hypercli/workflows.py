@@ -277,8 +277,12 @@ def _never_started(state: S.State, wid: str, tid: str) -> UsageError:
                if any(counts.get(a, {}).get(s) for s in ("failed", "skipped", "cancelled"))]
         failed = next((t["id"] for t in state.tasks(wid, status=["failed"])
                        if t["experiment"] in bad), None)
-        why = (f"experiment {', '.join(bad)}, which {task['experiment']} comes after, did not "
-               "succeed" if bad else "an experiment it comes after failed")
+        def how(e: str) -> str:
+            return ", ".join(f"{counts[e][s]} {s}" for s in ("failed", "skipped", "cancelled")
+                             if counts[e].get(s))
+        why = (f"experiment {', '.join(f'{e} ({how(e)})' for e in bad)}, which "
+               f"{task['experiment']} comes after, did not succeed" if bad else
+               "an experiment it comes after failed")
         ev = next((e for e in reversed(state.events(wid))
                    if e["message"].startswith(f"experiment {task['experiment']} skipped")), None)
         when = f" ({time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(ev['ts']))})" if ev else ""
