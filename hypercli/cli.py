@@ -67,6 +67,17 @@ def _ago(t: float | None) -> str:
         f"{s / 3600:.1f}h ago"
 
 
+def _duration(s: float | None) -> str:
+    """``-``, ``4.2s``, ``42s``, ``3m05s``, ``2h07m``."""
+    if s is None:
+        return "-"
+    if s < 10:
+        return f"{s:.1f}s"
+    s = int(s)
+    return f"{s}s" if s < 60 else f"{s // 60}m{s % 60:02d}s" if s < 3600 else \
+        f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
 def _when(t: float) -> str:
     """A time of day (with the date when not today) and how long ago."""
     fmt = "%H:%M:%S" if time.localtime(t)[:3] == time.localtime()[:3] else "%Y-%m-%d %H:%M:%S"
@@ -108,23 +119,27 @@ def _progress_table(sched):
     from rich.table import Table
     t = Table(title=f"workflow {sched.wid}  ·  {time.time() - sched.started:.0f}s",
               title_justify="left")
-    for col in ("experiment", "done", "running", "pending", "failed", "total"):
+    snap = sched.snapshot()
+    # skipped and cancelled tasks did not fail: columns of their own, when there are any
+    extra = [s for s in ("skipped", "cancelled") if any(c.get(s) for c in snap.values())]
+    cols = ("running", "pending", "failed", *extra)
+    for col in ("experiment", "done", *cols, "total"):
         t.add_column(col, justify="right" if col != "experiment" else "left")
-    for exp, c in sched.snapshot().items():
-        total = sum(c.values())
-        t.add_row(exp, str(c.get("succeeded", 0)), str(c.get("running", 0)),
-                  str(c.get("pending", 0)),
-                  str(c.get("failed", 0) + c.get("skipped", 0) + c.get("cancelled", 0)),
-                  str(total))
+    for exp, c in snap.items():
+        t.add_row(exp, str(c.get("succeeded", 0)), *[str(c.get(col, 0)) for col in cols],
+                  str(sum(c.values())))
     return t
 
 
 def _line(sched) -> str:
     parts = []
     for exp, c in sched.snapshot().items():
-        bad = c.get("failed", 0) + c.get("skipped", 0) + c.get("cancelled", 0)
-        parts.append(f"{exp} {c.get('succeeded', 0)}/{sum(c.values())} done, "
-                     f"{c.get('running', 0)} running, {bad} failed")
+        part = (f"{exp} {c.get('succeeded', 0)}/{sum(c.values())} done, "
+                f"{c.get('running', 0)} running, {c.get('failed', 0)} failed")
+        for s in ("skipped", "cancelled"):  # not failures: counted apart
+            if c.get(s):
+                part += f", {c[s]} {s}"
+        parts.append(part)
     return f"[{time.time() - sched.started:5.0f}s] " + "; ".join(parts)
 
 
@@ -252,8 +267,34 @@ def run(recipe, new, on_interrupt, trust_new_hosts, cluster, detach, wait):
         if summary.exit_code == 0:
             con.print(f"`hyper results {wid}` shows the metrics")
         else:
+            _show_failure(state, wid, con)
             con.print(f"`hyper ps {wid}` and `hyper logs {wid}/TASK` show what failed")
     sys.exit(summary.exit_code)
+
+
+def _show_failure(state, wid: str, con, lines: int = 10) -> None:
+    """After a failed run: the failed tasks, and the last ``lines`` lines of the first
+    failure's stderr."""
+    from rich.markup import escape
+
+    from hypercli.workflows import failure
+    try:
+        failed, attempt, tail = failure(state, wid, lines=lines)
+    except HyperError:  # its logs cannot be read: the names are enough
+        failed, attempt, tail = [t["id"] for t in state.tasks(wid, status=["failed"])], None, []
+    if not failed:
+        return
+    shown = ", ".join(failed[:20]) + (f", … ({len(failed)} in all)" if len(failed) > 20 else "")
+    con.print(f"[bold red]failed:[/] {escape(shown)}", soft_wrap=True)
+    if attempt is not None and tail:
+        con.print(f"last {plural(len(tail), 'line')} of {attempt['task']}'s stderr (attempt "
+                  f"{attempt['number']}, exit code {attempt['exit_code']}):")
+        for line in tail:
+            con.print(f"  {escape(line)}", soft_wrap=True, highlight=False)
+    elif attempt is not None:
+        why = attempt["error"] or f"exit code {attempt['exit_code']}"
+        con.print(f"{attempt['task']} wrote nothing on stderr (attempt {attempt['number']}: "
+                  f"{escape(str(why))})", soft_wrap=True)
 
 
 class _View:
@@ -483,7 +524,7 @@ def ps(workflow, as_json):
     When no `hyper run` drives a workflow that has not ended, says so and since when; with
     WORKFLOW, also asks its nodes what its running tasks do now (nothing is recorded).
     """
-    from hypercli.workflows import observe, undriven
+    from hypercli.workflows import observe, task_times, undriven
     state = _state()
     if workflow is None:
         rows = [{"workflow": w["id"], "status": w["status"], "cluster": w["cluster"],
@@ -516,9 +557,13 @@ def ps(workflow, as_json):
              "params": t["params"], "metrics": t["metrics"] or {},
              "waiting": t["wait"] if t["status"] == "pending" else None}
             for t in state.tasks(wid)]
+    times = task_times(state, wid)
     for r in rows:
         if r["task"] in observed:
             r["observed"] = observed[r["task"]]  # what its node says now, not recorded
+        start, end = times.get(r["task"], (None, None))
+        r["started_at"], r["ended_at"] = start, end
+        r["duration"] = round((end or time.time()) - start, 3) if start else None
     if as_json:
         _print_json(rows)
         return
@@ -531,7 +576,7 @@ def ps(workflow, as_json):
                          "collects what ended", soft_wrap=True)
     from rich.table import Table
     table = Table(title=f"workflow {wid}", title_justify="left", box=None)
-    for col in ("task", "status", "attempts", "node", "params"):
+    for col in ("task", "status", "attempts", "node", "started", "duration", "params"):
         table.add_column(col, overflow="fold")
     for r in rows:
         params = " ".join(f"{k}={_fmt(v)}" for k, v in r["params"].items())
@@ -539,7 +584,10 @@ def ps(workflow, as_json):
         if r.get("observed") and r["observed"] != r["status"]:
             status += f" → {r['observed']}" + (" (not collected: `hyper run` collects it)"
                                                if r["observed"].startswith("exited") else "")
-        table.add_row(r["task"], status, str(r["attempts"]), r["node"] or "-", params)
+        started = time.strftime("%H:%M:%S", time.localtime(r["started_at"])) \
+            if r["started_at"] else "-"
+        table.add_row(r["task"], status, str(r["attempts"]), r["node"] or "-", started,
+                      _duration(r["duration"]), params)
     _console().print(table)
 
 

@@ -383,6 +383,43 @@ def log_chunks(state: S.State, attempt: dict, *, follow: bool = False,
         client.close()
 
 
+def failure(state: S.State, wid: str, lines: int = 10) -> tuple[list[str], dict | None,
+                                                                  list[str]]:
+    """What a failed workflow shows at its end: (ids of its failed tasks in the order they
+    failed, the last attempt of the first of them or None, the last ``lines`` lines of that
+    attempt's stderr).
+
+    Raises:
+        HyperError: the attempt's logs cannot be read (node unreachable, no copy here).
+    """
+    failed = sorted(state.tasks(wid, status=["failed"]),
+                    key=lambda t: (t["ended_at"] or float("inf")))
+    if not failed:
+        return [], None, []
+    ids = [t["id"] for t in failed]
+    attempts = [a for a in state.attempts(wid, ids[0]) if a["rank"] == 0]
+    if not attempts:
+        return ids, None, []
+    attempt = attempts[-1]
+    err = b"".join(data for stream, data in log_chunks(state, attempt) if stream == "stderr")
+    tail = err.decode(errors="replace").rstrip("\n").splitlines()[-lines:] if err else []
+    return ids, attempt, tail
+
+
+def task_times(state: S.State, wid: str) -> dict[str, tuple[float | None, float | None]]:
+    """task id → (start, end) in unix s: when its first attempt started (None: never) and
+    when it ended (None: not yet)."""
+    out: dict[str, tuple] = {}
+    for a in state.attempts(wid):
+        start = a["started_at"] or a["created_at"]
+        if a["task"] not in out:
+            out[a["task"]] = (start, None)
+    for t in state.tasks(wid):
+        start = out.get(t["id"], (None, None))[0]
+        out[t["id"]] = (start, t["ended_at"] if t["status"] in S.TERMINAL_TASK else None)
+    return out
+
+
 def cancel(state: S.State, ref: str) -> tuple[str, int]:
     """Cancel a workflow (id or name) or one task (``WORKFLOW/TASK``).
 

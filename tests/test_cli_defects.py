@@ -262,3 +262,22 @@ def test_a_bare_task_id_names_its_workflow_or_asks(hyper, write_recipe):
     assert "first-1/x-0000" in r.stderr and "second-1/x-0000" in r.stderr
     for wid in ("first-1", "second-1"):
         state.set_workflow(wid, status="succeeded")
+
+
+# -- 7: progress keeps skipped and cancelled apart; a failed run shows its failure ---------
+def test_failed_run_shows_counts_apart_and_the_failure(hyper, write_recipe):
+    path = write_recipe(BROKEN)
+    r = hyper("run", path)
+    assert r.returncode == 1
+    last = [line for line in r.stdout.splitlines() if line.startswith("[")][-1]
+    assert "prepare 1/2 done, 0 running, 1 failed" in last, r.stdout
+    assert "report 0/1 done, 0 running, 0 failed, 1 skipped" in last, r.stdout
+    assert "failed: prepare-0001" in r.stdout, r.stdout
+    tail = r.stdout.split("failed: prepare-0001", 1)[1]
+    assert "line 15 of 2" in tail and "line 6 of 2" in tail and "line 5 of 2" not in tail
+    assert "line 1 of 1" not in r.stdout  # the task that succeeded
+    rows = {x["task"]: x for x in json.loads(hyper("ps", "broken-1", "--json").stdout)}
+    assert rows["prepare-0000"]["started_at"] and rows["prepare-0000"]["duration"] >= 0
+    assert rows["report-0000"]["started_at"] is None
+    table = hyper("ps", "broken-1", check=True).stdout
+    assert "started" in table and "duration" in table
