@@ -389,5 +389,5 @@ def test_small_logs_come_inline_large_logs_and_outputs_by_tar(ssh_hosts, tmp_pat
     # batch); nothing for the quiet tasks
     joined = " ".join(tars)
     assert 1 <= len(tars) <= 2 and "quiet" not in joined, tars
-    assert "tasks/lab-1.loud-0000.1/stdout" in joined and "outputs/lab-1/saves-0000" in joined
+    assert f"tasks/{loud}/stdout" in joined and "outputs/lab-1/saves-0000" in joined
     assert "saves-0000.1/stdout" not in joined
