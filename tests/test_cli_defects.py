@@ -281,3 +281,21 @@ def test_failed_run_shows_counts_apart_and_the_failure(hyper, write_recipe):
     assert rows["report-0000"]["started_at"] is None
     table = hyper("ps", "broken-1", check=True).stdout
     assert "started" in table and "duration" in table
+
+
+# -- 9: messages ---------------------------------------------------------------------------
+def test_mount_without_libfuse_says_what_to_install(hyper, tmp_path, monkeypatch):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("hello")
+    url = f"file://{tmp_path / 'ds'}"
+    hyper("data", "push", src, url, check=True)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    monkeypatch.setenv("FUSE_LIBRARY_NAME", "no-such-fuse-library")
+    for mode in ("--daemon", "--foreground"):
+        r = hyper("data", "mount", url, mnt, mode, timeout=60)
+        assert r.returncode == 3, r.stdout + r.stderr
+        assert "apt-get install fuse3" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr and "File \"" not in r.stderr
+        assert not os.path.ismount(mnt)

@@ -396,6 +396,7 @@ def mount(url: str, mountpoint: str | os.PathLike, *, cache_dir: str | os.PathLi
     mp = os.path.abspath(mountpoint)
     cache = Path(cache_dir).absolute()
     _check_mountpoint(mp)
+    load_mfusepy()  # here, so a missing libfuse is one clear error, not the daemon's log
     store, _, index = open_dataset(url, cache, endpoint_url=endpoint_url)
     if foreground:
         if not logging.getLogger().handlers and not log.handlers:
@@ -443,6 +444,27 @@ def _tail(path: Path, start: int, lines: int = 5) -> str:
     return " | ".join(text.strip().splitlines()[-lines:])
 
 
+def load_mfusepy():
+    """Import mfusepy, which loads libfuse 3 (``FUSE_LIBRARY_NAME``, default ``fuse3``).
+
+    Raises:
+        InfraError: mfusepy is not installed, or the FUSE library cannot be loaded (the hint
+            names the package to install).
+    """
+    os.environ.setdefault("FUSE_LIBRARY_NAME", "fuse3")
+    try:
+        import mfusepy
+    except ImportError:
+        raise InfraError("mounting needs the Python package mfusepy, which is not installed",
+                         "`pip install mfusepy`, and libfuse 3 (Debian/Ubuntu: "
+                         "`apt-get install fuse3`)") from None
+    except OSError as e:
+        raise InfraError(f"the FUSE library ({os.environ['FUSE_LIBRARY_NAME']}) cannot be "
+                         f"loaded: {e}", "install libfuse 3: `apt-get install fuse3` "
+                         "(Debian/Ubuntu; `dnf install fuse3` on Fedora)") from None
+    return mfusepy
+
+
 def serve(store, index: Index, mountpoint: str, *, cache_dir: str | os.PathLike,
           cache_bytes: int, min_free_bytes: int = GiB, prefetch: int = 2, jobs: int = 4,
           allow_other: bool = False) -> None:
@@ -450,9 +472,7 @@ def serve(store, index: Index, mountpoint: str, *, cache_dir: str | os.PathLike,
 
     Chunks go to ``cache_dir/chunks``. Raises InfraError when libfuse fails to mount.
     """
-    os.environ.setdefault("FUSE_LIBRARY_NAME", "fuse3")
-    import mfusepy
-
+    mfusepy = load_mfusepy()
     cache = ChunkCache(store, index.chunk_list, Path(cache_dir) / "chunks",
                        max_bytes=cache_bytes, min_free_bytes=min_free_bytes,
                        prefetch=prefetch, jobs=jobs)
