@@ -663,7 +663,8 @@ def outputs(workflow, args, merge, jobs):
 @click.option("--rank", type=int, default=0, show_default=True, metavar="R",
               help="Rank of a multi-node task.")
 def logs(task, follow, attempt, rank):
-    """Print the output of TASK (``search-0007`` or ``WORKFLOW/search-0007``)."""
+    """Print the output of TASK (search-0007, or WORKFLOW/search-0007 when several
+    workflows have that task)."""
     from rich.markup import escape
 
     from hypercli.workflows import log_chunks, pick_attempt

@@ -299,3 +299,24 @@ def test_mount_without_libfuse_says_what_to_install(hyper, tmp_path, monkeypatch
         assert "apt-get install fuse3" in r.stderr, r.stderr
         assert "Traceback" not in r.stderr and "File \"" not in r.stderr
         assert not os.path.ismount(mnt)
+
+
+def _commands(group, path=()):
+    import click
+    yield path, group
+    if isinstance(group, click.Group):
+        for name, cmd in group.commands.items():
+            yield from _commands(cmd, (*path, name))
+
+
+def test_help_is_plain_text():
+    from click.testing import CliRunner
+
+    from hypercli.cli import cli
+    seen = 0
+    for path, _ in _commands(cli):
+        r = CliRunner().invoke(cli, [*path, "--help"], prog_name="hyper")
+        assert r.exit_code == 0, (path, r.output)
+        assert "``" not in r.output, (path, r.output)
+        seen += 1
+    assert seen > 20
