@@ -98,12 +98,12 @@ def plan(recipe, as_json):
         return
     from rich.table import Table
     con = _console()
-    con.print(f"recipe [bold]{r.name}[/]: {len(wf.tasks)} tasks in "
-              f"{len(wf.experiments)} experiments, cluster {r.cluster.name} "
+    con.print(f"recipe [bold]{r.name}[/]: {plural(len(wf.tasks), 'task')} in "
+              f"{plural(len(wf.experiments), 'experiment')}, cluster {r.cluster.name} "
               f"({r.cluster.provider})")
     for e in wf.experiments:
         after = f" after {', '.join(e.after)}" if e.after else ""
-        con.print(f"[bold]{e.name}[/]: {e.tasks} tasks, retries {e.retries}{after}")
+        con.print(f"[bold]{e.name}[/]: {plural(e.tasks, 'task')}, retries {e.retries}{after}")
     table = Table(box=None)
     for col in ("task", "command"):
         table.add_column(col, overflow="fold")
@@ -393,7 +393,7 @@ def up(recipe, provider, hosts, identity_file, user, workers, name, trust_new_ho
                 click.echo("  price: not available from this provider's API")
             else:
                 click.echo(f"estimated cost: ${p['cost_per_hour']:.4f}/h for the whole cluster "
-                           f"(cheapest zone, {p['running'] + p['to_create']} nodes)")
+                           f"(cheapest zone, {plural(p['running'] + p['to_create'], 'node')})")
             return
     elif dry_run:
         raise UsageError("--dry-run needs a RECIPE with a cloud cluster")
@@ -406,7 +406,7 @@ def up(recipe, provider, hosts, identity_file, user, workers, name, trust_new_ho
     err = _console(stderr=True)
     nodes = up_(_state(), spec, trust_new_hosts=trust_new_hosts,
                 log=lambda line: err.print(f"[yellow]not up:[/] {line}", soft_wrap=True))
-    click.echo(f"cluster {spec.name} is up: {len(nodes)} {spec.provider} nodes")
+    click.echo(f"cluster {spec.name} is up: {plural(len(nodes), spec.provider + ' node')}")
     for n in nodes:
         info = n["info"]
         extra = (f"  {info.get('cpus', '?')} CPUs, {info.get('memory_bytes', 0) / 2**30:.1f} "
@@ -483,7 +483,8 @@ def gc(provider, region, project, subscription, dry_run):
     lines = gc_(_state(), provider, options, dry_run=dry_run)
     for line in lines:
         click.echo(f"{'orphan' if dry_run else 'removed'} {line}")
-    click.echo(f"{len(lines)} {'orphans found' if dry_run else 'resources removed'}")
+    click.echo(f"{plural(len(lines), 'orphan')} found" if dry_run else
+               f"{plural(len(lines), 'resource')} removed")
 
 
 @cli.command()
@@ -628,7 +629,7 @@ def results(workflow, sort, ascending, show_all, as_json):
     con = _console()
     con.print(table)
     if hidden:
-        con.print(f"{hidden} tasks without {metric} not shown (--all shows them)")
+        con.print(f"{plural(hidden, 'task')} without {metric} not shown (--all shows them)")
 
 
 @cli.command()
@@ -650,7 +651,7 @@ def outputs(workflow, args, merge, jobs):
                          "hyper outputs WORKFLOW [EXPERIMENT] DIR")
     experiment, dest = (None, args[0]) if len(args) == 1 else args
     wid, r = gather(_state(), workflow, dest, experiment=experiment, merge=merge, jobs=jobs)
-    click.echo(f"{wid}: {len(r.pulled)} task outputs pulled ({r.bytes / 1e6:.1f} MB), "
+    click.echo(f"{wid}: {plural(len(r.pulled), 'task output')} pulled ({r.bytes / 1e6:.1f} MB), "
                f"{len(r.kept)} already there, into {dest}")
     for rel in r.merged:
         click.echo(f"merged {rel}")
@@ -689,7 +690,7 @@ def cancel(target):
     """Cancel a workflow (id or recipe name) or one task (WORKFLOW/TASK)."""
     from hypercli.workflows import cancel as cancel_
     what, n = cancel_(_state(), target)
-    click.echo(f"cancelled {what} ({n} task{'s' if n != 1 else ''})")
+    click.echo(f"cancelled {what} ({plural(n, 'task')})")
 
 
 from hypercli.cli_data import data  # noqa: E402  (hyper data push/ls/pull/verify/mount)

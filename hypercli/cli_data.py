@@ -17,6 +17,7 @@ import time
 import click
 
 from hypercli.console import console as _console
+from hypercli.console import plural
 
 _ENDPOINT = click.option("--endpoint-url", metavar="URL",
                          help="S3-compatible endpoint (default $HYPER_S3_ENDPOINT_URL, "
@@ -63,8 +64,9 @@ def push(src, url, chunk_size, jobs, endpoint_url):
     for w in r.warnings:
         err.print(f"[yellow]warning:[/] {_show(w)}", soft_wrap=True)
     rate = r.bytes / 1e6 / r.seconds if r.seconds else 0.0
-    click.echo(f"pushed {r.files:,} files, {r.dirs:,} folders, {r.symlinks:,} symlinks "
-               f"({r.bytes / 1e6:,.1f} MB) to {r.url}: {r.chunks_uploaded}/{r.chunks} chunks "
+    click.echo(f"pushed {plural(r.files, 'file')}, {plural(r.dirs, 'folder')}, "
+               f"{plural(r.symlinks, 'symlink')} ({r.bytes / 1e6:,.1f} MB) to {r.url}: "
+               f"{r.chunks_uploaded}/{plural(r.chunks, 'chunk')} "
                f"uploaded ({r.bytes_uploaded / 1e6:,.1f} MB), {r.seconds:.1f} s, "
                f"{rate:,.1f} MB/s")
 
@@ -111,8 +113,9 @@ def pull(url, dest, path_prefix, jobs, endpoint_url):
     from hypercli.mount import pack
     r = pack.pull(url, dest, jobs=jobs, path_prefix=path_prefix, endpoint_url=endpoint_url)
     rate = r.bytes / 1e6 / r.seconds if r.seconds else 0.0
-    click.echo(f"pulled {r.files:,} files, {r.dirs:,} folders, {r.symlinks:,} symlinks "
-               f"({r.bytes / 1e6:,.1f} MB, {r.chunks} chunks) into {dest}: {r.seconds:.1f} s, "
+    click.echo(f"pulled {plural(r.files, 'file')}, {plural(r.dirs, 'folder')}, "
+               f"{plural(r.symlinks, 'symlink')} ({r.bytes / 1e6:,.1f} MB, "
+               f"{plural(r.chunks, 'chunk')}) into {dest}: {r.seconds:.1f} s, "
                f"{rate:,.1f} MB/s")
 
 
@@ -126,12 +129,12 @@ def verify(url, jobs, endpoint_url):
     from hypercli.mount import pack
     r = pack.verify(url, jobs=jobs, endpoint_url=endpoint_url)
     if r.ok:
-        click.echo(f"{r.url}: {r.chunks} chunks ({r.bytes / 1e6:,.1f} MB) verified, "
+        click.echo(f"{r.url}: {plural(r.chunks, 'chunk')} ({r.bytes / 1e6:,.1f} MB) verified, "
                    f"{r.seconds:.1f} s")
         return
     for p in r.problems:
         click.echo(f"problem: {_show(p)}")
-    click.echo(f"{r.url}: {len(r.problems)} problems in {r.chunks} chunks")
+    click.echo(f"{r.url}: {plural(len(r.problems), 'problem')} in {plural(r.chunks, 'chunk')}")
     sys.exit(1)
 
 

@@ -505,8 +505,9 @@ def prepare_run(state: S.State, recipe_path: str, *, new: bool = False,
     lock = Lock(wid).acquire()
     if resumed and state.workflow(wid)["cluster"] != recipe.cluster.name:
         state.set_workflow(wid, cluster=recipe.cluster.name)  # resumed on another cluster
-    log(f"{'resuming' if resumed else 'starting'} workflow {wid}: {len(wf.tasks)} tasks on "
-        f"{len(nodes)} {recipe.cluster.provider} nodes")
+    from hypercli.console import plural
+    log(f"{'resuming' if resumed else 'starting'} workflow {wid}: {plural(len(wf.tasks), 'task')}"
+        f" on {plural(len(nodes), recipe.cluster.provider + ' node')}")
     return wid, resumed, provider, nodes, lock
 
 

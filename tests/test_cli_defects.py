@@ -320,3 +320,29 @@ def test_help_is_plain_text():
         assert "``" not in r.output, (path, r.output)
         seen += 1
     assert seen > 20
+
+
+def test_counts_of_one_are_singular(hyper, write_recipe, tmp_path):
+    import re
+    wrong = re.compile(r"(?<![\d.,/])1 (tasks|nodes|experiments|workflows|files|folders|symlinks|"
+                       r"chunks|problems|resources|orphans|CPUs|GPUs|task outputs|lines)\b")
+    path = write_recipe("""
+        name: one
+        cluster: {workers: 1}
+        experiments:
+          x: {command: "echo '{\\"acc\\": 1}' >> $HYPER_METRICS; echo hi > $HYPER_OUTPUT/f"}
+    """)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("hello")
+    url = f"file://{tmp_path / 'ds'}"
+    outputs = []
+    for args in (("plan", path), ("run", path), ("up", "--provider", "local", "--workers", "1",
+                                                 "--name", "solo"),
+                 ("outputs", "one", tmp_path / "out"), ("data", "push", src, url),
+                 ("data", "pull", url, tmp_path / "copy"), ("data", "verify", url),
+                 ("results", "one", "--sort", "acc"), ("ps",), ("status",)):
+        r = hyper(*args, check=True)
+        outputs.append(r.stdout + r.stderr)
+        assert not wrong.search(r.stdout + r.stderr), (args, r.stdout + r.stderr)
+    assert "1 task " in outputs[0] and "1 experiment," in outputs[0], outputs[0]
