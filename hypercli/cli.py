@@ -408,17 +408,30 @@ def up(recipe, provider, hosts, identity_file, user, workers, name, trust_new_ho
                 log=lambda line: err.print(f"[yellow]not up:[/] {line}", soft_wrap=True))
     click.echo(f"cluster {spec.name} is up: {plural(len(nodes), spec.provider + ' node')}")
     for n in nodes:
-        info = n["info"]
-        extra = (f"  {info.get('cpus', '?')} CPUs, {info.get('memory_bytes', 0) / 2**30:.1f} "
-                 f"GiB, {info.get('disk_free_bytes', 0) / 2**30:.0f} GiB free, "
-                 f"{len(info.get('gpus') or [])} GPUs, docker: "
-                 f"{'yes' if info.get('docker') else 'no'}") if spec.provider != "local" else ""
-        click.echo(f"  {n['name']}  {n['provider_id']}{extra}")
+        click.echo(f"  {n['name']}  {n['provider_id']}  {_node_facts(n['info'], spec.provider)}")
     if bootstrap:
         from hypercli.workflows import bootstrap_nodes
         for node, lines in bootstrap_nodes(_state(), spec, nodes, offline=offline).items():
             for line in lines:
                 click.echo(f"  {node}: {line}")
+
+
+def _node_facts(info: dict, provider: str) -> str:
+    """What a node holds, as its bootstrap measured it (a local node: its share of this
+    machine)."""
+    cpus = info.get("cpus")
+    gpus = info.get("gpus") or []
+    facts = [plural(cpus, "CPU") if isinstance(cpus, int) else f"{cpus or '?'} CPUs",
+             f"{info.get('memory_bytes', 0) / 2**30:.1f} GiB"]
+    if provider != "local":
+        facts.append(f"{info.get('disk_free_bytes', 0) / 2**30:.0f} GiB free")
+    facts.append(plural(len(gpus), "GPU") + (
+        f" ({', '.join(str(g.get('name', g.get('index'))) for g in gpus)})" if gpus else ""))
+    if provider == "local":
+        facts.append(f"a share of this machine's {plural(info.get('machine_cpus') or 0, 'CPU')}")
+    else:
+        facts.append(f"docker: {'yes' if info.get('docker') else 'no'}")
+    return ", ".join(facts)
 
 
 @cli.command()

@@ -64,11 +64,14 @@ def push(src, url, chunk_size, jobs, endpoint_url):
     for w in r.warnings:
         err.print(f"[yellow]warning:[/] {_show(w)}", soft_wrap=True)
     rate = r.bytes / 1e6 / r.seconds if r.seconds else 0.0
-    click.echo(f"pushed {plural(r.files, 'file')}, {plural(r.dirs, 'folder')}, "
-               f"{plural(r.symlinks, 'symlink')} ({r.bytes / 1e6:,.1f} MB) to {r.url}: "
-               f"{r.chunks_uploaded}/{plural(r.chunks, 'chunk')} "
-               f"uploaded ({r.bytes_uploaded / 1e6:,.1f} MB), {r.seconds:.1f} s, "
-               f"{rate:,.1f} MB/s")
+    what = (f"pushed {plural(r.files, 'file')}, {plural(r.dirs, 'folder')}, "
+            f"{plural(r.symlinks, 'symlink')} ({r.bytes / 1e6:,.1f} MB) to {r.url}")
+    if r.chunks_uploaded == 0:  # a speed of nothing would mean nothing
+        click.echo(f"{what}: nothing new to upload (the store has all "
+                   f"{plural(r.chunks, 'chunk')} already), {r.seconds:.1f} s")
+        return
+    click.echo(f"{what}: {r.chunks_uploaded}/{plural(r.chunks, 'chunk')} uploaded "
+               f"({r.bytes_uploaded / 1e6:,.1f} MB), {r.seconds:.1f} s, {rate:,.1f} MB/s")
 
 
 @data.command(name="ls")

@@ -346,3 +346,24 @@ def test_counts_of_one_are_singular(hyper, write_recipe, tmp_path):
         outputs.append(r.stdout + r.stderr)
         assert not wrong.search(r.stdout + r.stderr), (args, r.stdout + r.stderr)
     assert "1 task " in outputs[0] and "1 experiment," in outputs[0], outputs[0]
+
+
+def test_a_push_that_uploads_nothing_says_so(hyper, tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("hello")
+    url = f"file://{tmp_path / 'ds'}"
+    first = hyper("data", "push", src, url, check=True).stdout
+    assert "MB/s" in first and "nothing new" not in first
+    again = hyper("data", "push", src, url, check=True).stdout
+    assert "nothing new to upload" in again and "MB/s" not in again, again
+
+
+def test_up_on_local_prints_what_each_node_holds(hyper):
+    out = hyper("up", "--provider", "local", "--workers", "2", "--name", "facts",
+                check=True).stdout
+    lines = [line for line in out.splitlines() if line.startswith("  facts-")]
+    assert len(lines) == 2, out
+    cpus = max(1, (os.cpu_count() or 1) // 2)
+    for line in lines:
+        assert f"{cpus} CPU" in line and "GiB" in line and "GPU" in line, out
