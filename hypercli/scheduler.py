@@ -873,6 +873,7 @@ class Scheduler:
             InfraError: every node of the cluster was lost with work left to do.
         """
         self.state.set_workflow(self.wid, driver_pid=os.getpid(), status="running")
+        stop_checkpoints = self.state.checkpoint_in_background()
         interrupted = self.interrupted
         old = {}
         if threading.current_thread() is threading.main_thread():  # else: ``stop()``
@@ -913,6 +914,7 @@ class Scheduler:
                 w.stop()
             for w in self.workers.values():
                 w.join(timeout=10)
+            stop_checkpoints()
         summary.counts = {}
         for t in self.tasks.values():
             summary.counts[t["status"]] = summary.counts.get(t["status"], 0) + 1
