@@ -3,6 +3,7 @@
 # Arguments are passed to pytest. On Debian as root, missing system packages are installed first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+echo "scripts/test.sh: as root on Debian, installs missing system packages with apt-get and Azurite globally with npm (scripts/deps.sh), then hypercli's test extras and PyTorch's CPU build into .venv" >&2
 bash scripts/deps.sh
 python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip

@@ -367,3 +367,19 @@ def test_up_on_local_prints_what_each_node_holds(hyper):
     cpus = max(1, (os.cpu_count() or 1) // 2)
     for line in lines:
         assert f"{cpus} CPU" in line and "GiB" in line and "GPU" in line, out
+
+
+def test_readme_and_test_script_say_what_is_true():
+    readme = (ROOT / "README.md").read_text()
+    assert "validated, not yet run" not in readme  # the clouds run (see "Cloud providers")
+    layout = readme.split("\nrecipes/ ", 1)[1].split("\nbench/", 1)[0]  # with its next lines
+    for recipe in sorted(p.stem for p in (ROOT / "recipes").glob("*.yaml")):
+        assert recipe in layout, layout
+    top = readme.split("bash scripts/test.sh", 1)[0].rsplit("**Run the whole test suite**", 1)[1]
+    assert "apt-get" in top and "npm" in top, top
+    script = (ROOT / "scripts" / "test.sh").read_text().splitlines()
+    first = next(i for i, line in enumerate(script) if line.startswith(("echo", "bash", "python")))
+    assert script[first].startswith("echo") and "apt-get" in script[first] \
+        and "npm" in script[first], script[first]
+    assert first < next(i for i, line in enumerate(script) if "deps.sh" in line
+                        and not line.startswith("#") and not line.startswith("echo"))
