@@ -502,14 +502,19 @@ def gc(provider, region, project, subscription, dry_run):
 
 @cli.command()
 @click.argument("cluster", required=False)
+@click.option("--all", "show_all", is_flag=True, help="Also the clusters that are down.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def status(cluster, as_json):
-    """Show clusters and their nodes (all clusters, or CLUSTER)."""
+def status(cluster, show_all, as_json):
+    """Show clusters and their nodes (the clusters that are not down, or CLUSTER)."""
     state = _state()
     clusters = [c for c in state.clusters() if cluster in (None, c["name"])]
     if cluster and not clusters:
         from hypercli.errors import UsageError
-        raise UsageError(f"no cluster named {cluster!r}", "`hyper status` lists them")
+        raise UsageError(f"no cluster named {cluster!r}", "`hyper status --all` lists them")
+    hidden = 0
+    if not cluster and not show_all:
+        shown = [c for c in clusters if c["status"] != "down"]
+        hidden, clusters = len(clusters) - len(shown), shown
     out = [{"cluster": c["name"], "provider": c["provider"], "status": c["status"],
             "nodes": [{"name": n["name"], "status": n["status"], "slots": n["slots"],
                        "provider_id": n["provider_id"]} for n in state.nodes(c["name"])]}
@@ -517,7 +522,7 @@ def status(cluster, as_json):
     if as_json:
         _print_json(out)
         return
-    if not out:
+    if not out and not hidden:
         click.echo("no clusters; `hyper up RECIPE` or `hyper run RECIPE` creates one")
     for c in out:
         up_nodes = sum(n["status"] == "up" for n in c["nodes"])
@@ -526,6 +531,20 @@ def status(cluster, as_json):
         for n in c["nodes"]:
             click.echo(f"  {n['name']:<24} {n['status']:<6} slots {n['slots']}  "
                        f"{n['provider_id'] or ''}")
+    if hidden:
+        click.echo(f"{plural(hidden, 'cluster that is down', 'clusters that are down')} not "
+                   f"shown (--all shows {'it' if hidden == 1 else 'them'}; `hyper forget "
+                   "CLUSTER` removes one from the state file)")
+
+
+@cli.command()
+@click.argument("cluster")
+def forget(cluster):
+    """Remove CLUSTER, which must be down, and its nodes from the state file; the records
+    of its workflows are kept."""
+    from hypercli.workflows import forget as forget_
+    n = forget_(_state(), cluster)
+    click.echo(f"forgot cluster {cluster} ({plural(n, 'node')})")
 
 
 # -- workflows and tasks ------------------------------------------------------------------

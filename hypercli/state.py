@@ -558,6 +558,15 @@ class State:
                 "ORDER BY w.created_at DESC", (ref,)).fetchall()
         return [{"workflow": r[0], "task": r[1], "status": r[2]} for r in rows]
 
+    def forget_cluster(self, name: str) -> int:
+        """Delete a cluster's row and its nodes' rows (its workflows, attempts and events are
+        kept); returns the number of node rows deleted. The caller checks that it is down."""
+        with self.tx() as db:
+            n = db.execute("DELETE FROM nodes WHERE cluster=?", (name,)).rowcount
+            db.execute("DELETE FROM clusters WHERE name=?", (name,))
+            self._event(db, "cluster", f"{name} forgotten ({n} node rows deleted)")
+        return n
+
 
 def _row(r: sqlite3.Row | None, *json_cols: str) -> dict | None:
     if r is None:

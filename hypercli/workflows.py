@@ -335,13 +335,15 @@ def log_chunks(state: S.State, attempt: dict, *, follow: bool = False,
                interval: float = 0.25) -> Iterator[tuple[str, bytes]]:
     """Yield (stream, bytes) of an attempt's stdout and stderr, read by offset from its node;
     with ``follow``, until the attempt ends. Falls back to the copy in ``$HYPER_HOME/logs``
-    when the node cannot be reached.
+    when the node cannot be reached (a local node's attempt folder, under
+    ``$HYPER_HOME/local/tasks``, is such a copy: it stays when its cluster is forgotten).
 
     Raises:
         InfraError: the node is unreachable and no copy exists.
     """
     wf = state.workflow(attempt["workflow"])
-    copy = S.home() / "logs" / attempt["id"]
+    copies = [S.home() / "logs" / attempt["id"], S.home() / "local" / "tasks" / attempt["id"]]
+    copy = next((c for c in copies if c.exists()), copies[0])
 
     def from_copy():
         for stream in ("stdout", "stderr"):
@@ -435,6 +437,23 @@ def cancel(state: S.State, ref: str) -> tuple[str, int]:
     if wf["status"] not in ("running", "cancelling"):
         raise UsageError(f"workflow {wf['id']} has already ended ({wf['status']})")
     return wf["id"], cancel_workflow(state, wf["id"], provider_of(state, wf["cluster"]))
+
+
+def forget(state: S.State, name: str) -> int:
+    """Forget a cluster that is down: its row and its nodes' rows leave the state file; its
+    workflows keep their records (their logs are read from the copies kept here). Returns
+    the number of nodes forgotten.
+
+    Raises:
+        UsageError: no such cluster, or it is up.
+    """
+    c = state.cluster(name)
+    if c is None:
+        raise UsageError(f"no cluster named {name!r}", "`hyper status --all` lists them")
+    if c["status"] != "down":
+        raise UsageError(f"cluster {name} is {c['status']}: only a cluster that is down can "
+                         "be forgotten", f"`hyper down {name}` first")
+    return state.forget_cluster(name)
 
 
 def up(state: S.State, spec, *, trust_new_hosts: bool = False,

@@ -50,7 +50,8 @@ def test_quickstart_through_the_entry_point(hyper, hyper_home, tmp_path):
     assert status[0]["cluster"] == "quickstart" and len(status[0]["nodes"]) == 2
     r = hyper("down", "quickstart", check=True)
     assert "cluster quickstart is down" in r.stdout
-    assert json.loads(hyper("status", "--json").stdout)[0]["status"] == "down"
+    assert json.loads(hyper("status", "--json").stdout) == []  # a cluster down: hidden
+    assert json.loads(hyper("status", "--all", "--json").stdout)[0]["status"] == "down"
 
 
 def test_version_and_help(hyper):

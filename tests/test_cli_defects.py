@@ -383,3 +383,34 @@ def test_readme_and_test_script_say_what_is_true():
         and "npm" in script[first], script[first]
     assert first < next(i for i, line in enumerate(script) if "deps.sh" in line
                         and not line.startswith("#") and not line.startswith("echo"))
+
+
+# -- 10: clusters that are down are hidden, and can be forgotten ---------------------------
+def test_status_hides_clusters_that_are_down_and_forget(hyper, write_recipe):
+    path = write_recipe("""
+        name: gone
+        cluster: {workers: 1}
+        experiments:
+          x: {command: "echo kept"}
+    """)
+    assert hyper("run", path).returncode == 0
+    hyper("up", "--provider", "local", "--workers", "1", "--name", "live", check=True)
+    hyper("down", "gone", check=True)
+    out = hyper("status", check=True).stdout
+    assert "live" in out and "gone" not in out.split("not shown")[0], out
+    assert "1 cluster that is down not shown (--all shows it" in out, out
+    assert [c["cluster"] for c in json.loads(hyper("status", "--json").stdout)] == ["live"]
+    assert "gone" in hyper("status", "--all", check=True).stdout
+    assert "gone" in hyper("status", "gone", check=True).stdout
+    r = hyper("forget", "live")
+    assert r.returncode == 2 and "up" in r.stderr and "hyper down live" in r.stderr, r.stderr
+    r = hyper("forget", "nope")
+    assert r.returncode == 2 and "no cluster named 'nope'" in r.stderr
+    r = hyper("forget", "gone", check=True)
+    assert "forgot cluster gone" in r.stdout
+    assert "gone" not in hyper("status", "--all", check=True).stdout
+    state = State()
+    assert state.cluster("gone") is None and state.nodes("gone") == []
+    assert state.workflow("gone-1")["status"] == "succeeded"  # its workflows are kept
+    assert "kept" in hyper("logs", "gone-1/x-0000", check=True).stdout
+    assert hyper("ps", "gone-1", check=True).returncode == 0
