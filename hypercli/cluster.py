@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from hypercli.console import plural
 from hypercli.errors import HyperError, InfraError, UsageError
 from hypercli.providers import get_provider
 from hypercli.recipe import ClusterSpec
@@ -52,7 +53,7 @@ def up(state: State, spec: ClusterSpec, provider=None,
     for n in state.nodes(spec.name, status="up"):
         if n["name"] not in names:
             state.set_node_status(n["name"], "down")
-    state.event("cluster", f"up with {len(instances)} nodes ({spec.provider})")
+    state.event("cluster", f"up with {plural(len(instances), 'node')} ({spec.provider})")
     return state.nodes(spec.name, status="up")
 
 

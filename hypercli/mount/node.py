@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from hypercli.console import plural
 from hypercli.errors import HyperError
 
 
@@ -53,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         elif a.cmd == "push-output":
             from hypercli.mount.outputs import push_output
             r = push_output(a.src, a.url)
-            print(f"outputs saved to {a.url}: {r.files} files, {r.bytes} bytes")
+            print(f"outputs saved to {a.url}: {plural(r.files, 'file')}, "
+                  f"{plural(r.bytes, 'byte')}")
         elif a.cmd == "checkpoint-save":
             from hypercli.mount.checkpoint import save
             s = save(a.folder, a.url, a.attempt, a.state)
@@ -67,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             from hypercli.mount.outputs import pull_outputs
             tasks = pull_outputs(a.storage, a.workflow, a.experiments, a.dest)
-            print(f"pulled the outputs of {len(tasks)} tasks into {a.dest}")
+            print(f"pulled the outputs of {plural(len(tasks), 'task')} into {a.dest}")
     except HyperError as e:
         print(f"error: {e}" + (f" ({e.hint})" if e.hint else ""), file=sys.stderr)
         return 1
