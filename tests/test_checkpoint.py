@@ -13,8 +13,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, hyper_cmd, wait_for
+from test_resume import task_pids
+
 from hypercli.mount import checkpoint as C
 from hypercli.mount.store import StoreError, open_store
 from hypercli.state import State
@@ -96,8 +97,7 @@ def test_a_killed_attempt_resumes_from_its_checkpoint(hyper_home, write_recipe, 
         wait_for(lambda: len(list(store.glob("gen/*.json"))) >= 2, timeout=30,
                  what="two saved generations")
         [a] = State().attempts("ckpt-1", status=["running"])
-        pid = json.loads((hyper_home / "local" / "tasks" / a["id"] / "pid").read_text())["pid"]
-        os.killpg(pid, signal.SIGKILL)  # the attempt dies without a last save
+        os.killpg(task_pids(hyper_home, [a])[0], signal.SIGKILL)  # no last save
         out, err = p.communicate(timeout=60)
     finally:
         if p.poll() is None:

@@ -12,8 +12,9 @@ import signal
 import time
 
 import pytest
-
 from conftest import ROOT, hyper_cmd, wait_for
+from test_resume import alive, live_attempts, task_pids
+
 from hypercli.state import State
 
 SLOW = """
@@ -24,26 +25,6 @@ SLOW = """
         parameters: {i: [1, 2, 3]}
         command: sleep 30
 """
-
-
-def live_attempts(wid: str = "slow-1") -> list[dict]:
-    try:
-        return State().attempts(wid, status=["running"])
-    except Exception:  # workflow not created yet
-        return []
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-
-
-def task_pids(home, attempts) -> list[int]:
-    return [json.loads((home / "local" / "tasks" / a["id"] / "pid").read_text())["pid"]
-            for a in attempts]
 
 
 class Terminal:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
-
 from conftest import ROOT
+
 from hypercli.state import State
 
 
@@ -46,8 +47,8 @@ def test_distributed_training_resumes_from_its_checkpoint(hyper_home, tmp_path):
     import subprocess
 
     import yaml
-
     from conftest import hyper_cmd, wait_for
+    from test_resume import task_pids
     recipe = yaml.safe_load((ROOT / "recipes" / "distributed-training.yaml").read_text())
     recipe["workdir"] = str(ROOT / "recipes")
     recipe["experiments"]["train"]["checkpoint_every"] = 1
@@ -62,8 +63,7 @@ def test_distributed_training_resumes_from_its_checkpoint(hyper_home, tmp_path):
                  what="three saved checkpoints")
         [rank1] = [a for a in State().attempts("distributed-training-1", status=["running"])
                    if a["rank"] == 1]
-        pid = json.loads((hyper_home / "local" / "tasks" / rank1["id"] / "pid").read_text())
-        os.killpg(pid["pid"], signal.SIGKILL)
+        os.killpg(task_pids(hyper_home, [rank1])[0], signal.SIGKILL)
         out, err = p.communicate(timeout=180)
     finally:
         if p.poll() is None:
