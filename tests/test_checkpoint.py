@@ -10,6 +10,7 @@ import os
 import random
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,34 @@ def test_a_late_save_of_an_older_attempt_never_wins(tmp_path):
     out = tmp_path / "out"
     C.restore(url, out, tmp_path / "out.json")
     assert (out / "step").read_text() == "attempt 2"
+
+
+def test_ranks_sharing_a_folder_restore_it_together(tmp_path):
+    """The ranks of a gang on one machine (local nodes) restore into one folder at once:
+    each waits for the other, and the second finds the folder already restored."""
+    url = f"file://{tmp_path}/store"
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(8):
+        (src / f"shard{i}.bin").write_bytes(random.Random(i).randbytes(1 << 20))
+    C.save(src, url, 1, tmp_path / "s.json")
+    out, state = tmp_path / "out", tmp_path / "out.state.json"
+    cmd = [sys.executable, "-m", "hypercli.mount.node", "checkpoint-restore", url, str(out),
+           str(state)]
+    procs = [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(4)]
+    try:
+        done = [p.communicate(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert [p.returncode for p in procs] == [0] * 4, done
+    for i in range(8):
+        assert (out / f"shard{i}.bin").read_bytes() == (src / f"shard{i}.bin").read_bytes()
+    assert sorted(x.name for x in out.iterdir()) == [f"shard{i}.bin" for i in range(8)]
+    again = C.restore(url, out, state)  # already this generation: nothing fetched
+    assert again.downloaded == 0 and again.total == 8 << 20
 
 
 def test_a_corrupt_block_is_refused(tmp_path):

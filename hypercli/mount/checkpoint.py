@@ -245,7 +245,9 @@ def _spans(blocks: list[tuple[int, int]]) -> list[tuple[int, int]]:
 def restore(url: str, folder: str | os.PathLike, state_path: str | os.PathLike,
             jobs: int = 8) -> RestoreReport:
     """Make ``folder`` the newest complete generation at ``url`` (module docstring). Blocks
-    are written into their files as the packs stream in, each checked as it completes.
+    are written into their files as the packs stream in, each checked as it completes. One
+    restore at a time holds the folder (an flock beside ``state_path``): the ranks of a gang
+    whose nodes share a file system (local nodes) restore it once, the others find it done.
 
     Raises:
         StoreError: the store failed, or a block did not match its SHA-256.
@@ -257,6 +259,30 @@ def restore(url: str, folder: str | os.PathLike, state_path: str | os.PathLike,
     if not gens:
         return RestoreReport(None, 0, 0)
     name = _gen_name(*gens[-1])
+    with _state(Path(state_path)) as st:  # one restore at a time into one folder
+        if st.get("gen") == name and _unchanged(root, st["files"]):
+            return RestoreReport(name, 0, sum(f["size"] for f in st["files"].values()))
+        return _restore_into(store, root, st, name, gens[-1], jobs)
+
+
+def _unchanged(root: Path, files: dict) -> bool:
+    """Whether ``root`` holds exactly ``files`` (a state's "files"), by size and mtime: the
+    folder is already the generation the state names (restored by another rank that shares
+    it, or saved here and not touched since)."""
+    here = dict(_walk(root))
+    if set(here) != set(files):
+        return False
+    for rel, f in files.items():
+        s = here[rel].stat()
+        if s.st_size != f["size"] or s.st_mtime_ns != f["mtime_ns"]:
+            return False
+    return True
+
+
+def _restore_into(store, root: Path, st: dict, name: str, gen: tuple[int, int],
+                  jobs: int) -> RestoreReport:
+    """:func:`restore`'s work, under the state's lock: fetch generation ``name`` into
+    ``root`` and record it in ``st``."""
     _, files = _resolve(store, name)
     sizes = dict(store.list("packs/"))
     ranged = getattr(store, "get_range", None)
@@ -333,19 +359,18 @@ def restore(url: str, folder: str | os.PathLike, state_path: str | os.PathLike,
             (root / rel).with_name(Path(rel).name + ".restoring").unlink(missing_ok=True)
         raise
     total = 0
-    with _state(Path(state_path)) as st:
-        for rel, fd in fds.items():
-            os.close(fd)
-            os.replace((root / rel).with_name(Path(rel).name + ".restoring"), root / rel)
-            total += files[rel]["size"]
-        for rel, p in list(_walk(root)):
-            if rel not in files:
-                p.unlink()
-        st["blocks"] = {b[0]: b[1:] for f in files.values() for b in f["blocks"]}
-        st["files"] = {rel: {"size": f["size"], "mode": f["mode"],
-                             "mtime_ns": (root / rel).stat().st_mtime_ns,
-                             "blocks": [b[0] for b in f["blocks"]]}
-                       for rel, f in files.items()}
-        attempt, seq = gens[-1]
-        st.update(attempt=attempt, seq=seq, gen=name, chain=FULL_EVERY)
+    for rel, fd in fds.items():
+        os.close(fd)
+        os.replace((root / rel).with_name(Path(rel).name + ".restoring"), root / rel)
+        total += files[rel]["size"]
+    for rel, p in list(_walk(root)):
+        if rel not in files:
+            p.unlink()
+    st["blocks"] = {b[0]: b[1:] for f in files.values() for b in f["blocks"]}
+    st["files"] = {rel: {"size": f["size"], "mode": f["mode"],
+                         "mtime_ns": (root / rel).stat().st_mtime_ns,
+                         "blocks": [b[0] for b in f["blocks"]]}
+                   for rel, f in files.items()}
+    attempt, seq = gen
+    st.update(attempt=attempt, seq=seq, gen=name, chain=FULL_EVERY)
     return RestoreReport(name, downloaded, total)
