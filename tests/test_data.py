@@ -409,7 +409,7 @@ def test_cli_push_ls_verify_and_exit_codes(s3, hyper_home, tmp_path):
 
     p = hyper_data("push", src, "s3://cli/ds", "--chunk-size", 1, "--jobs", 4)
     assert p.returncode == 0, p.stderr
-    assert "pushed 51 files" in p.stdout and "chunks uploaded" in p.stdout
+    assert "pushed 51 files" in p.stdout and "chunk" in p.stdout and " uploaded (" in p.stdout
     p = hyper_data("ls", "s3://cli/ds", "--json")
     assert p.returncode == 0, p.stderr
     listed = json.loads(p.stdout)
