@@ -108,15 +108,88 @@ def hyper(hyper_home):
     return run
 
 
-def wait_for(pred, timeout: float = 30, interval: float = 0.05, what: str = "condition"):
-    """Poll pred() until truthy; returns its value or fails the test after timeout (s)."""
+def wait_for(pred, timeout: float = 30, interval: float = 0.05, what: str = "condition",
+             proc: subprocess.Popen | None = None):
+    """Poll pred() until truthy; returns its value or fails the test after timeout (s), or
+    as soon as ``proc`` (a command the condition depends on) has exited, with its output."""
     end = time.time() + timeout
     while time.time() < end:
         v = pred()
         if v:
             return v
+        if proc is not None and proc.poll() is not None:
+            out, err = proc.communicate()
+            raise AssertionError(f"{proc.args} exited {proc.returncode} before {what}:\n"
+                                 f"{out or ''}{err or ''}")
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def _children() -> dict[int, int]:
+    """{pid: parent pid} of every process on the machine."""
+    out = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                stat = Path(f"/proc/{d}/stat").read_text()
+            except OSError:
+                continue
+            out[int(d)] = int(stat.rsplit(")", 1)[1].split()[1])
+    return out
+
+
+def _state_of(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return ""
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
+    except OSError:
+        return "?"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Keep each phase's report on the item (``rep_call``) for fixtures' teardown."""
+    rep = (yield).get_result()
+    setattr(item, f"rep_{rep.when}", rep)
+
+
+@pytest.fixture(autouse=True)
+def _no_process_left(request):
+    """After each test, no child of this process that the test started is left: any such
+    child and its descendants are killed by pid (so a failed test's command does not run on
+    into the next tests), and a test that passed but left one fails here."""
+    me = os.getpid()
+    before = {p for p, pp in _children().items() if pp == me}
+    yield
+    procs = _children()
+    left = [p for p, pp in procs.items() if pp == me and p not in before]
+    if not left:
+        return
+    live = [f"{p} ({_cmdline(p)})" for p in left if _state_of(p) not in ("Z", "X", "")]
+    doomed, todo = [], list(left)
+    while todo:
+        pid = todo.pop()
+        doomed.append(pid)
+        todo += [c for c, pp in procs.items() if pp == pid]
+    for pid in doomed:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for pid in left:
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:
+            pass
+    call = getattr(request.node, "rep_call", None)
+    if live and call is not None and call.passed:
+        pytest.fail(f"the test left running processes: {', '.join(live)}")
 
 
 from sshhosts import ssh_client_key, ssh_hosts, tiny_image  # noqa: E402,F401  (fixtures)

@@ -253,7 +253,7 @@ def test_cancel_and_logs_follow_over_ssh(ssh_hosts, tmp_path, hyper_home, hyper)
                    "sleep 30"}})
     p = subprocess.Popen([*hyper_cmd(), "run", str(path), "--trust-new-hosts"], cwd=ROOT,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_for(lambda: State().attempts("lab-1", status=["running"]), what="running")
+    wait_for(lambda: State().attempts("lab-1", status=["running"]), what="running", proc=p)
     follow = subprocess.Popen([*hyper_cmd(), "logs", "tick", "-f"], stdout=subprocess.PIPE,
                               text=True, cwd=ROOT)
     first = follow.stdout.readline()
