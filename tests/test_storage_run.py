@@ -120,18 +120,31 @@ def test_plain_bucket_mount_in_a_recipe(s3, hyper, hyper_home, tmp_path):
         pytest.skip("neither goofys nor s3fs is installed (Debian: s3fs)")
     s3.make_bucket("raw1")
     s3.client().put_object(Bucket="raw1", Key="pre/a/b.txt", Body=b"per-object file")
-    mnt = tmp_path / "raw"
+    s3.make_bucket("scratch1")
+    mnt, scratch = tmp_path / "raw", tmp_path / "scratch"
+    probe = 'if echo x > "{0}/new" 2>/dev/null; then echo writable; else echo read-only; fi'
     recipe = {"name": "bucket", "cluster": {"workers": 1},
-              "mounts": {str(mnt): "s3://raw1/pre"},
-              "experiments": {"cat": {"command": f'cat "{mnt}/a/b.txt" > "$HYPER_OUTPUT/got"'}}}
+              "mounts": {str(mnt): "s3://raw1/pre",
+                         str(scratch): {"url": "s3://scratch1/tmp", "mode": "rw"}},
+              "experiments": {"cat": {"command": (
+                  f'cat "{mnt}/a/b.txt" > "$HYPER_OUTPUT/got"; '
+                  f'{probe.format(mnt)} > "$HYPER_OUTPUT/raw"; '
+                  f'{probe.format(scratch)} > "$HYPER_OUTPUT/scratch"')}}}
     path = tmp_path / "r.yaml"
     path.write_text(yaml.safe_dump(recipe))
     try:
         r = hyper("run", path)
         assert r.returncode == 0, r.stdout + r.stderr
-        got = hyper_home / "storage" / "bucket-1" / "cat-0000" / "got"
-        assert got.read_text() == "per-object file"
+        out = hyper_home / "storage" / "bucket-1" / "cat-0000"
+        assert (out / "got").read_text() == "per-object file"
+        # a dataset bucket is read-only unless the recipe asks for rw
+        assert (out / "raw").read_text() == "read-only\n"
+        assert (out / "scratch").read_text() == "writable\n"
+        assert s3.client().get_object(Bucket="scratch1", Key="tmp/new")["Body"].read() == b"x\n"
+        assert "new" not in [o["Key"] for o in s3.client().list_objects_v2(
+            Bucket="raw1").get("Contents", [])]
         assert hyper("down", "bucket").returncode == 0
-        assert not mounted(mnt)
+        assert not mounted(mnt) and not mounted(scratch)
     finally:
-        subprocess.run(["fusermount", "-uz", str(mnt)], capture_output=True)
+        for m in (mnt, scratch):
+            subprocess.run(["fusermount", "-uz", str(m)], capture_output=True)

@@ -10,7 +10,8 @@ provider, the copied runtime of :mod:`hypercli.node.bundle` over SSH), used as
 Mount kinds (recipe ``mounts: {PATH: URL}``):
 * ``chunks+s3://...``, ``chunks+file://...``: hypercli's chunked FUSE mount
   (``hyper data mount``), its chunk cache in ``<node root>/cache``;
-* ``s3://bucket/prefix``: the bucket itself, with goofys, else s3fs, whichever the node has.
+* ``s3://bucket/prefix``: the bucket itself, with goofys, else s3fs, whichever the node has;
+  read-only unless the recipe mounts it ``rw``.
 """
 
 from __future__ import annotations
@@ -44,9 +45,10 @@ def env_prefix() -> str:
     return "".join(f"{k}={shlex.quote(v)} " for k, v in forwarded_env().items())
 
 
-def mount_command(hyper: str, url: str, path: str, cache: str) -> str:
+def mount_command(hyper: str, url: str, path: str, cache: str, rw: bool = False) -> str:
     """Shell text that mounts ``url`` at ``path`` on a node (idempotent: nothing when a FUSE
-    file system is already mounted there)."""
+    file system is already mounted there). A plain bucket is mounted read-only (goofys and
+    s3fs alike) unless ``rw``."""
     p = shlex.quote(path)
     check = f"mountpoint -q {p}"
     if url.startswith("chunks+"):
@@ -56,9 +58,11 @@ def mount_command(hyper: str, url: str, path: str, cache: str) -> str:
         bucket_path = url[len("s3://"):]
         bucket, _, prefix = bucket_path.partition("/")
         endpoint = forwarded_env().get("HYPER_S3_ENDPOINT_URL")
-        goofys = "goofys " + (f"--endpoint {shlex.quote(endpoint)} " if endpoint else "") + \
+        goofys = "goofys " + ("" if rw else "-o ro ") + \
+            (f"--endpoint {shlex.quote(endpoint)} " if endpoint else "") + \
             f"{shlex.quote(bucket + (':' + prefix if prefix else ''))} {p}"
-        s3fs = (f"s3fs {shlex.quote(bucket + (':/' + prefix if prefix else ''))} {p} -o ro"
+        s3fs = (f"s3fs {shlex.quote(bucket + (':/' + prefix if prefix else ''))} {p} "
+                f"-o {'rw' if rw else 'ro'}"
                 + (f",url={shlex.quote(endpoint)},use_path_request_style" if endpoint else ""))
         cmd = (f"if command -v goofys >/dev/null; then {goofys}; elif command -v s3fs "
                f">/dev/null; then {s3fs}; else echo 'neither goofys nor s3fs is installed' >&2; "
@@ -100,9 +104,11 @@ class NodeRuntime:
         """Mount every ``mounts:`` entry once per workflow. Raises NodeError."""
         if self.mounted:
             return
-        for path, url in sorted((self.wf.get("spec") or {}).get("mounts", {}).items()):
+        spec = self.wf.get("spec") or {}
+        for path, url in sorted(spec.get("mounts", {}).items()):
             try:
-                self.sh(mount_command(self.hyper, url, path, f"{self.root}/cache"))
+                self.sh(mount_command(self.hyper, url, path, f"{self.root}/cache",
+                                      rw=path in spec.get("rw_mounts", ())))
             except (CommandFailed, NodeSetupError) as e:
                 raise NodeSetupError(f"mounting {url} at {path} on {self.node} failed: "
                                      f"{e}") from None
