@@ -7,12 +7,14 @@ still running on the nodes, asks the provider to remove them and marks everythin
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 from hypercli.console import plural
 from hypercli.errors import HyperError, InfraError, UsageError
 from hypercli.providers import get_provider
 from hypercli.recipe import ClusterSpec
+from hypercli.recipe.access import grants_from, merge
 from hypercli.state import State
 from hypercli.stop import cancel_workflow
 
@@ -33,6 +35,7 @@ def up(state: State, spec: ClusterSpec, provider=None,
         raise UsageError(f"cluster {spec.name} is up with provider {old['provider']}, "
                          f"not {spec.provider}",
                          f"`hyper down {spec.name}` first, or name another cluster")
+    spec = with_granted(spec, old)
     provider = provider or get_provider(spec.provider, options=spec.options)
     result = provider.launch(spec)
     instances = result.instances
@@ -44,7 +47,8 @@ def up(state: State, spec: ClusterSpec, provider=None,
         raise InfraError(f"no node of cluster {spec.name} came up: {lines}",
                          getattr(next(iter(result.errors.values()), None), "hint", None))
     state.put_cluster(spec.name, spec.provider,
-                      {"workers": spec.workers, "options": spec.options}, "up")
+                      {"workers": spec.workers, "options": spec.options,
+                       "grants": [g.as_dict() for g in spec.grants]}, "up")
     names = set()
     for inst in instances:
         names.add(inst.name)
@@ -55,6 +59,35 @@ def up(state: State, spec: ClusterSpec, provider=None,
             state.set_node_status(n["name"], "down")
     state.event("cluster", f"up with {plural(len(instances), 'node')} ({spec.provider})")
     return state.nodes(spec.name, status="up")
+
+
+def with_granted(spec: ClusterSpec, row: dict | None) -> ClusterSpec:
+    """``spec`` whose storage grants also hold those the cluster (its ``clusters`` row, or
+    None) was given before: the nodes of a cluster shared by several recipes keep what
+    each one needs (:mod:`hypercli.recipe.access`)."""
+    if not row or row.get("status") != "up":
+        return spec
+    before = grants_from((row.get("spec") or {}).get("grants"))
+    return dataclasses.replace(spec, grants=merge(tuple(spec.grants) + before))
+
+
+def grant(state: State, spec: ClusterSpec, provider) -> None:
+    """Give an up cluster's nodes the storage ``spec`` needs, when its provider scopes
+    storage to the cluster (the clouds) and the cluster does not have it yet.
+
+    Raises:
+        CredentialsError, CloudError: from the provider.
+    """
+    row = state.cluster(spec.name)
+    have = grants_from(((row or {}).get("spec") or {}).get("grants"))
+    if not hasattr(provider, "grant") or all(any(h.covers(g) for h in have)
+                                             for g in spec.grants):
+        return
+    spec = with_granted(spec, row)
+    provider.grant(spec)
+    state.put_cluster(spec.name, row["provider"],
+                      dict(row.get("spec") or {}, grants=[g.as_dict() for g in spec.grants]),
+                      "up")
 
 
 def replace(state: State, provider, node: dict) -> list[dict]:

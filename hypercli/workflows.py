@@ -111,6 +111,7 @@ def start_or_resume(state: S.State, recipe: Recipe, wf: Workflow, *, new: bool =
     wid = state.create_workflow(wf, cluster=recipe.cluster.name, recipe_path=recipe.path,
                                 storage=storage, workdir=recipe.workdir,
                                 spec={"mounts": dict(recipe.mounts),
+                                      "rw_mounts": sorted(recipe.rw_mounts),
                                       "token": secrets.token_hex(4)})
     for exp, plan in wf.shards.items():  # the file lists, kept beside the state file
         plan.save(wid, exp)
@@ -516,6 +517,7 @@ def prepare_run(state: S.State, recipe_path: str, *, new: bool = False,
     provider = get_provider(recipe.cluster.provider, trust_new_hosts=trust_new_hosts,
                             options=recipe.cluster.options)
     if cluster is not None:
+        C.grant(state, recipe.cluster, provider)  # this recipe's storage, on that cluster
         nodes = state.nodes(cluster, status="up")
     else:
         nodes = C.up(state, recipe.cluster, provider, report=report or log)

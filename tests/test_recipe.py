@@ -416,6 +416,11 @@ def test_bad_experiment_fields(body, field, message):
     ("cluster: {provider: aws, workers: 0}\n", "cluster.workers", "at least 1"),
     ("cluster: {provider: aws, regoin: x}\n", "cluster.regoin", "did you mean 'region'?"),
     ("cluster: [a]\n", "cluster", "cluster must be a mapping, not a list"),
+    ("mounts: {/d: {url: s3://b/p, mode: rx}}\n", "mounts./d.mode", "ro or rw"),
+    ("mounts: {/d: {mode: rw}}\n", "mounts./d.url", "has no url"),
+    ("mounts: {/d: {url: chunks+s3://b/p, mode: rw}}\n", "mounts./d.url", "immutable"),
+    ("mounts: {/d: {url: s3://b/p, mdoe: rw}}\n", "mounts./d.mdoe", "did you mean 'mode'?"),
+    ("cluster: {provider: gcp, iam_role: r}\n", "cluster.iam_role", "applies to provider aws"),
 ])
 def test_bad_top_level_fields(top, field, message):
     e = fail("name: n\n" + top + "experiments: {a: {command: x}}\n")
@@ -599,3 +604,35 @@ def test_fuzz_file_bytes(data):
             check_recipe(load_recipe(path))
         except RecipeError as e:
             assert str(e).startswith(path)
+
+
+def test_storage_grants_of_a_recipe():
+    """Read on each mounted dataset, read/write on the storage prefix, rw on an rw bucket
+    mount; a grant inside a wider one is dropped; file:// needs nothing."""
+    from hypercli.recipe.access import Grant, merge, parse_url
+    r = parse_recipe(textwrap.dedent("""\
+        name: g
+        storage: s3://out/runs
+        cluster: {provider: aws, iam_role: my-profile}
+        mounts:
+          /data: chunks+s3://ds/imagenet
+          /old: s3://out/runs/search-1
+          /more: chunks+s3://ds/imagenet/val
+          /scratch: {url: s3://tmp/x, mode: rw}
+          /local: chunks+file:///srv/ds
+        experiments: {a: {command: x}}
+        """))
+    assert r.rw_mounts == frozenset({"/scratch"})
+    assert r.cluster.options["iam_role"] == "my-profile"
+    assert r.cluster.grants == (Grant("s3", "ds", "imagenet"), Grant("s3", "out", "runs", True),
+                                Grant("s3", "tmp", "x", True))
+    assert parse_url("az://acct/cont/p/q") == Grant("az", "acct/cont", "p/q")
+    assert parse_url("gs://b") == Grant("gs", "b", "")
+    assert parse_url("file:///x") is None
+    # a whole-bucket read does not cover a write; the same prefix read and written is one
+    assert merge([Grant("s3", "b", ""), Grant("s3", "b", "p", True)]) == \
+        (Grant("s3", "b", "", False), Grant("s3", "b", "p", True))
+    assert merge([Grant("s3", "b", "p"), Grant("s3", "b", "p", True)]) == \
+        (Grant("s3", "b", "p", True),)
+    assert merge([Grant("s3", "b", "pa"), Grant("s3", "b", "p", True)]) == \
+        (Grant("s3", "b", "p", True), Grant("s3", "b", "pa"))  # "pa" is not inside "p"

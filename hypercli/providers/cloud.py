@@ -86,6 +86,12 @@ class CloudSpec:
         idle_minutes: the node terminates itself after this long with no task and no contact.
         replace_preempted: launch a replacement when a node is preempted.
         project: GCP project; resource_group: Azure resource group (default ``hyper-<cluster>``).
+        grants: the object storage the nodes may use (:class:`hypercli.recipe.access.Grant`,
+            from the recipe's ``storage`` and ``mounts``); the provider gives the nodes a
+            storage identity scoped to exactly these.
+        identity: an existing storage identity to use instead of one made for the cluster:
+            an instance profile (AWS ``iam_role``), a service account e-mail (GCP
+            ``service_account``), a user-assigned managed identity id (Azure ``identity``).
     """
 
     cluster: str
@@ -103,6 +109,8 @@ class CloudSpec:
     replace_preempted: bool = True
     project: str | None = None
     resource_group: str | None = None
+    grants: tuple = ()
+    identity: str | None = None
 
 
 @dataclass(frozen=True)
@@ -189,7 +197,21 @@ class CloudAPI(Protocol):
         """Create (or find) the cluster's shared resources, idempotently: network, security
         group or firewall rules (from outside only TCP 22 from ``spec.ssh_cidr``; between the
         cluster's own nodes every protocol and port, on their private addresses), key pair,
-        resource group. Returns what :meth:`create` needs of them (opaque to the caller)."""
+        resource group, and the storage identity (:meth:`identity`). Returns what
+        :meth:`create` needs of them (opaque to the caller)."""
+
+    def identity(self, spec: CloudSpec) -> dict:
+        """Create or update, idempotently, the cluster's storage identity scoped to exactly
+        ``spec.grants`` (read on datasets, read/write on the storage prefix); nothing is
+        made when ``spec.identity`` names an existing one. Called by :meth:`prepare`, and
+        again when a later recipe on the same cluster needs more. Returns what the instances
+        are launched with (opaque to the caller).
+
+        Raises:
+            CredentialsError: the caller may not create or bind identities (the message
+                names the missing permission and the recipe key that names an existing
+                identity instead).
+        """
 
     def create(self, spec: CloudSpec, nodes: list[str], boot: Boot,
                prepared: dict) -> tuple[list[VM], dict[str, Exception]]:

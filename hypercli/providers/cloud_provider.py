@@ -169,7 +169,9 @@ def cloud_spec(spec: ClusterSpec, count: int | None = None) -> CloudSpec:
         variant=variant, disk_gb=o.get("disk_gb", 50), max_price=o.get("max_price"),
         ssh_cidr=o.get("ssh_cidr"), idle_minutes=o.get("idle_minutes", 30),
         replace_preempted=o.get("replace_preempted", o.get("spot", True)),
-        project=o.get("project"), resource_group=o.get("resource_group"))
+        project=o.get("project"), resource_group=o.get("resource_group"),
+        grants=tuple(spec.grants),
+        identity=o.get("iam_role") or o.get("service_account") or o.get("identity"))
 
 
 def seam_addresses() -> dict:
@@ -285,6 +287,8 @@ class CloudProvider(SSHProvider):
         live = [v for v in api.describe(cs.cluster) if v.state in ("pending", "running")]
         errors: dict[str, Exception] = {}
         new_nodes = self._new_names(cs, live)
+        if not new_nodes and cs.grants:
+            api.identity(cs)  # a later recipe on the cluster may need more storage
         if new_nodes:
             prepared = api.prepare(cs, public)
             docs = {}
@@ -297,6 +301,13 @@ class CloudProvider(SSHProvider):
         instances, more = self._bring_up(cs, live, key_path)
         errors.update(more)
         return LaunchResult(instances, errors)
+
+    def grant(self, spec: ClusterSpec) -> None:
+        """Give the nodes of an up cluster the storage ``spec.grants`` asks (``hyper run
+        --cluster``). Raises CredentialsError / CloudError."""
+        cs = cloud_spec(spec)
+        if cs.grants:
+            self.api(spec.options).identity(cs)
 
     def _new_names(self, cs: CloudSpec, live: list[VM]) -> list[str]:
         """Names for the nodes to create: never one the cluster had before (a replacement

@@ -18,17 +18,19 @@ The checks are split by section of the file: :mod:`.yamltree` (the node tree and
 values), :mod:`.cluster` (``cluster``, ``storage``, ``mounts``), :mod:`.experiments` (each
 experiment and the ``after`` DAG), :mod:`.parameters`, and :mod:`.resources` (what a task
 needs of a node: CPUs, memory, GPUs, and how many nodes); :mod:`.specs` holds the frozen
-values they build.
+values they build, and :mod:`.access` derives what object storage the cluster's nodes need.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+from dataclasses import replace
 
 from yaml.nodes import MappingNode
 
 from hypercli.errors import RecipeError
+from hypercli.recipe.access import storage_grants
 from hypercli.recipe.cluster import (  # noqa: F401
     _CLUSTER_KEYS,
     MOUNT_SCHEMES,
@@ -158,13 +160,17 @@ def _recipe(ctx: _Ctx, root: MappingNode, base_dir: str, digest: str) -> Recipe:
     workdir = base_dir
     if "workdir" in top:
         workdir = _local_path(base_dir, _str(ctx, top["workdir"], "workdir"))
-    mounts = _mounts(ctx, top["mounts"], base_dir) if "mounts" in top else {}
+    mounts, rw_mounts = ({}, frozenset())
+    if "mounts" in top:
+        mounts, rw_mounts = _mounts(ctx, top["mounts"], base_dir)
+    cluster = replace(cluster, grants=storage_grants(storage, mounts, rw_mounts))
     if "experiments" not in top:
         ctx.fail("experiments is required", None, "experiments",
                  "add experiments: with at least one experiment and its command")
     experiments, order = _experiments(ctx, top["experiments"])
     return Recipe(path=ctx.path, name=name, version=version, seed=seed, cluster=cluster,
-                  storage=storage, workdir=workdir, mounts=mounts, experiments=experiments,
+                  storage=storage, workdir=workdir, mounts=mounts, rw_mounts=rw_mounts,
+                  experiments=experiments,
                   order=order, digest=digest)
 
 

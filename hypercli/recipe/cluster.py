@@ -7,7 +7,7 @@ import os
 import re
 from typing import Any, Callable
 
-from yaml.nodes import ScalarNode
+from yaml.nodes import MappingNode, ScalarNode
 
 from hypercli.recipe.specs import ClusterSpec
 from hypercli.recipe.yamltree import (
@@ -83,9 +83,11 @@ _PROVIDER_KEYS: dict[str, dict[str, _Check]] = {
     "local": {},
     "ssh": {"hosts": _hosts, "identity_file": _str, "user": _str,
             "port": lambda c, i, f: _int(c, i, f, lo=1, hi=65535)},
-    "aws": _CLOUD_KEYS,
-    "gcp": {**_CLOUD_KEYS, "project": _str},
-    "azure": {**_CLOUD_KEYS, "resource_group": _str},
+    # iam_role, service_account, identity: an existing storage identity for the nodes
+    # instead of one made per cluster (hypercli.recipe.access)
+    "aws": {**_CLOUD_KEYS, "iam_role": _str},
+    "gcp": {**_CLOUD_KEYS, "project": _str, "service_account": _str},
+    "azure": {**_CLOUD_KEYS, "resource_group": _str, "identity": _str},
 }
 _CLUSTER_KEYS = ("provider", "name", "workers")
 
@@ -139,8 +141,12 @@ def _url(ctx: _Ctx, item: _Item, field: str, schemes: tuple, base_dir: str) -> s
     return v
 
 
-def _mounts(ctx: _Ctx, item: _Item, base_dir: str) -> dict:
+def _mounts(ctx: _Ctx, item: _Item, base_dir: str) -> tuple[dict, frozenset]:
+    """(mount path → URL, the paths mounted read-write). A mount is ``PATH: URL`` or
+    ``PATH: {url: URL, mode: ro|rw}``; only a plain ``s3://`` bucket mount may be ``rw``
+    (datasets of ``chunks+`` URLs are immutable)."""
     out: dict[str, str] = {}
+    rw: set[str] = set()
     for target, it in _mapping(ctx, item, "mounts", null_ok=True).items():
         field = f"mounts.{target}"
         if not target.startswith("/") or ".." in target.split("/") or "\x00" in target:
@@ -151,7 +157,25 @@ def _mounts(ctx: _Ctx, item: _Item, base_dir: str) -> dict:
             ctx.fail("cannot mount over /", it.line, field)
         if norm in out:
             ctx.fail(f"mount path {norm} is given twice", it.line, field)
+        mode = "ro"
+        if isinstance(it.node, MappingNode):
+            keys = _mapping(ctx, it, field)
+            _check_keys(ctx, keys, ("url", "mode"), field)
+            if "url" not in keys:
+                ctx.fail(f"mount {norm} has no url", it.line, f"{field}.url",
+                         "url: s3://BUCKET/PREFIX")
+            if "mode" in keys:
+                mode = _str(ctx, keys["mode"], f"{field}.mode")
+                if mode not in ("ro", "rw"):
+                    ctx.fail(f"mode must be ro or rw, not {_show(mode)}", keys["mode"].line,
+                             f"{field}.mode")
+            it, field = keys["url"], f"{field}.url"
         out[norm] = _url(ctx, it, field, MOUNT_SCHEMES, base_dir)
-    return out
+        if mode == "rw":
+            if not out[norm].startswith("s3://"):
+                ctx.fail("only a plain s3:// bucket mount can be rw (chunks+ datasets are "
+                         "immutable)", it.line, field, "write outputs to $HYPER_OUTPUT")
+            rw.add(norm)
+    return out, frozenset(rw)
 
 

@@ -14,12 +14,15 @@ class ClusterSpec:
         provider: one of :data:`PROVIDERS`; default ``"local"``.
         workers: number of nodes (local: worker slots), ≥ 1, or None for the provider default.
         options: the provider-specific keys given (``region``, ``hosts``, ...), plain values.
+        grants: the object storage its nodes need (:func:`hypercli.recipe.access.
+            storage_grants` of the recipe's ``storage`` and ``mounts``).
     """
 
     name: str
     provider: str
     workers: int | None
     options: dict
+    grants: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,7 @@ class Recipe:
         storage: object store URL (relative ``file://`` paths made absolute), or None.
         workdir: absolute folder tasks run in.
         mounts: absolute mount path → URL.
+        rw_mounts: the mount paths mounted read-write (plain ``s3://`` only).
         experiments: name → :class:`ExperimentSpec`, in file order.
         order: experiment names in a topological order of ``after`` (file order among ready).
         digest: sha256 hex digest of the recipe text (UTF-8).
@@ -109,6 +113,7 @@ class Recipe:
     storage: str | None
     workdir: str
     mounts: dict
+    rw_mounts: frozenset
     experiments: dict
     order: tuple[str, ...]
     digest: str
