@@ -1,7 +1,7 @@
 """The state file: one SQLite database under ``$HYPER_HOME`` holding everything hypercli knows.
 
-Tables: clusters, nodes, workflows, experiments, tasks, attempts, events, and
-``schema_migrations`` (numbered migrations, each applied once, in order). This is the only
+Tables: clusters, nodes, workflows, experiments, tasks, attempts, events, samples
+(utilisation), and ``schema_migrations`` (numbered migrations, each applied once, in order). This is the only
 module that writes SQL. JSON columns hold structured values (never pickle).
 
 Concurrency: WAL journal, so ``hyper ps`` reads while ``hyper run`` writes; a 10 s busy
@@ -113,6 +113,20 @@ def m004_detached(db: sqlite3.Connection) -> None:
 def m005_checkpoint_every(db: sqlite3.Connection) -> None:
     """``experiments.checkpoint_every``: seconds between saves of a task's checkpoint."""
     db.execute("ALTER TABLE experiments ADD COLUMN checkpoint_every REAL NOT NULL DEFAULT 60")
+
+
+@migration
+def m006_samples(db: sqlite3.Connection) -> None:
+    """``samples``: utilisation of nodes and of the attempts on them (:mod:`hypercli.usage`):
+    ``attempt`` NULL for a node's own sample; ``span`` 0 for a raw sample, else the seconds a
+    mean covers (older samples are kept as 1-minute means); ``data`` the JSON values."""
+    _script(db, """
+    CREATE TABLE samples (
+        node TEXT NOT NULL, attempt TEXT, ts REAL NOT NULL, span REAL NOT NULL DEFAULT 0,
+        data TEXT NOT NULL);
+    CREATE INDEX samples_node ON samples(node, ts);
+    CREATE INDEX samples_attempt ON samples(attempt, ts) WHERE attempt IS NOT NULL;
+    """)
 
 
 def _script(db: sqlite3.Connection, sql: str) -> None:
@@ -557,6 +571,60 @@ class State:
                 "w.id=t.workflow WHERE t.experiment=? GROUP BY t.workflow HAVING COUNT(*)=1 "
                 "ORDER BY w.created_at DESC", (ref,)).fetchall()
         return [{"workflow": r[0], "task": r[1], "status": r[2]} for r in rows]
+
+    # -- utilisation samples (hypercli.usage) ------------------------------------------------
+    def add_samples(self, rows: Iterable[dict]) -> int:
+        """Store samples: each ``{"node": str, "attempt": str | None, "ts": unix s,
+        "data": {...}}`` (``span`` optional, default 0: a raw sample). Returns how many."""
+        vals = [(r["node"], r.get("attempt"), float(r["ts"]), float(r.get("span") or 0),
+                 _dumps(r["data"])) for r in rows]
+        if vals:
+            with self.tx() as db:
+                db.executemany("INSERT INTO samples VALUES (?,?,?,?,?)", vals)
+        return len(vals)
+
+    def samples(self, *, node: str | None = None, attempt: str | None = None,
+                nodes_only: bool = False, since: float | None = None,
+                until: float | None = None) -> list[dict]:
+        """Samples, oldest first, as ``{"node", "attempt", "ts", "span", "data"}``: of one
+        node (``node``; with ``nodes_only`` its own samples, not its attempts'), of one
+        attempt, or all; ``since``/``until`` bound ``ts`` (unix s, inclusive)."""
+        where, args = [], []
+        for col, v in (("node", node), ("attempt", attempt)):
+            if v is not None:
+                where.append(f"{col}=?")
+                args.append(v)
+        if nodes_only:
+            where.append("attempt IS NULL")
+        if since is not None:
+            where.append("ts>=?")
+            args.append(since)
+        if until is not None:
+            where.append("ts<=?")
+            args.append(until)
+        sql = "SELECT * FROM samples" + (" WHERE " + " AND ".join(where) if where else "")
+        rows = self.db.execute(sql + " ORDER BY ts, rowid", args).fetchall()
+        return [_row(r, "data") for r in rows]
+
+    def compact_samples(self, before: float, bucket: float = 60.0) -> int:
+        """Replace the raw samples older than ``before`` (unix s) by one mean per node,
+        attempt and ``bucket`` s (:func:`hypercli.usage.mean_of`); returns the number of raw
+        samples replaced. Means are never compacted again."""
+        from hypercli.usage import mean_of
+        with self.tx() as db:
+            rows = db.execute("SELECT rowid, * FROM samples WHERE span=0 AND ts<? "
+                              "ORDER BY ts", (before,)).fetchall()
+            if not rows:
+                return 0
+            groups: dict[tuple, list] = {}
+            for r in rows:
+                key = (r["node"], r["attempt"], int(r["ts"] // bucket))
+                groups.setdefault(key, []).append(json.loads(r["data"]))
+            db.executemany("DELETE FROM samples WHERE rowid=?", [(r["rowid"],) for r in rows])
+            db.executemany("INSERT INTO samples VALUES (?,?,?,?,?)",
+                           [(n, a, k * bucket, bucket, _dumps(mean_of(data)))
+                            for (n, a, k), data in groups.items()])
+        return len(rows)
 
     def forget_cluster(self, name: str) -> int:
         """Delete a cluster's row and its nodes' rows (its workflows, attempts and events are
