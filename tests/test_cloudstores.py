@@ -52,10 +52,19 @@ class Cloud:
         return self.url("p", bucket=self.server.new_bucket("none"))
 
 
-@pytest.fixture(params=["gs", "az"])
-def cloud(request) -> Cloud:
-    server = request.getfixturevalue("gcs" if request.param == "gs" else "azurite")
-    return Cloud(request.param, server)
+@pytest.fixture(scope="module", params=["gs", "az"])
+def cloud_server(request):
+    """(scheme, the module's emulator): module-scoped, so that the emulator is started
+    before conftest's ``_no_process_left`` counts a test's own processes (it would kill it)."""
+    return request.param, request.getfixturevalue(
+        "gcs_server" if request.param == "gs" else "azurite_server")
+
+
+@pytest.fixture
+def cloud(cloud_server, request) -> Cloud:
+    scheme, _ = cloud_server
+    server = request.getfixturevalue("gcs" if scheme == "gs" else "azurite")  # env too
+    return Cloud(scheme, server)
 
 
 def random_tree(root: Path, n: int, seed: int, max_size: int) -> list[str]:
