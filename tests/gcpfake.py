@@ -40,7 +40,9 @@ import threading
 import time
 from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import parse_qs, urlparse
+from urllib.parse import parse_qs, unquote, urlparse
+
+from gcpiamfake import IAMFake
 
 BASE = "/compute/v1/projects/"
 LINK = "https://www.googleapis.com/compute/v1/projects/"
@@ -97,7 +99,7 @@ def matches(obj: dict, flt: str | None) -> bool:
     return True
 
 
-class ComputeFake:
+class ComputeFake(IAMFake):
     """See the module docstring. ``url`` is the endpoint; ``close()`` stops it.
 
     Args:
@@ -120,6 +122,7 @@ class ComputeFake:
         self.slow_ops = 1
         self.op_seconds = 2.0
         self.requests: list[tuple[str, str, dict | None]] = []
+        self._iam_init()  # service accounts and bucket policies (tests/gcpiamfake.py)
         self._ids = itertools.count(4_000_000_000_000_000_001)
         self._lock = threading.RLock()
         self._conns: list[socket.socket] = []
@@ -146,7 +149,9 @@ class ComputeFake:
                 with fake._lock:
                     fake.requests.append((self.command, url.path, body))
                     try:
-                        code, obj = fake.route(self.command, url.path, query, body)
+                        code, obj = fake.iam_route(self.command, unquote(url.path), query,
+                                                   body) or \
+                            fake.route(self.command, url.path, query, body)
                     except ValueError as e:
                         code, obj = fake._error(400, "invalid", f"Invalid list filter "
                                                 f"expression ({e})")
@@ -388,6 +393,11 @@ class ComputeFake:
                                      "letters, numeric characters, underscores and dashes. "
                                      "The value can be at most 63 characters long. "
                                      "International characters are allowed.")
+        for sa in body.get("serviceAccounts") or []:
+            if sa.get("email") != "default" and sa.get("email") not in self.service_accounts:
+                return self._invalid("serviceAccounts.email", sa.get("email"),
+                                     "The resource 'projects/{}/serviceAccounts/{}' was not "
+                                     "found".format(self.project, sa.get("email")))
         sched = body.get("scheduling") or {}
         if sched.get("instanceTerminationAction") and sched.get("provisioningModel") != "SPOT":
             return self._invalid("scheduling.instanceTerminationAction",

@@ -360,3 +360,140 @@ def test_teardown_and_gc_leave_nothing(fake, api):
 
 def test_spot_price_is_not_in_the_compute_api(api):
     assert api.spot_price(spec()) == {}
+
+
+# -- the storage identity: a service account per cluster, bound on the recipe's buckets only --
+from hypercli.recipe.access import Grant  # noqa: E402
+
+SA = "hyper-c1@proj.iam.gserviceaccount.com"
+MEMBER = f"serviceAccount:{SA}"
+GRANTS = (Grant("gs", "data", "datasets/coco"), Grant("gs", "out", "runs", write=True))
+
+
+def storage_fake(fake):
+    for b in ("data", "out", "other"):
+        fake.add_bucket(b)
+    return fake
+
+
+def policy_calls(fake) -> list[tuple[str, dict]]:
+    return [(p.split("/b/")[1].split("/")[0], b) for m, p, b in fake.requests
+            if m == "PUT" and p.endswith("/iam")]
+
+
+def test_nodes_get_a_cluster_service_account_bound_on_exactly_the_recipe_prefixes(fake, api):
+    storage_fake(fake)
+    vms, errors = launch(api, spec(grants=GRANTS))
+    assert errors == {}
+    [(m, p, body)] = [r for r in fake.requests if r[0] == "POST"
+                      and r[1].endswith("/serviceAccounts")]
+    assert body["accountId"] == "hyper-c1"
+    assert body["serviceAccount"]["description"].startswith("hyper:cluster=c1 ")
+    for _, ins in inserts(fake):
+        assert ins["serviceAccounts"] == [{"email": SA, "scopes": [
+            "https://www.googleapis.com/auth/compute",
+            "https://www.googleapis.com/auth/devstorage.read_write"]}]
+    calls = policy_calls(fake)
+    assert sorted(b for b, _ in calls) == ["data", "out"]  # never "other"
+    assert all(p["version"] == 3 for _, p in calls)
+    [read] = fake.buckets["data"]["policy"]["bindings"]
+    assert read["role"] == "roles/storage.objectViewer" and read["members"] == [MEMBER]
+    assert read["condition"]["title"] == "hyper-c1"
+    [write] = fake.buckets["out"]["policy"]["bindings"]
+    assert write["role"] == "roles/storage.objectUser"
+    may = fake.allowed
+    assert may(MEMBER, "data", "storage.objects.get", "datasets/coco/chunks/0001")
+    assert not may(MEMBER, "data", "storage.objects.get", "datasets/cocoa/x")
+    assert not may(MEMBER, "data", "storage.objects.get", "secret/x")
+    assert not may(MEMBER, "data", "storage.objects.create", "datasets/coco/x")
+    assert may(MEMBER, "data", "storage.objects.list", list_prefix="datasets/coco/")
+    assert not may(MEMBER, "data", "storage.objects.list", list_prefix="")
+    assert may(MEMBER, "out", "storage.objects.create", "runs/wf1/t1/out.txt")
+    assert may(MEMBER, "out", "storage.objects.get", "runs/wf0/t3/out.txt")  # earlier pulls
+    assert not may(MEMBER, "out", "storage.objects.create", "elsewhere/x")
+    assert fake.buckets["other"]["policy"]["bindings"] == []
+    # the idle watchdog may delete its own instance, and only that
+    assert sorted(fake.instance_policies) == [("us-central1-a", "c1-0"),
+                                              ("us-central1-a", "c1-1")]
+    assert fake.instance_policies[("us-central1-a", "c1-0")]["bindings"] == [
+        {"role": "roles/compute.instanceAdmin.v1", "members": [MEMBER]}]
+
+
+def test_identity_is_idempotent_and_a_later_recipe_adds_only_what_it_needs(fake, api):
+    storage_fake(fake)
+    api.identity(spec(grants=GRANTS))
+    n = len(fake.requests)
+    assert api.identity(spec(grants=GRANTS))["service_account"] == SA
+    assert [m for m, _, _ in fake.requests[n:]] == ["GET", "GET", "GET"]  # nothing written
+    more = GRANTS + (Grant("gs", "data", "datasets/imagenet"),)
+    api.identity(spec(grants=more))
+    assert [b for b, _ in policy_calls(fake)] == ["data", "out", "data"]
+    assert len(fake.buckets["data"]["policy"]["bindings"]) == 2
+    assert fake.allowed(MEMBER, "data", "storage.objects.get", "datasets/imagenet/x")
+    assert fake.allowed(MEMBER, "data", "storage.objects.get", "datasets/coco/x")  # kept
+    assert len(fake.service_accounts) == 1
+
+
+@pytest.mark.parametrize("permission", ["iam.serviceAccounts.create",
+                                        "storage.buckets.setIamPolicy"])
+def test_a_caller_who_may_not_make_the_identity_is_stopped_before_any_instance(
+        fake, api, permission):
+    storage_fake(fake)
+    fake.deny.add(permission)
+    with pytest.raises(CredentialsError) as e:
+        launch(api, spec(grants=GRANTS))
+    assert permission in str(e.value) and "cluster.service_account" in e.value.hint
+    assert inserts(fake) == [] and fake.firewalls == {}
+
+
+def test_a_named_service_account_is_used_as_is(fake, api):
+    storage_fake(fake)
+    mine = "trainer@proj.iam.gserviceaccount.com"
+    fake.add_service_account(mine)
+    vms, errors = launch(api, spec(grants=GRANTS, identity=mine))
+    assert errors == {} and len(vms) == 2
+    assert [sa["email"] for _, b in inserts(fake) for sa in b["serviceAccounts"]] == [mine] * 2
+    assert policy_calls(fake) == [] and list(fake.service_accounts) == [mine]
+    assert fake.instance_policies == {}
+
+
+def test_no_bucket_no_service_account(fake, api):
+    launch(api, spec(grants=(Grant("s3", "b", "p"),)))
+    assert fake.service_accounts == {}
+    assert inserts(fake)[0][1]["serviceAccounts"][0]["email"] == "default"
+
+
+def test_down_removes_the_service_account_and_its_bindings(fake, api):
+    storage_fake(fake)
+    fake.buckets["out"]["policy"]["bindings"].append(
+        {"role": "roles/storage.objectViewer", "members": ["user:me@example.com"]})
+    launch(api, spec(grants=GRANTS))
+    launch(api, spec(cluster="c2", count=1, grants=GRANTS[:1]), nodes=("c2-0",))
+    assert ("service_account", SA) in [(r.kind, r.id) for r in api.resources("c1")]
+    removed = remove_all(api, "c1")
+    assert f"service_account {SA}" in removed
+    assert SA not in fake.service_accounts
+    assert "hyper-c2@proj.iam.gserviceaccount.com" in fake.service_accounts
+    assert fake.buckets["out"]["policy"]["bindings"] == [
+        {"role": "roles/storage.objectViewer", "members": ["user:me@example.com"]}]
+    assert [b["members"] for b in fake.buckets["data"]["policy"]["bindings"]] == [
+        ["serviceAccount:hyper-c2@proj.iam.gserviceaccount.com"]]
+    remove_all(api, None)
+    assert fake.service_accounts == {}
+
+
+def test_a_policy_changed_by_someone_else_meanwhile_is_read_again(fake, api):
+    storage_fake(fake)
+    fake.buckets["data"]["policy"]["bindings"].append(
+        {"role": "roles/storage.objectViewer", "members": ["user:me@example.com"]})
+    fake.races["data"] = 1
+    api.identity(spec(grants=GRANTS))
+    assert [b for b, _ in policy_calls(fake)] == ["data", "data", "out"]  # 412, then again
+    members = [m for b in fake.buckets["data"]["policy"]["bindings"] for m in b["members"]]
+    assert sorted(members) == [MEMBER, "user:me@example.com"]
+
+
+def test_gc_works_for_a_caller_who_may_not_list_service_accounts(fake, api):
+    launch(api, spec())
+    fake.deny.add("iam.serviceAccounts.list")
+    assert remove_all(api, "c1") and api.resources("c1") == []

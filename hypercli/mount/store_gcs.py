@@ -4,8 +4,10 @@ interface, through google-cloud-storage (``pip install 'hypercli[gcp]'``).
 Credentials are Google application default credentials (``google.auth.default()``: the
 ``GOOGLE_APPLICATION_CREDENTIALS`` key file, ``gcloud auth application-default login``, or the
 VM's service account). With an endpoint (``HYPER_GCS_ENDPOINT_URL``, ``STORAGE_EMULATOR_HOST``,
-or the ``endpoint_url`` argument: an emulator such as gcp-storage-emulator) requests are
-anonymous and the project is ``$GOOGLE_CLOUD_PROJECT`` or ``hypercli``.
+or the ``endpoint_url`` argument: an emulator such as gcp-storage-emulator) the project is
+``$GOOGLE_CLOUD_PROJECT`` or ``hypercli`` and requests are anonymous, unless
+``GCE_METADATA_HOST`` names a metadata server: then they carry the token of the VM's service
+account from it (google-auth's Compute Engine credentials), as on a node.
 
 Semantics match :class:`~hypercli.mount.store.S3Store`: a missing object is
 :class:`~hypercli.mount.store.NotFound` (a missing bucket is a StoreError), ``exists`` is False
@@ -73,7 +75,12 @@ class GCSStore:
         if endpoint_url and "://" not in endpoint_url:  # STORAGE_EMULATOR_HOST=host:port
             endpoint_url = "http://" + endpoint_url
         self.endpoint = (endpoint_url or DEFAULT_ENDPOINT).rstrip("/")
-        if endpoint_url:
+        if endpoint_url and os.environ.get("GCE_METADATA_HOST"):
+            from google.auth import compute_engine
+            creds = compute_engine.Credentials()
+            project = os.environ.get("GOOGLE_CLOUD_PROJECT") or "hypercli"
+            options = {"api_endpoint": self.endpoint}
+        elif endpoint_url:
             from google.auth.credentials import AnonymousCredentials
             creds = AnonymousCredentials()
             project = os.environ.get("GOOGLE_CLOUD_PROJECT") or "hypercli"

@@ -16,7 +16,8 @@ What a cluster gets (the tags of :mod:`hypercli.providers.cloud` as GCP labels, 
   ``hyper-cluster`` / ``hyper-node``), SPOT with ``instanceTerminationAction: DELETE`` (or
   STANDARD), an ephemeral external IP, a boot disk of ``disk_gb`` GiB deleted with the
   instance and labelled like it, the project's default service account with the compute scope
-  (the node watcher deletes its own idle instance with it), and metadata ``ssh-keys`` =
+  (the node watcher deletes its own idle instance with it) or, when the recipe uses ``gs://``
+  storage, the cluster's storage service account (below), and metadata ``ssh-keys`` =
   ``<ssh_user>:<public key>`` plus the boot document: a cloud-config (text starting
   ``#cloud-config``, what :mod:`hypercli.providers.cloud_provider` makes) goes to
   ``user-data``, which cloud-init reads on GCE; a shell script goes to ``startup-script``,
@@ -40,6 +41,30 @@ Prices: the Compute API has none (they are in the Cloud Billing Catalog API, ano
 service), so :meth:`GCPAPI.spot_price` returns ``{}``; ``max_price`` has no GCE equivalent
 (a SPOT instance has no bid) and is not used.
 
+Storage identity: when the recipe's ``storage`` / ``mounts`` name ``gs://`` buckets
+(``spec.grants``), :meth:`GCPAPI.identity` makes a service account ``hyper-<cluster>`` (its
+description carries ``hyper:cluster=<cluster>``; IAM service accounts take no labels) and binds
+it on each of those buckets only (``buckets.setIamPolicy``, policy ``version: 3``):
+``roles/storage.objectViewer`` for a read grant, ``roles/storage.objectUser`` for a read/write
+one, each with an IAM Condition titled ``hyper-<cluster>`` that limits it to the grant's prefix
+(``resource.name.startsWith("projects/_/buckets/B/objects/PREFIX/")``, or the bucket itself
+when its object listing asks for that prefix, ``storage.googleapis.com/objectListPrefix``);
+a whole-bucket grant has no condition. Conditions need uniform bucket-level access on the
+bucket. Bindings are only added (a later recipe on the cluster may need more; nothing a
+running task uses is taken away); :meth:`GCPAPI.delete` of the service account removes its
+bindings from every bucket it was bound on (kept in the account's description) and then the
+account. The nodes run as that account with the scopes ``compute`` and
+``devstorage.read_write``; the bucket bindings, not the scope, decide what they may touch.
+The account's only Compute permission is ``roles/compute.instanceAdmin.v1`` on each of the
+cluster's own instances (instance-level IAM policy, set after the insert), which the node's
+idle watchdog uses to delete its own instance.
+With ``cluster.service_account`` set nothing is made or bound: the nodes run as that account
+(it must already be allowed the buckets; the caller needs ``iam.serviceAccounts.actAs`` on
+it). With no ``gs://`` grant the nodes keep the project's default service account, compute
+scope only. A caller refused ``iam.serviceAccounts.create`` or
+``storage.buckets.setIamPolicy`` gets a :class:`CredentialsError` naming that permission and
+``cluster.service_account``, before any instance is made.
+
 Credentials: Google application default credentials (``google.auth.default()``); the project is
 the ``project`` argument, else the credentials' project, else ``GOOGLE_CLOUD_PROJECT``.
 Test seam: ``HYPER_GCP_ENDPOINT`` (``http://127.0.0.1:PORT``) is given to every client as its
@@ -49,6 +74,7 @@ Test seam: ``HYPER_GCP_ENDPOINT`` (``http://127.0.0.1:PORT``) is given to every 
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import threading
@@ -69,11 +95,24 @@ from hypercli.providers.cloud import (TAG_CLUSTER, TAG_IMAGE, TAG_NODE, TAG_OWNE
                                       VM, Boot, CapacityError, CloudError, CloudSpec,
                                       CredentialsError, QuotaError, Resource, label_key, owner)
 
+log = logging.getLogger("hypercli")
+
 CREDENTIALS_HINT = ("run `gcloud auth application-default login`, or set "
                     "GOOGLE_APPLICATION_CREDENTIALS to a service-account key file; the project "
                     "is `project:` in the recipe's cluster, or GOOGLE_CLOUD_PROJECT")
 PROJECT_HINT = "set `project:` in the recipe's cluster, or GOOGLE_CLOUD_PROJECT"
 SCOPES = ["https://www.googleapis.com/auth/compute"]
+#: the nodes' scopes when they have a storage identity (module docstring, "Storage identity")
+STORAGE_SCOPE = "https://www.googleapis.com/auth/devstorage.read_write"
+#: the caller's scopes: Compute, IAM and Cloud Storage IAM policies
+CALLER_SCOPES = ["https://www.googleapis.com/auth/cloud-platform"]
+IAM_URL, STORAGE_URL = "https://iam.googleapis.com", "https://storage.googleapis.com"
+#: bucket roles of a read grant and of a read/write grant
+READ_ROLE, WRITE_ROLE = "roles/storage.objectViewer", "roles/storage.objectUser"
+#: the cluster service account's role on each of its own instances (idle self-deletion)
+INSTANCE_ROLE = "roles/compute.instanceAdmin.v1"
+IDENTITY_HINT = ("or name an existing service account that may use the buckets in the "
+                 "recipe: cluster.service_account: NAME@PROJECT.iam.gserviceaccount.com")
 #: operation error codes (cloud.google.com/compute/docs/troubleshooting/troubleshooting-vm-creation)
 CAPACITY_CODES = {"ZONE_RESOURCE_POOL_EXHAUSTED", "ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS"}
 CAPACITY_TEXT = "does not have enough resources"
@@ -191,6 +230,44 @@ def _last(link: str) -> str:
     return link.rstrip("/").rsplit("/", 1)[-1]
 
 
+def _sa_description(cluster: str, buckets: list[str]) -> str:
+    """A cluster service account's description: its cluster and the buckets it is bound on
+    (what :meth:`GCPAPI.delete` unbinds). At most 256 characters, the API's limit."""
+    return f"{TAG_CLUSTER}={cluster} buckets={','.join(buckets)}"[:256]
+
+
+def _sa_buckets(description: str) -> list[str]:
+    m = re.search(r"buckets=(\S*)", description or "")
+    return [b for b in (m[1].split(",") if m else []) if b]
+
+
+def _cel(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def bucket_bindings(bucket: str, grants: list, cluster: str) -> list[dict]:
+    """The IAM bindings (without members) that give one bucket's ``grants``
+    (:class:`hypercli.recipe.access.Grant`, all of ``bucket``): ``roles/storage.objectViewer``
+    per read grant, ``roles/storage.objectUser`` per read/write grant; a grant with a prefix
+    gets a condition titled ``hyper-<cluster>`` allowing the objects under ``prefix/`` and
+    listing the bucket with that prefix (module docstring)."""
+    out = []
+    for g in sorted(grants):
+        b = {"role": WRITE_ROLE if g.write else READ_ROLE}
+        if g.prefix:
+            p = g.prefix + "/"
+            b["condition"] = {
+                "title": gce_name(f"hyper-{cluster}"),
+                "description": f"{'read/write' if g.write else 'read'} gs://{bucket}/{p}",
+                "expression": (
+                    f"resource.name.startsWith({_cel(f'projects/_/buckets/{bucket}/objects/{p}')})"
+                    f" || (resource.name == {_cel(f'projects/_/buckets/{bucket}')} && "
+                    f"api.getAttribute(\"storage.googleapis.com/objectListPrefix\", \"\")"
+                    f".startsWith({_cel(p)}))")}
+        out.append(b)
+    return out
+
+
 class GCPAPI:
     """Compute Engine in one project and region (see the module docstring).
 
@@ -211,6 +288,7 @@ class GCPAPI:
         self._zones_of_region: list[str] | None = None
         self._local = threading.local()
         self._lock = threading.Lock()
+        self._session = None
 
     # -- plumbing ------------------------------------------------------------------------------
     def _creds(self):
@@ -222,7 +300,7 @@ class GCPAPI:
                 else:
                     with _calls("loading Google application default credentials"):
                         self._credentials, self._found_project = google.auth.default(
-                            scopes=SCOPES)
+                            scopes=CALLER_SCOPES)
             return self._credentials
 
     @property
@@ -311,13 +389,16 @@ class GCPAPI:
 
         Returns:
             ``{"firewall": SSH rule name, "internal_firewall": internal rule name,
-            "network_tag": tag}`` for :meth:`create`.
+            "network_tag": tag, "service_account", "scopes"}`` (the last two from
+            :meth:`identity`, made first: a caller who may not make it gets its
+            CredentialsError before anything else exists) for :meth:`create`.
         Raises:
             UsageError: ``spec.ssh_cidr`` is not set. CredentialsError, CloudError.
         """
         if not spec.ssh_cidr:
             raise UsageError("no address range for the SSH firewall rule",
                              "set cluster.ssh_cidr, e.g. 203.0.113.7/32")
+        ident = self.identity(spec)
         tag = gce_name(f"hyper-{spec.cluster}")
         ssh, internal = firewall_names(spec.cluster)
         mark = f"{TAG_CLUSTER}={spec.cluster} {TAG_OWNER}={owner()}"
@@ -328,7 +409,223 @@ class GCPAPI:
         self._firewall(compute_v1.Firewall(
             name=internal, description=f"{mark}: traffic between the cluster's nodes",
             source_tags=[tag], allowed=[compute_v1.Allowed(I_p_protocol="all")], **common))
-        return {"firewall": ssh, "internal_firewall": internal, "network_tag": tag}
+        return {"firewall": ssh, "internal_firewall": internal, "network_tag": tag, **ident}
+
+    # -- storage identity (module docstring) --------------------------------------------------
+    def _rest(self, method: str, url: str, what: str, body: dict | None = None) -> dict:
+        """One authorized JSON call to the IAM or Cloud Storage API (``HYPER_GCP_ENDPOINT``
+        serves both in tests). Returns the answer's JSON.
+
+        Raises:
+            CredentialsError: 401. CloudError: any other error; ``code`` is ``notFound``
+            (404), ``alreadyExists`` (409), ``forbidden`` (403) or the HTTP status.
+        """
+        from google.auth.transport.requests import AuthorizedSession
+        creds = self._creds()
+        with _calls(what):
+            with self._lock:
+                if self._session is None:
+                    self._session = AuthorizedSession(creds)
+            r = self._session.request(method, url, json=body, timeout=60)
+        if r.status_code < 300:
+            return r.json() if r.content else {}
+        try:
+            err = r.json().get("error") or {}
+        except ValueError:
+            err = {}
+        msg = err.get("message") or r.text[:200]
+        if r.status_code == 401:
+            raise CredentialsError(f"Google refused the credentials ({msg})", CREDENTIALS_HINT)
+        code = {403: "forbidden", 404: NOT_FOUND, 409: "alreadyExists"}.get(
+            r.status_code, str(r.status_code))
+        raise CloudError(f"{what}: {code}: {msg}", code=code)
+
+    def _base(self, real: str) -> str:
+        return (self.endpoint or real).rstrip("/")
+
+    def service_account_email(self, cluster: str) -> str:
+        """The e-mail of the cluster's own service account: ``hyper-<cluster>`` made a valid
+        account id (6 to 30 characters) ``@<project>.iam.gserviceaccount.com``."""
+        sid = gce_name(f"hyper-{cluster}")[:30].rstrip("-")
+        return f"{sid.ljust(6, '0')}@{self.project}.iam.gserviceaccount.com"
+
+    def _denied(self, e: CloudError, permission: str, where: str) -> None:
+        if e.code == "forbidden":
+            raise CredentialsError(
+                f"the caller may not {where} (permission {permission} is missing)",
+                f"grant it to the caller (e.g. roles/iam.serviceAccountAdmin, "
+                f"roles/storage.admin on the bucket), {IDENTITY_HINT}") from None
+
+    def identity(self, spec: CloudSpec) -> dict:
+        """Make or update, idempotently, the cluster's storage identity (module docstring,
+        "Storage identity"): the service account ``hyper-<cluster>`` bound on exactly the
+        ``gs`` buckets of ``spec.grants``, each binding limited to its grant's prefix.
+
+        Returns:
+            ``{"service_account": e-mail or "default", "scopes": [scope URLs]}`` for the
+            instances, and ``"own_account": True`` when the account is the cluster's own
+            (:meth:`create` then binds it on each new instance, so that the node's idle
+            watchdog may delete its own instance).
+        Raises:
+            CredentialsError: the caller may not create the service account
+                (``iam.serviceAccounts.create``) or set a bucket's IAM policy
+                (``storage.buckets.setIamPolicy``); the message names the permission and
+                ``cluster.service_account``.
+            CloudError: other API failures (e.g. a bucket that does not exist).
+        """
+        grants = [g for g in spec.grants if g.scheme == "gs"]
+        if spec.identity:
+            return {"service_account": spec.identity, "scopes": SCOPES + [STORAGE_SCOPE]}
+        if not grants:
+            return {"service_account": "default", "scopes": SCOPES}
+        buckets = sorted({g.bucket for g in grants})
+        email = self._service_account(spec.cluster, buckets)
+        for bucket in buckets:
+            self._bind(bucket, f"serviceAccount:{email}", spec.cluster,
+                       [g for g in grants if g.bucket == bucket])
+        return {"service_account": email, "scopes": SCOPES + [STORAGE_SCOPE],
+                "own_account": True}
+
+    def _sa_url(self, email: str = "") -> str:
+        url = f"{self._base(IAM_URL)}/v1/projects/{self.project}/serviceAccounts"
+        return f"{url}/{email}" if email else url
+
+    def _service_account(self, cluster: str, buckets: list[str]) -> str:
+        """Create (or find) the cluster's service account; its description lists the
+        buckets it is bound on (merged with those already listed). Returns its e-mail."""
+        email = self.service_account_email(cluster)
+        try:
+            found = self._rest("GET", self._sa_url(email), f"reading {email}")
+        except CloudError as e:
+            if e.code not in (NOT_FOUND, "forbidden"):
+                raise
+            found = None
+        if found is not None:
+            known = _sa_buckets(found.get("description", ""))
+            if set(buckets) <= set(known):
+                return email
+            try:
+                self._rest("PATCH", self._sa_url(email), f"updating {email}", {
+                    "serviceAccount": {"description": _sa_description(
+                        cluster, sorted(set(known) | set(buckets)))},
+                    "updateMask": "description"})
+            except CloudError as e:
+                self._denied(e, "iam.serviceAccounts.update",
+                             f"update the service account {email}")
+                raise
+            return email
+        try:
+            self._rest("POST", self._sa_url(), f"creating the service account {email}", {
+                "accountId": email.split("@")[0],
+                "serviceAccount": {"displayName": f"hypercli cluster {cluster}"[:100],
+                                   "description": _sa_description(cluster, buckets)}})
+        except CloudError as e:
+            self._denied(e, "iam.serviceAccounts.create",
+                         f"create the service account {email}")
+            if e.code != "alreadyExists":
+                raise
+        return email
+
+    def _policy_url(self, bucket: str) -> str:
+        return f"{self._base(STORAGE_URL)}/storage/v1/b/{bucket}/iam"
+
+    def _bind(self, bucket: str, member: str, cluster: str, grants: list) -> None:
+        """Add ``member``'s bindings for ``grants`` (of one bucket) to its IAM policy
+        (version 3, read-modify-write with the policy's etag); nothing is sent when every
+        binding is there already."""
+        for attempt in range(3):  # 412: someone else changed the policy in between
+            try:
+                return self._bind_once(bucket, member, cluster, grants)
+            except CloudError as e:
+                if e.code != "412" or attempt == 2:
+                    raise
+
+    def _bind_once(self, bucket: str, member: str, cluster: str, grants: list) -> None:
+        what = f"setting the IAM policy of bucket {bucket}"
+        try:
+            policy = self._rest("GET", self._policy_url(bucket) +
+                                "?optionsRequestedPolicyVersion=3",
+                                f"reading the IAM policy of bucket {bucket}")
+            bindings = policy.setdefault("bindings", [])
+            changed = False
+            for want in bucket_bindings(bucket, grants, cluster):
+                same = [b for b in bindings if b.get("role") == want["role"]
+                        and b.get("condition") == want.get("condition")]
+                if same and member in same[0].get("members", []):
+                    continue
+                changed = True
+                if same:
+                    same[0].setdefault("members", []).append(member)
+                else:
+                    bindings.append(dict(want, members=[member]))
+            if changed:
+                policy["version"] = 3
+                self._rest("PUT", self._policy_url(bucket), what, policy)
+        except CloudError as e:
+            self._denied(e, "storage.buckets.setIamPolicy",
+                         f"set the IAM policy of bucket {bucket}")
+            raise
+
+    def _unbind(self, bucket: str, member: str) -> None:
+        """Take ``member`` out of every binding of a bucket's policy (a bucket gone is
+        skipped)."""
+        try:
+            policy = self._rest("GET", self._policy_url(bucket) +
+                                "?optionsRequestedPolicyVersion=3",
+                                f"reading the IAM policy of bucket {bucket}")
+        except CloudError as e:
+            if e.code == NOT_FOUND:
+                return
+            raise
+        bindings = policy.get("bindings", [])
+        kept = []
+        for b in bindings:
+            members = [m for m in b.get("members", []) if m != member]
+            if members:
+                kept.append(dict(b, members=members))
+        if kept != bindings:
+            policy["bindings"], policy["version"] = kept, 3
+            self._rest("PUT", self._policy_url(bucket),
+                       f"setting the IAM policy of bucket {bucket}", policy)
+
+    def _delete_service_account(self, email: str) -> None:
+        """Unbind a cluster's service account from the buckets its description lists, then
+        delete it (one already gone is skipped)."""
+        try:
+            found = self._rest("GET", self._sa_url(email), f"reading {email}")
+        except CloudError as e:
+            if e.code == NOT_FOUND:
+                return
+            raise
+        for bucket in _sa_buckets(found.get("description", "")):
+            self._unbind(bucket, f"serviceAccount:{email}")
+        try:
+            self._rest("DELETE", self._sa_url(email), f"deleting {email}")
+        except CloudError as e:
+            if e.code != NOT_FOUND:
+                raise
+
+    def _service_accounts(self, cluster: str | None) -> list[Resource]:
+        """The service accounts whose description says ``hyper:cluster=`` (= ``cluster``);
+        none, with a warning, when the caller may not list service accounts (a caller who
+        named ``cluster.service_account`` may lack that, and has none to remove)."""
+        out, token = [], ""
+        while True:
+            try:
+                page = self._rest("GET", self._sa_url() + (f"?pageToken={token}" if token
+                                                           else ""), "listing service accounts")
+            except CloudError as e:
+                if e.code != "forbidden":
+                    raise
+                log.warning("cannot list service accounts (iam.serviceAccounts.list): %s", e)
+                return out
+            for a in page.get("accounts", []):
+                m = re.match(rf"{re.escape(TAG_CLUSTER)}=(\S+)", a.get("description") or "")
+                if m and (cluster is None or m[1] == cluster):
+                    out.append(Resource("service_account", a["email"], m[1], "global"))
+            token = page.get("nextPageToken")
+            if not token:
+                return out
 
     def _firewall(self, want: compute_v1.Firewall) -> None:
         """Insert the firewall rule ``want``, or replace the rule of its name when that
@@ -410,7 +707,23 @@ class GCPAPI:
             waiting = next_zone
             if not waiting:
                 break
+        if prepared.get("own_account"):
+            for vm in vms:
+                self._let_delete_itself(vm, prepared["service_account"])
         return vms, errors
+
+    def _let_delete_itself(self, vm: VM, email: str) -> None:
+        """Bind the cluster's service account on one instance only
+        (``roles/compute.instanceAdmin.v1``, instance-level IAM policy): the node's idle
+        watchdog deletes its own instance with it; the account has no other Compute
+        permission. Raises CredentialsError (``compute.instances.setIamPolicy``), CloudError."""
+        policy = compute_v1.Policy(bindings=[compute_v1.Binding(
+            role=INSTANCE_ROLE, members=[f"serviceAccount:{email}"])])
+        with _calls(f"letting {vm.id} delete itself (compute.instances.setIamPolicy)"):
+            self.instances.set_iam_policy(
+                project=self.project, zone=vm.zone, resource=vm.id,
+                zone_set_policy_request_resource=compute_v1.ZoneSetPolicyRequest(
+                    policy=policy))
 
     def _adopt(self, spec: CloudSpec, node: str, zone: str) -> VM | None:
         """The instance of ``node`` that already exists in ``zone`` when it is this
@@ -454,7 +767,9 @@ class GCPAPI:
                                                         type_="ONE_TO_ONE_NAT")])],
             metadata=compute_v1.Metadata(items=[compute_v1.Items(key=k, value=v)
                                                 for k, v in meta.items()]),
-            service_accounts=[compute_v1.ServiceAccount(email="default", scopes=SCOPES)],
+            service_accounts=[compute_v1.ServiceAccount(
+                email=prepared.get("service_account", "default"),
+                scopes=prepared.get("scopes", SCOPES))],
             scheduling=scheduling)
         with _calls(f"launching {node} in {zone}"):
             return self.instances.insert_unary(project=self.project, zone=zone,
@@ -523,7 +838,8 @@ class GCPAPI:
         """Instances and disks labelled ``hyper-cluster`` (= ``cluster``), and firewall rules
         whose description says ``hyper:cluster=`` (or named like the cluster's rules,
         :func:`firewall_names`; a ``hyper-*`` rule without that description is listed with
-        cluster None), in deletion order. Raises CredentialsError, CloudError."""
+        cluster None), and the cluster's service accounts (description ``hyper:cluster=``),
+        in deletion order. Raises CredentialsError, CloudError."""
         key = label_key(TAG_CLUSTER)
         out = [Resource("instance", i.name, _metadata(i, "hyper-cluster") or
                         i.labels.get(key), z) for z, i in self._instances(cluster)]
@@ -542,7 +858,7 @@ class GCPAPI:
                 elif cluster is not None and (owner_ == cluster or
                                               (owner_ is None and f.name in mine)):
                     out.append(Resource("firewall", f.name, cluster, "global"))
-        return out
+        return out + self._service_accounts(cluster)
 
     def _gone(self, call, what: str):
         """Run a delete; returns its operation, or None when the resource is already gone
@@ -558,7 +874,8 @@ class GCPAPI:
 
     def delete(self, resources: list[Resource]) -> list[str]:
         """Delete instances (all at once, then waiting for each), then disks, then firewall
-        rules; kinds not made here are skipped. Returns ``"<kind> <id>"`` per resource
+        rules, then service accounts (unbound from their buckets first); kinds not made here
+        are skipped. Returns ``"<kind> <id>"`` per resource
         removed. Raises CredentialsError, CloudError."""
         calls = {
             "instance": lambda r: self.instances.delete_unary(
@@ -584,6 +901,10 @@ class GCPAPI:
                     if e.code != "RESOURCE_NOT_FOUND":
                         raise
                 removed.append(f"{kind} {r.id}")
+        for r in resources:
+            if r.kind == "service_account":
+                self._delete_service_account(r.id)
+                removed.append(f"service_account {r.id}")
         return removed
 
     def spot_price(self, spec: CloudSpec) -> dict[str, float]:

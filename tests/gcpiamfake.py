@@ -1,0 +1,222 @@
+"""The IAM (service accounts) and Cloud Storage bucket IAM policy parts of the GCP stand-in
+(:class:`gcpfake.ComputeFake` serves them on the same endpoint), with the real paths and JSON
+shapes:
+
+* ``/v1/projects/{p}/serviceAccounts[/{email}]``: create (``accountId`` 6-30 characters,
+  ``[a-z]([-a-z0-9]*[a-z0-9])``; 409 when it exists), get, list, patch (``updateMask``),
+  delete;
+* ``/compute/v1/projects/{p}/zones/{z}/instances/{name}/setIamPolicy`` (kept in
+  ``instance_policies``);
+* ``/storage/v1/b/{bucket}/iam``: getIamPolicy (``optionsRequestedPolicyVersion``; a policy
+  with conditions asked below version 3 is refused, HTTP 400) and setIamPolicy (the etag
+  must match, else 412; a binding with a condition needs ``version: 3``; conditional
+  bindings need uniform bucket-level access).
+
+Faults: ``races[bucket] = n``: the next n policy reads are each followed by another writer's
+change (the etag read is stale: 412); ``deny`` holds the permissions the caller lacks
+(``iam.serviceAccounts.create``,
+``storage.buckets.setIamPolicy``, ...): such a call is answered 403 with the real body.
+:meth:`IAMFake.allowed` evaluates the bucket policies as Cloud Storage would for one member,
+permission and object (the conditions hypercli writes: ``resource.name`` prefixes and the
+``objectListPrefix`` attribute).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+ACCOUNT_ID_RE = r"[a-z](?:[-a-z0-9]{4,28}[a-z0-9])"
+ROLE_PERMISSIONS = {
+    "roles/storage.objectViewer": {"storage.objects.get", "storage.objects.list"},
+    "roles/storage.objectUser": {"storage.objects.get", "storage.objects.list",
+                                 "storage.objects.create", "storage.objects.delete",
+                                 "storage.objects.update"},
+    "roles/storage.admin": {"storage.objects.get", "storage.objects.list",
+                            "storage.objects.create", "storage.objects.delete",
+                            "storage.objects.update", "storage.buckets.setIamPolicy"},
+}
+
+
+def _cel_to_python(expr: str) -> str:
+    """The subset of CEL hypercli's conditions use, as a Python expression over ``name``
+    (``resource.name``) and ``lp`` (the listing's prefix)."""
+    s = re.sub(r'api\.getAttribute\("storage\.googleapis\.com/objectListPrefix",\s*""\)',
+               "lp", expr)
+    s = s.replace("resource.name", "name").replace(".startsWith(", ".startswith(")
+    s = s.replace("&&", " and ").replace("||", " or ")
+    if re.search(r"[a-zA-Z_]+\(", re.sub(r"\.startswith\(", "", s)):
+        raise ValueError(f"unsupported condition {expr!r}")
+    return s
+
+
+class IAMFake:
+    """Mixed into :class:`gcpfake.ComputeFake`: ``service_accounts`` (email → account),
+    ``buckets`` (name → {"policy", "ubla"}), ``deny`` (permissions refused)."""
+
+    def _iam_init(self) -> None:
+        self.service_accounts: dict[str, dict] = {}
+        self.buckets: dict[str, dict] = {}
+        self.deny: set[str] = set()
+        self._etag = 0
+        self.instance_policies: dict[tuple[str, str], dict] = {}  # (zone, name) → policy
+        self.races: dict[str, int] = {}  # bucket → policy reads followed by another writer
+
+    def add_bucket(self, name: str, uniform: bool = True) -> None:
+        """A bucket with an empty policy (``uniform``: uniform bucket-level access)."""
+        self._etag += 1
+        self.buckets[name] = {"ubla": uniform, "policy": {
+            "kind": "storage#policy", "resourceId": f"projects/_/buckets/{name}",
+            "version": 1, "bindings": [], "etag": f"CA{self._etag}="}}
+
+    def add_service_account(self, email: str) -> None:
+        """An account the caller made elsewhere (e.g. named by ``cluster.service_account``)."""
+        self.service_accounts[email] = self._account(email, "", "")
+
+    def _account(self, email: str, display: str, description: str) -> dict:
+        return {"name": f"projects/{self.project}/serviceAccounts/{email}",
+                "projectId": self.project, "uniqueId": str(next(self._ids)),
+                "email": email, "displayName": display, "description": description,
+                "etag": "MDEwMjE5MjA=", "oauth2ClientId": str(next(self._ids))}
+
+    def _denied(self, permission: str, resource: str, storage: bool = False) -> tuple:
+        if storage:
+            msg = (f"caller@{self.project}.iam.gserviceaccount.com does not have "
+                   f"{permission} access to the Google Cloud Storage bucket. Permission "
+                   f"'{permission}' denied on resource (or it may not exist).")
+            return 403, {"error": {"code": 403, "message": msg, "errors": [
+                {"message": msg, "domain": "global", "reason": "forbidden"}]}}
+        return 403, {"error": {
+            "code": 403, "status": "PERMISSION_DENIED",
+            "message": f"Permission '{permission}' denied on resource (or it may not exist).",
+            "details": [{"@type": "type.googleapis.com/google.rpc.ErrorInfo",
+                         "reason": "IAM_PERMISSION_DENIED", "domain": "iam.googleapis.com",
+                         "metadata": {"permission": permission, "resource": resource}}]}}
+
+    def _status_error(self, code: int, status: str, message: str) -> tuple:
+        return code, {"error": {"code": code, "message": message, "status": status}}
+
+    def iam_route(self, method: str, path: str, query: dict, body):
+        """The answer to an IAM or storage policy call, or None for another path."""
+        m = re.fullmatch(rf"/v1/projects/{re.escape(self.project)}/serviceAccounts"
+                         r"(?:/([^/]+))?", path)
+        if m:
+            return self._accounts(method, m[1], query, body)
+        m = re.fullmatch(rf"/compute/v1/projects/{re.escape(self.project)}/zones/([^/]+)/"
+                         r"instances/([^/]+)/setIamPolicy", path)
+        if m and method == "POST":
+            if "compute.instances.setIamPolicy" in self.deny:
+                return self._denied("compute.instances.setIamPolicy", path)
+            if m[2] not in self.instances.get(m[1], {}):
+                return self._status_error(404, "NOT_FOUND", f"instance {m[2]} not found")
+            self.instance_policies[(m[1], m[2])] = dict(body["policy"], etag="BwX=")
+            return 200, self.instance_policies[(m[1], m[2])]
+        m = re.fullmatch(r"/storage/v1/b/([^/]+)/iam", path)
+        if m:
+            return self._policy(method, m[1], query, body)
+        return None
+
+    def _accounts(self, method, email, query, body):
+        res = f"projects/{self.project}/serviceAccounts/{email or ''}"
+        if email is None and method == "GET":
+            if "iam.serviceAccounts.list" in self.deny:
+                return self._denied("iam.serviceAccounts.list", res)
+            return 200, {"accounts": list(self.service_accounts.values())}
+        if email is None and method == "POST":
+            if "iam.serviceAccounts.create" in self.deny:
+                return self._denied("iam.serviceAccounts.create", f"projects/{self.project}")
+            aid = body.get("accountId", "")
+            if not re.fullmatch(ACCOUNT_ID_RE, aid):
+                return self._status_error(400, "INVALID_ARGUMENT",
+                                          "accountId must match [a-z]([-a-z0-9]*[a-z0-9])"
+                                          " and be 6 to 30 characters long")
+            email = f"{aid}@{self.project}.iam.gserviceaccount.com"
+            if email in self.service_accounts:
+                return self._status_error(409, "ALREADY_EXISTS",
+                                          f"Service account {aid} already exists within "
+                                          f"project projects/{self.project}.")
+            sa = body.get("serviceAccount") or {}
+            if len(sa.get("description", "")) > 256:
+                return self._status_error(400, "INVALID_ARGUMENT", "description too long")
+            self.service_accounts[email] = self._account(
+                email, sa.get("displayName", ""), sa.get("description", ""))
+            return 200, self.service_accounts[email]
+        if email not in self.service_accounts:
+            return self._status_error(404, "NOT_FOUND", f"Unknown service account")
+        if method == "GET":
+            return 200, self.service_accounts[email]
+        if method == "PATCH":
+            if "iam.serviceAccounts.update" in self.deny:
+                return self._denied("iam.serviceAccounts.update", res)
+            for f in (body.get("updateMask") or "").split(","):
+                if f:
+                    self.service_accounts[email][f] = body["serviceAccount"][f]
+            return 200, self.service_accounts[email]
+        if method == "DELETE":
+            if "iam.serviceAccounts.delete" in self.deny:
+                return self._denied("iam.serviceAccounts.delete", res)
+            del self.service_accounts[email]
+            for b in self.buckets.values():  # what IAM does to the bindings of a deleted one
+                for bd in b["policy"]["bindings"]:
+                    bd["members"] = [f"deleted:{m}?uid=1" if m == f"serviceAccount:{email}"
+                                     else m for m in bd["members"]]
+            return 200, {}
+        return self._status_error(405, "METHOD_NOT_ALLOWED", method)
+
+    def _policy(self, method, bucket, query, body):
+        if bucket not in self.buckets:
+            return 404, {"error": {"code": 404, "message": "The specified bucket does not "
+                                   "exist.", "errors": [{"message": "The specified bucket "
+                                   "does not exist.", "domain": "global", "reason": "notFound"}]}}
+        b = self.buckets[bucket]
+        if method == "GET":
+            if "storage.buckets.getIamPolicy" in self.deny:
+                return self._denied("storage.buckets.getIamPolicy", bucket, storage=True)
+            asked = int(query.get("optionsRequestedPolicyVersion", 1))
+            if asked < 3 and any("condition" in x for x in b["policy"]["bindings"]):
+                return self._status_error(400, "INVALID_ARGUMENT",
+                                          "Cannot get legacy ACL for a bucket that has "
+                                          "conditional role bindings")
+            answer = json.loads(json.dumps(b["policy"]))
+            if self.races.get(bucket):  # someone else writes the policy right after
+                self.races[bucket] -= 1
+                self._etag += 1
+                b["policy"]["etag"] = f"CA{self._etag}="
+            return 200, answer
+        if method == "PUT":
+            if "storage.buckets.setIamPolicy" in self.deny:
+                return self._denied("storage.buckets.setIamPolicy", bucket, storage=True)
+            if body.get("etag") and body["etag"] != b["policy"]["etag"]:
+                return self._status_error(412, "FAILED_PRECONDITION", "Precondition Failed")
+            conditional = any("condition" in x for x in body.get("bindings", []))
+            if conditional and body.get("version") != 3:
+                return self._status_error(400, "INVALID_ARGUMENT", "IAM policy with "
+                                          "conditions requires version 3")
+            if conditional and not b["ubla"]:
+                return self._status_error(400, "INVALID_ARGUMENT", "IAM conditions require "
+                                          "uniform bucket-level access")
+            for x in body.get("bindings", []):
+                if x.get("role") not in ROLE_PERMISSIONS or not x.get("members"):
+                    return self._status_error(400, "INVALID_ARGUMENT", f"bad binding {x}")
+                if "condition" in x:
+                    _cel_to_python(x["condition"]["expression"])
+            self._etag += 1
+            b["policy"] = dict(body, kind="storage#policy",
+                               resourceId=f"projects/_/buckets/{bucket}",
+                               etag=f"CA{self._etag}=")
+            return 200, b["policy"]
+        return self._status_error(405, "METHOD_NOT_ALLOWED", method)
+
+    def allowed(self, member: str, bucket: str, permission: str, obj: str | None = None,
+                list_prefix: str = "") -> bool:
+        """Whether ``member`` may do ``permission`` on ``bucket``'s object ``obj`` (or, for
+        ``storage.objects.list``, list the bucket with ``list_prefix``)."""
+        name = f"projects/_/buckets/{bucket}" + (f"/objects/{obj}" if obj else "")
+        for x in self.buckets.get(bucket, {}).get("policy", {}).get("bindings", []):
+            if member not in x["members"] or permission not in ROLE_PERMISSIONS[x["role"]]:
+                continue
+            cond = x.get("condition")
+            if cond is None or eval(_cel_to_python(cond["expression"]),  # noqa: S307
+                                    {"__builtins__": {}}, {"name": name, "lp": list_prefix}):
+                return True
+        return False
