@@ -45,6 +45,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlencode, urlparse
 
+from azureiamfake import IdentityFake
+
 TYPES = {"virtualnetworks": "Microsoft.Network/virtualNetworks",
          "networksecuritygroups": "Microsoft.Network/networkSecurityGroups",
          "publicipaddresses": "Microsoft.Network/publicIPAddresses",
@@ -159,7 +161,7 @@ def _ref(obj: dict | None) -> str | None:
     return (obj or {}).get("id", "").lower() or None
 
 
-class ArmFake:
+class ArmFake(IdentityFake):
     """See the module docstring. ``url``, ``ca`` (certificate file); ``close()`` stops it."""
 
     def __init__(self, folder: Path, subscription: str = "sub-1"):
@@ -167,7 +169,8 @@ class ArmFake:
         self.groups: dict[str, dict] = {}       # lower name → group
         self.res: dict[str, dict] = {}          # lower id → resource (VMs keep customData)
         self.images: list[dict] = []
-        self.role_assignments: list[dict] = []
+        self.role_assignments: list[dict] = []  # every role assignment PUT's body
+        self._identity_init()  # identities, accounts, assignments (tests/azureiamfake.py)
         self.ops: dict[str, dict] = {}
         self.lro_seconds = 0.03
         self.page_size = 2
@@ -333,10 +336,9 @@ class ArmFake:
         rest = p[len(sub):].lower()
         if rest.startswith("/operationresults/") or "/operations/" in rest:
             return self._operation(p.rsplit("/", 1)[1])
-        if "/providers/microsoft.authorization/roleassignments/" in rest and method == "PUT":
-            self.role_assignments.append(body)
-            return 201, {"id": p, "type": "Microsoft.Authorization/roleAssignments",
-                         "properties": body["properties"]}, {}
+        answer = self.identity_handle(method, p, q, body)
+        if answer is not None:
+            return answer
         if rest == "/providers/microsoft.compute/images":
             return self._page(self.images, base, p, q)
         if rest == "/resourcegroups":
@@ -576,6 +578,14 @@ class ArmFake:
                 obj[k] = body[k]
         if kind == "virtualmachines":
             obj["_power"] = "running" if error is None else None
+            for iid in ((body.get("identity") or {}).get("userAssignedIdentities") or {}):
+                if iid.lower() not in self.res:
+                    raise ArmError(400, "FailedIdentityOperation",
+                                   f"Identity '{iid}' could not be found.")
+            if (body.get("identity") or {}).get("userAssignedIdentities"):
+                obj["identity"] = {"type": "UserAssigned",
+                                   "userAssignedIdentities": body["identity"][
+                                       "userAssignedIdentities"]}
             if (body.get("identity") or {}).get("type") == "SystemAssigned":
                 obj["identity"] = {"type": "SystemAssigned", "principalId": f"principal-{n}",
                                    "tenantId": "tenant-1"}

@@ -374,3 +374,121 @@ def test_teardown_deletes_the_group_and_gc_finds_other_clusters(fake):
     assert a.delete(held) == []  # already gone
     remove_all(a, None)
     assert fake.groups == {} and fake.res == {}
+
+
+# -- the storage identity: a managed identity with blob roles on the recipe's containers only --
+from hypercli.recipe.access import Grant  # noqa: E402
+
+READER, CONTRIBUTOR = "2a2b9908-6ea1-4ae2-8e65-a410df84e7d1", "ba92f5b4-2d11-453d-a403-e96b0029c9fe"
+GRANTS = (Grant("az", "acct/data", "datasets/coco"), Grant("az", "acct/out", "runs", write=True))
+MSI = ("/subscriptions/sub-1/resourceGroups/hyper-c1/providers/"
+       "Microsoft.ManagedIdentity/userAssignedIdentities/hyper-c1-storage")
+
+
+def principal(fake, rid=MSI) -> str:
+    return fake.res[rid.lower()]["properties"]["principalId"]
+
+
+def storage_assignments(fake) -> dict[str, tuple[str, bool]]:
+    """container scope tail → (role id, has a condition)."""
+    return {a["properties"]["scope"].split("/containers/")[1]:
+            (a["properties"]["roleDefinitionId"].rsplit("/", 1)[1],
+             bool(a["properties"].get("condition")))
+            for a in fake.assignments.values() if "/containers/" in a["properties"]["scope"]}
+
+
+def test_nodes_carry_a_cluster_identity_with_blob_roles_on_exactly_the_recipe_prefixes(fake):
+    acct = fake.add_account("acct")
+    fake.add_account("other")
+    vms, errors = launch(api(), spec(grants=GRANTS))
+    assert errors == {} and len(vms) == 2
+    for _, body in vm_puts(fake):
+        assert body["identity"] == {"type": "UserAssigned",
+                                    "userAssignedIdentities": {MSI: {}}}
+    assert storage_assignments(fake) == {"data": (READER, True), "out": (CONTRIBUTOR, True)}
+    for a in fake.assignments.values():
+        if "/containers/" in a["properties"]["scope"]:
+            assert a["properties"]["scope"].startswith(acct + "/blobServices/default/")
+            assert a["properties"]["conditionVersion"] == "2.0"
+    pid = principal(fake)
+    may = fake.allowed
+    assert may(pid, "acct", "data", "read", "datasets/coco/chunks/0001")
+    assert not may(pid, "acct", "data", "read", "datasets/cocoa/x")
+    assert not may(pid, "acct", "data", "read", "secret/x")
+    assert not may(pid, "acct", "data", "write", "datasets/coco/x")
+    assert may(pid, "acct", "data", "read", list_prefix="datasets/coco/")
+    assert not may(pid, "acct", "data", "read", list_prefix="")
+    assert may(pid, "acct", "out", "write", "runs/wf1/t1/out.txt")
+    assert may(pid, "acct", "out", "read", "runs/wf0/t3/out.txt")  # earlier experiments
+    assert not may(pid, "acct", "out", "write", "elsewhere/x")
+    assert not may(pid, "other", "data", "read", "datasets/coco/x")
+    # the watchdog may still delete its idle VM: VM Contributor on the group, same identity
+    [group_ra] = [a for a in fake.assignments.values()
+                  if a["properties"]["scope"].endswith("/resourceGroups/hyper-c1")]
+    assert group_ra["properties"]["principalId"] == pid
+    assert group_ra["properties"]["roleDefinitionId"].endswith(
+        "9980e02c-c2be-4d73-94e8-173b1dc7cf3c")
+
+
+def test_identity_is_idempotent_and_a_later_recipe_adds_only_what_it_needs(fake):
+    fake.add_account("acct")
+    a = api()
+    launch(a, spec(grants=GRANTS))
+    n = len(fake.assignments)
+    assert a.identity(spec(grants=GRANTS)) == {"identity": MSI}
+    assert len(fake.assignments) == n
+    a.identity(spec(grants=GRANTS + (Grant("az", "acct/data", "datasets/imagenet"),)))
+    assert len(fake.assignments) == n + 1
+    pid = principal(fake)
+    assert fake.allowed(pid, "acct", "data", "read", "datasets/imagenet/x")
+    assert fake.allowed(pid, "acct", "data", "read", "datasets/coco/x")  # kept
+
+
+@pytest.mark.parametrize("permission", [
+    "Microsoft.Authorization/roleAssignments/write",
+    "Microsoft.ManagedIdentity/userAssignedIdentities/write"])
+def test_a_caller_who_may_not_make_the_identity_is_stopped_before_any_vm(fake, permission):
+    fake.add_account("acct")
+    fake.deny.add(permission)
+    with pytest.raises(CredentialsError) as e:
+        launch(api(), spec(grants=GRANTS))
+    assert permission in str(e.value) and "cluster.identity" in e.value.hint
+    assert vm_puts(fake) == []
+    assert not [r for r in fake.res.values() if r["type"] != "Microsoft.ManagedIdentity/"
+                "userAssignedIdentities"]
+
+
+def test_a_named_identity_is_used_as_is(fake):
+    fake.add_account("acct")
+    a = api()
+    a.prepare(spec(), KEY)  # the group, so that the named identity can live somewhere
+    mine = ("/subscriptions/sub-1/resourceGroups/hyper-c1/providers/"
+            "Microsoft.ManagedIdentity/userAssignedIdentities/trainer")
+    fake.identity_handle("PUT", mine, {}, {"location": "eastus"})
+    fake.requests.clear()
+    vms, errors = launch(a, spec(grants=GRANTS, identity=mine))
+    assert errors == {} and len(vms) == 2
+    assert [b["identity"]["userAssignedIdentities"] for _, b in vm_puts(fake)] == [{mine: {}}] * 2
+    assert fake.assignments == {}
+    assert not [p for m, p, _ in fake.requests if "userAssignedIdentities/" in p and m == "PUT"]
+
+
+def test_an_unknown_storage_account_is_a_usage_error(fake):
+    with pytest.raises(UsageError, match="storage account acct"):
+        launch(api(), spec(grants=GRANTS))
+    assert vm_puts(fake) == []
+
+
+def test_down_removes_the_identity_and_its_role_assignments(fake):
+    fake.add_account("acct")
+    a = api()
+    launch(a, spec(grants=GRANTS))
+    launch(a, spec(cluster="c2", grants=GRANTS[:1]), nodes=("c2-0",))
+    assert "identity" in [r.kind for r in a.resources("c1")]
+    pid, other = principal(fake), principal(fake, MSI.replace("c1", "c2"))
+    remove_all(a, "c1")
+    assert not [x for x in fake.assignments.values() if x["properties"]["principalId"] == pid]
+    assert fake.allowed(other, "acct", "data", "read", "datasets/coco/x")
+    assert MSI.lower() not in fake.res
+    remove_all(a, None)
+    assert fake.assignments == {}

@@ -17,10 +17,31 @@ What a cluster gets, all in one resource group (``resource_group``, default
   user is ``ssh_user`` with the cluster key and no password, or ``hyper`` where Azure refuses
   the name (``root``); a
   system-assigned managed identity with the role Virtual Machine Contributor on the group (the
-  node watcher deletes its idle VM with it). Zones are tried in ``zones`` order while the
+  node watcher deletes its idle VM with it), or the storage identity below. Zones are
+  tried in ``zones`` order while the
   answer is a capacity error (``SkuNotAvailable``, ``AllocationFailed``,
   ``ZonalAllocationFailed``, ``Overconstrained*AllocationRequest``); a VM whose allocation
   failed is deleted first (ARM leaves it in state Failed, and its zones cannot change).
+
+Storage identity: when the recipe's ``storage`` / ``mounts`` name ``az://account/container``
+paths (``spec.grants``), :meth:`AzureAPI.identity` makes a user-assigned managed identity
+``hyper-<cluster>-storage`` in the cluster's group (tagged like it) before any VM, and gives
+it, per grant, the built-in role Storage Blob Data Reader (read) or Storage Blob Data
+Contributor (read/write) on that container only (scope ``.../storageAccounts/A/
+blobServices/default/containers/C``), with an ABAC condition (``conditionVersion`` 2.0) that
+limits blob reads, writes and deletes to ``prefix/`` (``@Resource[...blobs:path]``) and
+listings to that prefix (``@Request[...blobs:prefix]``) when the grant has a prefix; and Virtual
+Machine Contributor on the cluster's group (the node watcher deletes its idle VM with it). The
+VMs then carry that identity only (no system-assigned one), so a token from IMDS with no
+client id is that identity's. Role assignment names are UUIDs derived from scope, principal,
+role and condition: making them again is a no-op (409 ``RoleAssignmentExists``); they are only
+added, never taken away by a later recipe. Teardown deletes the identity's role assignments
+(they live outside the group) before the group. With ``cluster.identity`` nothing is made or
+assigned: the VMs carry that identity as is (it must already be allowed the containers; the
+watchdog then only powers an idle VM off unless it may delete it). A caller refused
+``Microsoft.ManagedIdentity/userAssignedIdentities/write`` or
+``Microsoft.Authorization/roleAssignments/write`` gets a :class:`CredentialsError` naming the
+permission and ``cluster.identity``, before any VM exists.
 
 Teardown deletes the resource group (VMs force-deleted), which removes everything in it.
 Each create and delete waits for its long-running operation (ARM's ``Azure-AsyncOperation``
@@ -54,6 +75,7 @@ import threading
 import time
 import uuid
 from contextlib import contextmanager
+from urllib.parse import quote
 
 from azure.core.credentials import AccessToken
 from azure.core.exceptions import (AzureError, ClientAuthenticationError, HttpResponseError,
@@ -88,6 +110,15 @@ CAPACITY_CODES = {"SkuNotAvailable", "AllocationFailed", "ZonalAllocationFailed"
 #: built-in role "Virtual Machine Contributor" (learn.microsoft.com/azure/role-based-access-
 #: control/built-in-roles): enough for a VM to delete itself
 VM_CONTRIBUTOR = "9980e02c-c2be-4d73-94e8-173b1dc7cf3c"
+#: built-in roles "Storage Blob Data Reader" and "Storage Blob Data Contributor"
+BLOB_READER, BLOB_CONTRIBUTOR = ("2a2b9908-6ea1-4ae2-8e65-a410df84e7d1",
+                                 "ba92f5b4-2d11-453d-a403-e96b0029c9fe")
+AUTH_API, MSI_API, STORAGE_API = "2022-04-01", "2023-01-31", "2023-01-01"
+IDENTITY_HINT = ("or name an existing user-assigned managed identity that may use the "
+                 "containers: cluster.identity: /subscriptions/S/resourceGroups/G/providers/"
+                 "Microsoft.ManagedIdentity/userAssignedIdentities/NAME")
+#: the blob data actions an ABAC condition limits to a prefix (the roles' data actions)
+BLOB = "Microsoft.Storage/storageAccounts/blobServices/containers/blobs"
 #: instance view ``PowerState/<x>`` → VM.state
 POWER = {"starting": "pending", "running": "running", "stopping": "stopping",
          "deallocating": "stopping", "stopped": "terminated", "deallocated": "terminated"}
@@ -97,6 +128,7 @@ RESERVED_USERS = {"root", "admin", "administrator", "guest", "owner", "sys", "te
                   "adm", "backup", "console", "server", "sql", "support", "a", "1", "123"}
 #: ARM resource type (lower case) → Resource.kind, in deletion order
 KINDS = {"microsoft.compute/virtualmachines": "instance",
+         "microsoft.managedidentity/userassignedidentities": "identity",
          "microsoft.network/networkinterfaces": "nic",
          "microsoft.network/publicipaddresses": "public_ip",
          "microsoft.compute/disks": "disk",
@@ -110,6 +142,19 @@ SSH_PRIORITY, CLUSTER_PRIORITY = 1000, 1100  # NSG rules: lower numbers are appl
 def vm_name(text: str) -> str:
     """A valid Azure Linux VM name for ``text`` (``[A-Za-z0-9-]``, at most 64)."""
     return re.sub(r"[^A-Za-z0-9-]", "-", text).strip("-")[:64] or "node"
+
+
+def prefix_condition(prefix: str) -> str:
+    """The ABAC condition (version 2.0) of a blob data role assignment that allows blob
+    reads, writes, deletes and moves under ``prefix/`` only, and listings only with a prefix
+    under it (learn.microsoft.com/azure/storage/blobs/storage-auth-abac-examples)."""
+    p = (prefix.strip("/") + "/").replace("'", "")
+    acts = " AND ".join(f"!(ActionMatches{{'{BLOB}/{a}'}})" for a in
+                        ("write", "add/action", "delete", "move/action"))
+    return (f"((!(ActionMatches{{'{BLOB}/read'}} AND NOT SubOperationMatches{{'Blob.List'}}) "
+            f"AND {acts}) OR (@Resource[{BLOB}:path] StringStartsWith '{p}')) AND "
+            f"((!(ActionMatches{{'{BLOB}/read'}} AND SubOperationMatches{{'Blob.List'}})) OR "
+            f"(@Request[{BLOB}:prefix] StringStartsWith '{p}'))")
 
 
 def error_class(code: str, message: str) -> type[CloudError]:
@@ -248,7 +293,9 @@ class AzureAPI:
         old caller address goes).
 
         Returns:
-            ``{"resource_group": name, "nsg": id, "subnet": id}``.
+            ``{"resource_group": name, "nsg": id, "subnet": id}`` and, from :meth:`identity`
+            (made right after the group, before anything else), ``"identity"``: the
+            user-assigned identity's id when the VMs carry one.
         Raises:
             UsageError: no region or no ``ssh_cidr``; CredentialsError, CloudError.
         """
@@ -262,6 +309,7 @@ class AzureAPI:
         with _calls(f"creating resource group {rg}"):
             self.rm.resource_groups.create_or_update(
                 rg, ResourceGroup(location=self.region, tags=tags))
+        ident = self.identity(spec)
         with _calls("creating the network security group"):
             nsg = self.net.network_security_groups.begin_create_or_update(
                 rg, f"hyper-{spec.cluster}-nsg", nm.NetworkSecurityGroup(
@@ -285,7 +333,7 @@ class AzureAPI:
                     address_space=nm.AddressSpace(address_prefixes=[VNET_SPACE]),
                     subnets=[nm.Subnet(name="nodes", address_prefix=SUBNET)]),
                 polling_interval=self.poll).result()
-        return {"resource_group": rg, "nsg": nsg.id, "subnet": vnet.subnets[0].id}
+        return {"resource_group": rg, "nsg": nsg.id, "subnet": vnet.subnets[0].id, **ident}
 
     def create(self, spec: CloudSpec, nodes: list[str], boot: Boot,
                prepared: dict) -> tuple[list[VM], dict[str, Exception]]:
@@ -337,7 +385,7 @@ class AzureAPI:
                     with _calls(f"launching {node}" + (f" in zone {zone}" if zone else "")):
                         vm = self.compute.virtual_machines.begin_create_or_update(
                             rg, name, self._vm_body(spec, node, name, tags, image, boot,
-                                                    nic.id, zone),
+                                                    nic.id, zone, prepared.get("identity")),
                             polling_interval=self.poll).result()
                     break
                 except CapacityError as e:
@@ -361,7 +409,8 @@ class AzureAPI:
                   extra={"resource_group": rg, "vm_id": vm.vm_id})
 
     def _vm_body(self, spec: CloudSpec, node: str, name: str, tags: dict, image: dict,
-                 boot: Boot, nic_id: str, zone: str | None) -> cm.VirtualMachine:
+                 boot: Boot, nic_id: str, zone: str | None,
+                 identity: str | None = None) -> cm.VirtualMachine:
         """The VM of ``node`` as ARM takes it (module docstring). Azure refuses ``root`` and
         a few other admin names; the admin is then ``hyper`` (the cloud-config authorizes
         the cluster key for root itself)."""
@@ -371,7 +420,10 @@ class AzureAPI:
             if spec.spot else dict(priority="Regular")
         return cm.VirtualMachine(
             location=self.region, tags=tags, zones=[zone] if zone else None,
-            identity=cm.VirtualMachineIdentity(type="SystemAssigned"),
+            identity=cm.VirtualMachineIdentity(
+                type="UserAssigned", user_assigned_identities={
+                    identity: cm.UserAssignedIdentitiesValue()})
+            if identity else cm.VirtualMachineIdentity(type="SystemAssigned"),
             hardware_profile=cm.HardwareProfile(vm_size=spec.instance_type),
             storage_profile=cm.StorageProfile(
                 image_reference=cm.ImageReference(**image),
@@ -390,6 +442,138 @@ class AzureAPI:
             network_profile=cm.NetworkProfile(network_interfaces=[
                 cm.NetworkInterfaceReference(id=nic_id, primary=True, delete_option="Delete")]),
             **spot)
+
+    # -- storage identity (module docstring) --------------------------------------------------
+    def _arm(self, method: str, path: str, what: str, body: dict | None = None) -> dict:
+        """One Resource Manager call (``path`` with its ``api-version``). Returns the JSON.
+
+        Raises:
+            CredentialsError: refused credentials. CloudError: any other error (``code``:
+            ARM's error code, e.g. ``AuthorizationFailed``, ``RoleAssignmentExists``).
+        """
+        with _calls(what):
+            resp = self.rm.send_request(HttpRequest(method, path, json=body))
+            if resp.status_code >= 300:
+                raise HttpResponseError(response=resp)
+            return resp.json() if resp.content else {}
+
+    def _refused(self, e: CloudError, permission: str, what: str) -> None:
+        if e.code in ("AuthorizationFailed", "LinkedAuthorizationFailed", "403"):
+            raise CredentialsError(
+                f"the caller may not {what} (permission {permission} is missing)",
+                "give the caller a role with it (e.g. Owner, or User Access Administrator "
+                f"and Managed Identity Contributor), {IDENTITY_HINT}") from None
+
+    def _account_ids(self) -> dict[str, str]:
+        """Storage account name → ARM id, for the subscription."""
+        out, path = {}, (f"/subscriptions/{self.subscription}/providers/Microsoft.Storage/"
+                         f"storageAccounts?api-version={STORAGE_API}")
+        while path:
+            page = self._arm("GET", path, "listing storage accounts")
+            out.update({a["name"]: a["id"] for a in page.get("value", [])})
+            path = page.get("nextLink")
+        return out
+
+    def identity(self, spec: CloudSpec) -> dict:
+        """Make or update, idempotently, the cluster's storage identity (module docstring,
+        "Storage identity"): the user-assigned identity ``hyper-<cluster>-storage`` with a
+        blob data role on exactly the ``az`` containers of ``spec.grants``, limited to each
+        grant's prefix. The cluster's resource group must exist (:meth:`prepare` makes it).
+
+        Returns:
+            ``{"identity": ARM id}`` of the identity the VMs carry, or ``{}`` (no ``az``
+            grant: the VMs keep a system-assigned identity).
+        Raises:
+            CredentialsError: the caller may not create the identity
+                (``Microsoft.ManagedIdentity/userAssignedIdentities/write``) or assign roles
+                (``Microsoft.Authorization/roleAssignments/write``); the message names the
+                permission and ``cluster.identity``.
+            UsageError: a storage account of the recipe is not in the subscription.
+            CloudError: other API failures.
+        """
+        if spec.identity:
+            return {"identity": spec.identity}
+        grants = [g for g in spec.grants if g.scheme == "az"]
+        if not grants:
+            return {}
+        rg = spec.resource_group or f"hyper-{spec.cluster}"
+        name = f"hyper-{spec.cluster}-storage"[:128]
+        rid = (f"/subscriptions/{self.subscription}/resourceGroups/{rg}/providers/"
+               f"Microsoft.ManagedIdentity/userAssignedIdentities/{name}")
+        try:
+            made = self._arm("PUT", f"{rid}?api-version={MSI_API}",
+                             f"creating the managed identity {name}",
+                             {"location": self.region, "tags": self._tags(spec.cluster)})
+        except CloudError as e:
+            self._refused(e, "Microsoft.ManagedIdentity/userAssignedIdentities/write",
+                          f"create the managed identity {name}")
+            raise
+        principal = made["properties"]["principalId"]
+        accounts = self._account_ids()
+        wanted = [(f"/subscriptions/{self.subscription}/resourceGroups/{rg}", VM_CONTRIBUTOR,
+                   None)]
+        for g in grants:
+            account, container = g.bucket.split("/", 1)
+            if account not in accounts:
+                raise UsageError(f"storage account {account} (az://{g.bucket}) not found in "
+                                 f"subscription {self.subscription}",
+                                 "check the recipe's storage and mounts")
+            wanted.append((f"{accounts[account]}/blobServices/default/containers/{container}",
+                           BLOB_CONTRIBUTOR if g.write else BLOB_READER,
+                           prefix_condition(g.prefix) if g.prefix else None))
+        for scope, role, condition in wanted:
+            self._assign(scope, role, principal, condition)
+        return {"identity": rid}
+
+    def _assign(self, scope: str, role: str, principal: str, condition: str | None) -> None:
+        """PUT one role assignment (its name a UUID of its content: repeating it is a
+        no-op). Raises CredentialsError (``roleAssignments/write`` refused), CloudError."""
+        key = "|".join((scope.lower(), principal, role, condition or ""))
+        props = {"roleDefinitionId": f"/subscriptions/{self.subscription}/providers/"
+                 f"Microsoft.Authorization/roleDefinitions/{role}",
+                 "principalId": principal, "principalType": "ServicePrincipal"}
+        if condition:
+            props.update(condition=condition, conditionVersion="2.0")
+        try:
+            self._arm("PUT", f"{scope}/providers/Microsoft.Authorization/roleAssignments/"
+                      f"{uuid.uuid5(uuid.NAMESPACE_URL, key)}?api-version={AUTH_API}",
+                      f"assigning a role on {scope}", {"properties": props})
+        except CloudError as e:
+            if e.code == "RoleAssignmentExists":
+                return
+            self._refused(e, "Microsoft.Authorization/roleAssignments/write",
+                          f"assign roles on {scope}")
+            raise
+
+    def _unassign(self, group: str) -> list[str]:
+        """Delete the role assignments of the user-assigned identities in ``group`` (they
+        live at the containers' scopes, outside the group). Returns their ids."""
+        removed = []
+        base = f"/subscriptions/{self.subscription}"
+        try:
+            found = self._arm("GET", f"{base}/resourceGroups/{group}/providers/"
+                              f"Microsoft.ManagedIdentity/userAssignedIdentities"
+                              f"?api-version={MSI_API}", f"listing identities in {group}")
+        except CloudError as e:
+            if e.code in ("ResourceGroupNotFound", "404"):
+                return removed
+            raise
+        for ident in found.get("value", []):
+            pid = ident["properties"]["principalId"]
+            path = (f"{base}/providers/Microsoft.Authorization/roleAssignments?api-version="
+                    f"{AUTH_API}&$filter=" + quote(f"principalId eq '{pid}'"))
+            while path:
+                page = self._arm("GET", path, f"listing role assignments of {ident['name']}")
+                for ra in page.get("value", []):
+                    try:
+                        self._arm("DELETE", f"{ra['id']}?api-version={AUTH_API}",
+                                  f"deleting role assignment {ra['name']}")
+                    except CloudError as e:
+                        if e.code not in ("RoleAssignmentNotFound", "404"):
+                            raise
+                    removed.append(ra["id"])
+                path = page.get("nextLink")
+        return removed
 
     def _allow_self_delete(self, rg: str, vm) -> None:
         """Give the VM's managed identity the role Virtual Machine Contributor on its own
@@ -492,12 +676,14 @@ class AzureAPI:
         return out
 
     def delete(self, resources: list[Resource]) -> list[str]:
-        """Delete the resource groups that hold ``resources`` (ARM ids), waiting for each;
+        """Delete the resource groups that hold ``resources`` (ARM ids), waiting for each,
+        after the role assignments of their storage identities (module docstring);
         a group already gone counts as deleted. Returns ``"<kind> <name>"`` per resource."""
         removed = []
         groups = list(dict.fromkeys(r.id.split("/")[4] for r in resources
                                     if r.id.count("/") >= 4))
         for rg in groups:
+            self._unassign(rg)
             with _calls(f"deleting resource group {rg}"):
                 try:
                     self.rm.resource_groups.begin_delete(
