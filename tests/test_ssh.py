@@ -185,7 +185,8 @@ def test_host_cut_off_is_detected_and_fenced_when_it_comes_back(ssh_hosts, tmp_p
     state, summary = run_in_process(path)
     t.join()
     assert summary.exit_code == 0
-    assert seen["lost"] - seen["cut"] < 10
+    # declared lost by the keepalives (~8 s; the benchmark measures it), not by TCP (minutes)
+    assert seen["lost"] - seen["cut"] < 20
     assert_one_success_each(state, "lab-1")
     lost = [a for a in state.attempts("lab-1") if a["id"] == seen["attempt"]][0]
     assert lost["status"] == "lost"
