@@ -227,8 +227,13 @@ def run(recipe, new, on_interrupt, trust_new_hosts, cluster, detach, wait):
         live = Live(console=con, refresh_per_second=4, transient=False)
         live.start()
     last = [0.0, ""]
+    shown = [0]  # scheduler notices printed so far
 
     def progress(sched):
+        from rich.markup import escape
+        for note in sched.notices[shown[0]:]:  # idle GPUs, full disks, OOM kills
+            con.print(f"[yellow]warning:[/] {escape(note)}", soft_wrap=True, highlight=False)
+        shown[0] = len(sched.notices)
         if live is not None:
             live.update(_progress_table(sched))
             return
@@ -555,7 +560,9 @@ def ps(workflow, as_json):
     """List workflows, or the tasks of WORKFLOW (an id or a recipe name).
 
     When no `hyper run` drives a workflow that has not ended, says so and since when; with
-    WORKFLOW, also asks its nodes what its running tasks do now (nothing is recorded).
+    WORKFLOW, also asks its nodes what its running tasks do now (nothing is recorded),
+    and shows each running task's CPU (100% is one core) and GPUs from its newest
+    utilisation sample.
     """
     from hypercli.workflows import observe, task_times, undriven
     state = _state()
@@ -591,7 +598,19 @@ def ps(workflow, as_json):
              "waiting": t["wait"] if t["status"] == "pending" else None}
             for t in state.tasks(wid)]
     times = task_times(state, wid)
+    fresh, node_gpus = time.time() - 60, {}
     for r in rows:
+        a = live.get(r["task"])
+        if r["status"] == "running" and a is not None:  # its newest utilisation sample
+            s = state.samples(attempt=a["id"], since=fresh)
+            if s:
+                r["usage"] = u = {k: s[-1]["data"].get(k) for k in ("cpu_pct", "rss", "gpus")}
+                if u["gpus"] and a["node"] not in node_gpus:
+                    ns = state.samples(node=a["node"], nodes_only=True, since=fresh)
+                    node_gpus[a["node"]] = {g.get("index"): g.get("util_pct") for g in (
+                        ns[-1]["data"].get("gpus") or [] if ns else [])}
+                u["gpu_util"] = {str(g): node_gpus.get(a["node"], {}).get(g)
+                                 for g in u["gpus"] or []}
         if r["task"] in observed:
             r["observed"] = observed[r["task"]]  # what its node says now, not recorded
         start, end = times.get(r["task"], (None, None))
@@ -609,7 +628,8 @@ def ps(workflow, as_json):
                          "collects what ended", soft_wrap=True)
     from rich.table import Table
     table = Table(title=f"workflow {wid}", title_justify="left", box=None)
-    for col in ("task", "status", "attempts", "node", "started", "duration", "params"):
+    for col in ("task", "status", "attempts", "node", "started", "duration", "cpu", "gpus",
+                "params"):
         table.add_column(col, overflow="fold")
     for r in rows:
         params = " ".join(f"{k}={_fmt(v)}" for k, v in r["params"].items())
@@ -619,8 +639,12 @@ def ps(workflow, as_json):
                                                if r["observed"].startswith("exited") else "")
         started = time.strftime("%H:%M:%S", time.localtime(r["started_at"])) \
             if r["started_at"] else "-"
+        u = r.get("usage") or {}
+        cpu = f"{u['cpu_pct']:.0f}%" if isinstance(u.get("cpu_pct"), (int, float)) else "-"
+        gpus = " ".join(f"{g}:{v:.0f}%" if isinstance(v, (int, float)) else f"{g}:-"
+                        for g, v in (u.get("gpu_util") or {}).items()) or "-"
         table.add_row(r["task"], status, str(r["attempts"]), r["node"] or "-", started,
-                      _duration(r["duration"]), params)
+                      _duration(r["duration"]), cpu, gpus, params)
     _console().print(table)
 
 
@@ -736,6 +760,11 @@ cli.add_command(image)
 from hypercli.cli_cluster import exec_, ssh, ssh_config  # noqa: E402  (hyper exec/ssh)
 
 for _command in (exec_, ssh, ssh_config):
+    cli.add_command(_command)
+
+from hypercli.cli_usage import stats, top  # noqa: E402  (hyper top/stats)
+
+for _command in (top, stats):
     cli.add_command(_command)
 
 

@@ -40,6 +40,11 @@ Rules (paper section III-D for the re-run of lost work):
     notice is lost at once, before it vanishes. With ``replace_preempted`` (default for spot),
     a node lost that way gets a replacement launched into the cluster, which takes work as
     soon as it is up.
+  * Utilisation (:mod:`hypercli.usage`): agents sample their node and running attempts every
+    ``HYPER_SAMPLE_EVERY`` s and hand the samples over in the answers the node threads wait
+    for anyway (no extra round trip); the main thread stores them, compacts the old ones
+    every COMPACT_EVERY s, and records the warnings :class:`~hypercli.usage.Watch` finds
+    (idle GPUs, a full disk) and OOM kills as events and progress notices.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from hypercli import usage
 from hypercli.capacity import free_of, never_fits, place_gang, shortfall
 from hypercli.errors import HyperError, InfraError, NodeError
 from hypercli.state import LIVE_ATTEMPT, TERMINAL_TASK, State
@@ -113,6 +119,9 @@ class NodeWorker(threading.Thread):
         # ended attempts' logs up to this many bytes come back in the agent's answer
         limit = getattr(session, "inline_bytes", 0)
         self._inline = {"inline": limit} if limit else {}
+        every = usage.sample_every()
+        if every:  # the agent samples while it has work, answers carry the samples
+            self._inline["sample"] = every
 
     def submit(self, op: str, payload) -> None:
         """Queue ``launch`` (list of specs), ``watch`` (ids), ``cancel`` (ids) or ``fence``
@@ -189,6 +198,7 @@ class NodeWorker(threading.Thread):
             self.watch.update(payload)
         elif op in ("cancel", "fence"):
             r = self.client.call("cancel", ids=list(payload), grace=5, **self._inline)
+            self._take_samples(r)
             self._report(r["states"], collect=op == "cancel")
         return False
 
@@ -247,7 +257,13 @@ class NodeWorker(threading.Thread):
             if self.client is not None:
                 self.client.close()
 
+    def _take_samples(self, r: dict) -> None:
+        """Post the utilisation samples an answer carries (see hypercli/usage.py)."""
+        if r.get("samples"):
+            self.events.put(("samples", self.node, r.pop("samples")))
+
     def _check_preempted(self, r: dict) -> None:
+        self._take_samples(r)
         if r.get("preempted"):
             notice = r["preempted"].get("notice") or "preemption notice"
             raise NodePreempted(self.node, f"preempted: {notice}")
@@ -372,6 +388,10 @@ class Scheduler:
             c = self.count[t["experiment"]]
             c[t["status"]] = c.get(t["status"], 0) + 1
         self.started = time.time()
+        self.watch = usage.Watch()
+        #: warnings for the progress display (idle GPUs, full disks, OOM kills), oldest first
+        self.notices: list[str] = []
+        self.compacted = time.time()
         self.interrupted: list = []  # signals (or stop()) that ask the run to end
 
     def _worker(self, n: dict) -> NodeWorker:
@@ -670,6 +690,10 @@ class Scheduler:
                "error": why or (f"exit code {code}" if status == "failed" else None)}
         if st["state"] in ("failed", "refused"):  # never launched: the node could not run it
             upd["error"] = st.get("error")
+        if st.get("oom") and not why:  # the kernel's OOM killer, as its node's agent saw
+            upd["error"] = st["oom"]
+            self._notice("attempt", f"{a['task']} (attempt {a['number']}) was {st['oom']}",
+                         node=a["node"], attempt=a["id"], task=a["task"])
         self.live.pop(a["id"], None)
         self._rank_ended(g, a.get("rank") or 0, status, st.get("metrics"), code)
         others = [x for x in self.live.values() if (x["task"], x["number"]) == key]
@@ -704,7 +728,31 @@ class Scheduler:
                      "ended_at": now}
 
     # -- events --------------------------------------------------------------------------
+    def _samples(self, node: str, samples: list) -> None:
+        """Store an answer's utilisation samples; record the warnings they raise."""
+        rows = usage.rows_of(node, samples)
+        self.state.add_samples(rows)
+        for w in self.watch.add(node, rows, self.live):
+            self._notice("attempt" if w["attempt"] else "node", w["message"], node=node,
+                         attempt=w["attempt"], task=w["task"])
+            for aid in w.get("attempts") or []:
+                a = self.live.get(aid)
+                if a is not None:
+                    self.state.event("attempt", w["message"], workflow=self.wid,
+                                     node=node, attempt=aid, task=a["task"])
+        if time.time() - self.compacted >= usage.COMPACT_EVERY:
+            self.compacted = time.time()
+            self.state.compact_samples(usage.compact_cut(time.time()), bucket=usage.MEAN_SPAN)
+
+    def _notice(self, kind: str, message: str, **ids) -> None:
+        """An event in the state file and a line for the progress display."""
+        self.state.event(kind, message, workflow=self.wid, **ids)
+        self.notices.append(message)
+
     def _apply(self, kind: str, node: str, payload) -> None:
+        if kind == "samples":
+            self._samples(node, payload)
+            return
         if kind == "note":
             self.state.event("node", payload, workflow=self.wid, node=node)
             return

@@ -460,12 +460,14 @@ class TestHost:
     # GPUs -------------------------------------------------------------------------------
     def set_gpus(self, count: int, memory_mib: int | list[int] = GPU_MEMORY_MIB, *,
                  name: str | list[str] = GPU_NAME, utilization: int | list[int] = 0,
-                 memory_used_mib: int | list[int] = 0) -> None:
+                 memory_used_mib: int | list[int] = 0, temperature_c: int | list[int] = 34,
+                 power_w: float | list[float] = 55.0) -> None:
         """Give the host ``count`` GPUs: a stand-in ``nvidia-smi`` in its own /usr/local/sbin
         (see nvidia_smi_script), with UUIDs unique to this host; 0 removes it (no nvidia-smi).
         Works up or down, and takes effect at once; kept over restart()."""
         write_nvidia_smi(self.root / "sbin", count, memory_mib, name=name,
                          utilization=utilization, memory_used_mib=memory_used_mib,
+                         temperature_c=temperature_c, power_w=power_w,
                          uuid_seed=str(self.root))
         self.gpus = count
 
@@ -740,9 +742,9 @@ _SMI_TEMPLATE = r"""#!/bin/sh
 #   nvidia-smi --query-gpu=FIELD,... --format=csv[,noheader][,nounits] [-i|--id=INDEX,...]
 #   nvidia-smi                      (a short summary table)
 # FIELDs: index, name|gpu_name, uuid|gpu_uuid, memory.total, memory.used, memory.free,
-# utilization.gpu, count, driver_version, pci.bus_id|gpu_bus_id. Anything else fails with the
-# real tool's message on stdout and exit status 2.
-# index|name|uuid|memory.total|memory.used|utilization.gpu|pci.bus_id
+# utilization.gpu, temperature.gpu, power.draw, count, driver_version, pci.bus_id|gpu_bus_id.
+# Anything else fails with the real tool's message on stdout and exit status 2.
+# index|name|uuid|memory.total|memory.used|utilization.gpu|pci.bus_id|temperature.gpu|power.draw
 GPUS='@ROWS@'
 DRIVER='@DRIVER@'
 bad() { echo "Invalid combination of input arguments. Please run 'nvidia-smi -h' for help."
@@ -801,6 +803,7 @@ fields=
 for f in $query; do
   case $f in
     index|count|driver_version|memory.total|memory.used|memory.free|utilization.gpu) ;;
+    temperature.gpu|power.draw) ;;
     name|gpu_name) f=name;;
     uuid|gpu_uuid) f=uuid;;
     pci.bus_id|gpu_bus_id) f=pci.bus_id;;
@@ -813,7 +816,12 @@ IFS=$old_ifs
 count=$(printf '%s\n' "$GPUS" | grep -c .)
 rows | awk -F'|' -v fields="$fields" -v header=$header -v units=$units -v count="$count" \
            -v driver="$DRIVER" '
-function unit(f) { return f ~ /^memory\./ ? " [MiB]" : f == "utilization.gpu" ? " [%]" : "" }
+function unit(f) {
+  if (f ~ /^memory\./) return " [MiB]"
+  if (f == "utilization.gpu") return " [%]"
+  if (f == "power.draw") return " [W]"
+  return ""
+}
 function value(f) {
   if (f == "index") return $1
   if (f == "name") return $2
@@ -822,6 +830,8 @@ function value(f) {
   if (f == "memory.used") return $5 (units ? " MiB" : "")
   if (f == "memory.free") return ($4 - $5) (units ? " MiB" : "")
   if (f == "utilization.gpu") return $6 (units ? " %" : "")
+  if (f == "temperature.gpu") return $8
+  if (f == "power.draw") return sprintf("%.2f", $9) (units ? " W" : "")
   if (f == "count") return count
   if (f == "driver_version") return driver
   if (f == "pci.bus_id") return $7
@@ -851,15 +861,18 @@ def gpu_uuid(seed: str, index: int) -> str:
 
 def nvidia_smi_script(count: int, memory_mib: int | list[int] = GPU_MEMORY_MIB, *,
                       name: str | list[str] = GPU_NAME, utilization: int | list[int] = 0,
-                      memory_used_mib: int | list[int] = 0, uuid_seed: str = "local",
+                      memory_used_mib: int | list[int] = 0, temperature_c: int | list[int] = 34,
+                      power_w: float | list[float] = 55.0, uuid_seed: str = "local",
                       driver_version: str = DRIVER_VERSION) -> str:
     """Text of a /bin/sh stand-in for ``nvidia-smi`` with ``count`` GPUs (indexes 0..count-1).
-    Each of memory_mib, name, utilization (%) and memory_used_mib is one value for every GPU or
-    a list with one per GPU. Output, as the real tool's:
+    Each of memory_mib, name, utilization (%), memory_used_mib, temperature_c (°C) and
+    power_w (W) is one value for every GPU or a list with one per GPU. Output, as the real
+    tool's:
       ``--query-gpu=index,name,memory.total,uuid --format=csv,noheader,nounits`` →
           ``0, NVIDIA A100-SXM4-40GB, 40960, GPU-1b2c...``
       ``--query-gpu=index,utilization.gpu,memory.used --format=csv,noheader,nounits`` →
           ``0, 37, 1024``
+      ``--query-gpu=temperature.gpu,power.draw --format=csv,noheader`` → ``34, 55.00 W``
       without ``nounits``: ``40960 MiB``, ``37 %``; without ``noheader`` a first line such
           as ``index, name, memory.total [MiB], uuid``
       ``-L`` → ``GPU 0: NVIDIA A100-SXM4-40GB (UUID: GPU-1b2c...)``
@@ -871,6 +884,8 @@ def nvidia_smi_script(count: int, memory_mib: int | list[int] = GPU_MEMORY_MIB, 
     names = _per_gpu(name, count, "name")
     util = _per_gpu(utilization, count, "utilization")
     used = _per_gpu(memory_used_mib, count, "memory_used_mib")
+    temp = _per_gpu(temperature_c, count, "temperature_c")
+    power = _per_gpu(power_w, count, "power_w")
     rows = []
     for i in range(count):
         if not 0 <= used[i] <= mem[i] or not 0 <= util[i] <= 100:
@@ -878,7 +893,8 @@ def nvidia_smi_script(count: int, memory_mib: int | list[int] = GPU_MEMORY_MIB, 
         if any(c in names[i] for c in "|'\n,"):
             raise ValueError(f"GPU name {names[i]!r}: no | ' , or newline")
         rows.append(f"{i}|{names[i]}|{gpu_uuid(uuid_seed, i)}|{int(mem[i])}|{int(used[i])}|"
-                    f"{int(util[i])}|00000000:{0x07 + i * 0x10:02X}:00.0")
+                    f"{int(util[i])}|00000000:{0x07 + i * 0x10:02X}:00.0|{int(temp[i])}|"
+                    f"{float(power[i]):g}")
     return (_SMI_TEMPLATE.replace("@COUNT@", str(count)).replace("@ROWS@", "\n".join(rows))
             .replace("@DRIVER@", driver_version))
 

@@ -72,9 +72,25 @@ Answers to ``launch``, ``poll`` and ``cancel`` carry ``preempted`` (the JSON of
 notice. Every request touches ``ROOT/contact`` (at most every 10 s): the watcher's idle
 watchdog counts it as use.
 
+Utilisation (hypercli/usage.py has the fields): ``launch``, ``poll`` and ``cancel`` take an
+optional ``sample: s``. With it, while the agent has running attempts (its own and those the
+request names) and one last time after, a sample of the node and of each running attempt is
+taken when ``sample`` s have passed since the last one (at answer time, never more often;
+no thread, no process per poll: ``/proc``, ``statvfs``, and ``pynvml`` or one ``nvidia-smi``
+query per sample on a node with GPUs). Samples wait in a buffer (the oldest dropped beyond
+SAMPLES_MAX) and ride on the next answer as ``samples: [{"ts": unix s, "node": {...},
+"attempts": {id: {...}}}]``. An attempt's processes are its session's (the task's shell
+starts one); a container's processes run under the container runtime and are not counted.
+An attempt killed by SIGKILL (exit 137) that was not cancelled is checked against the
+kernel's OOM killer: the ``oom_kill`` counter of the memory cgroups its processes were seen
+in (cgroup v2 ``memory.events``, v1 ``memory.oom_control``), else the kernel log
+(``/dev/kmsg``) naming one of its processes; when found, ``exit`` carries ``oom`` (text) and
+the state ``oom`` too.
+
 A state is ``{"state": "running"|"exited"|"lost"|"unknown", "code": int?, "started": s?,
-"ended": s?, "cancelled": bool, "metrics": {...}?, "inline": {...}?}``; metrics (the last
-value of each key over all lines of metrics.jsonl) come with every state that is not running.
+"ended": s?, "cancelled": bool, "oom": text?, "metrics": {...}?, "inline": {...}?}``;
+metrics (the last value of each key over all lines of metrics.jsonl) come with every state
+that is not running.
 ``launch``, ``poll`` and ``cancel`` take an optional ``inline: N`` (bytes): every state that
 is not running then also carries ``inline = {"stdout": b64?, "stderr": b64?, "output_empty":
 bool}``, the logs included when both together are at most N bytes, so a client over a
@@ -139,6 +155,9 @@ wait "$side" 2>/dev/null
 save
 exit "$code"
 """
+SAMPLES_MAX = 720  # samples buffered at most between two answers (1 h at 5 s)
+GPU_QUERY = ("--query-gpu=index,utilization.gpu,memory.used,memory.total,temperature.gpu,"
+             "power.draw")
 RUNTIME_RECHECK = 10.0  # s a failed container runtime check is believed before a new one
 CONTACT_EVERY = 10.0  # s between touches of ROOT/contact (read by the node watcher)
 
@@ -174,6 +193,9 @@ class Agent:
         self.contact = 0.0  # unix s of the last touch of ROOT/contact
         self.base_env = dict(os.environ)
         self.runtime = None  # (checked at, error or None): does the container runtime work?
+        self.sampler = _Sampler(self.root)
+        self.sample_every = 0.0  # s between utilisation samples, from the last request
+        self.own_cgroups = None  # this agent's memory cgroups (its tasks start in them)
         # SIGCHLD → a byte on _sig_w → select() returns: a task's end is seen at once
         self._sig_r, self._sig_w = os.pipe()
         for fd in (self._sig_r, self._sig_w):
@@ -271,13 +293,38 @@ class Agent:
                     pass
             except OSError:
                 pass
+        if op in ("launch", "poll", "cancel"):
+            self.sample_every = float(req.get("sample") or 0)
         result = fn(req)
         if op in ("launch", "poll", "cancel"):
+            if self.sample_every > 0:
+                self._sample(result.get("states") or {}, time.time())
+            if self.sampler.buf:
+                result["samples"] = self.sampler.take()
             marker = _read_json(os.path.join(self.root, "preempted"))
             if marker is not None:
                 result["preempted"] = marker
         result["ok"] = True
         return result
+
+    def _sample(self, states, now):
+        """Sample when due (see the module docstring): this agent's running tasks and the
+        attempts of ``states`` reported running."""
+        if now - self.sampler.last < self.sample_every:  # the common case: costs nothing
+            return
+        running = {}
+        for i, c in self.children.items():
+            if not c.finishing and c.proc is not None and c.proc.returncode is None:
+                running[i] = (c.proc.pid, c.spec.get("gpus") or [])
+        foreign = [i for i, st in states.items()
+                   if st.get("state") == "running" and i not in running]
+        if not self.sampler.due(self.sample_every, running or foreign, now):
+            return
+        for i in foreign:
+            pid = (_read_json(os.path.join(self.tasks, i, "pid")) or {}).get("pid")
+            if pid:
+                running[i] = (int(pid), _environ_gpus(int(pid)))
+        self.sampler.sample(running, now)
 
     # -- ops ---------------------------------------------------------------------------
     def op_hello(self, req):
@@ -449,6 +496,8 @@ class Agent:
         ex = _read_json(os.path.join(d, "exit"))
         if ex is not None:
             s.update(state="exited", code=ex.get("code"), ended=ex.get("ended"))
+            if ex.get("oom"):
+                s["oom"] = ex["oom"]
         elif not os.path.isdir(d):
             return s
         elif locked:
@@ -542,6 +591,10 @@ class Agent:
                                              "image": spec.get("image"),
                                              "output": spec.get("output")})
         self.children[attempt_id] = _Child(attempt_id, d, spec, env, proc, lock, started)
+        if self.sample_every > 0:  # OOM kills in the cgroups the task starts in count
+            if self.own_cgroups is None:
+                self.own_cgroups = _memory_cgroups(os.getpid())
+            self.sampler.cgroups[attempt_id] = {g: _oom_kills(g) for g in self.own_cgroups}
         return {"state": "running", "cancelled": False, "started": started}
 
     def runtime_error(self):
@@ -605,11 +658,318 @@ class Agent:
             self._end(child, code)
 
     def _end(self, child, code):
-        """Record an attempt's end: ``exit`` written atomically, then its lock released."""
-        _write_json(os.path.join(child.dir, "exit"), {"code": code, "ended": time.time()})
+        """Record an attempt's end: ``exit`` written atomically, then its lock released. A
+        task killed by SIGKILL, not cancelled, is checked against the OOM killer."""
+        ex = {"code": code, "ended": time.time()}
+        if code == 137 and not child.finishing and not os.path.exists(
+                os.path.join(child.dir, "cancelled")):
+            why = self.sampler.oom(child.id, child.started, ex["ended"])
+            if why:
+                ex["oom"] = why
+                _note(child.dir, why)
+        self.sampler.forget(child.id)
+        _write_json(os.path.join(child.dir, "exit"), ex)
         os.close(child.lock)
         self.children.pop(child.id, None)
         self.ended += 1
+
+
+class _Sampler:
+    """Utilisation of the node and of its running attempts (see the module docstring):
+    rates (CPU, network) are the change since the previous sample."""
+
+    def __init__(self, root):
+        self.root = root
+        self.buf = []
+        self.last = 0.0  # unix s of the last sample (0: none yet)
+        self.active = False  # the last sample saw running attempts: one more is due after
+        self.cpu = None  # (busy ticks, total ticks) of /proc/stat at the last sample
+        self.net = None  # (rx bytes, tx bytes, unix s)
+        self.tasks = {}  # attempt id -> (cpu ticks of its processes, unix s)
+        self.cgroups = {}  # attempt id -> {memory cgroup folder: oom_kill count when first seen}
+        self.pids = {}  # attempt id -> pids seen in its session
+        self.nvml = None  # the pynvml module once initialised, False when not usable
+        self.tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self.page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+    def due(self, every, running, now):
+        """True when a sample is to be taken now: ``every`` s passed, and attempts run (or ran
+        at the last sample: the last one)."""
+        return every > 0 and (running or self.active) and now - self.last >= every
+
+    def sample(self, attempts, now):
+        """Take one sample. ``attempts``: {attempt id: (session pid, [GPU index])} of the
+        running attempts."""
+        node = {}
+        try:
+            with open("/proc/stat") as f:
+                v = [int(x) for x in f.readline().split()[1:9]]
+            busy, total = sum(v) - v[3] - v[4], sum(v)
+            if self.cpu and total > self.cpu[1]:
+                node["cpu_pct"] = round(100.0 * (busy - self.cpu[0]) / (total - self.cpu[1]), 1)
+            self.cpu = (busy, total)
+        except (OSError, ValueError, IndexError):
+            pass
+        try:
+            with open("/proc/loadavg") as f:
+                node["load1"] = float(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass
+        try:
+            mem = {}
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    k, _, rest = line.partition(":")
+                    if k in ("MemTotal", "MemAvailable"):
+                        mem[k] = int(rest.split()[0]) * 1024
+            node["mem_total"] = mem["MemTotal"]
+            node["mem_used"] = mem["MemTotal"] - mem["MemAvailable"]
+        except (OSError, ValueError, IndexError, KeyError):
+            pass
+        try:
+            st = os.statvfs(self.root)
+            node["disk_free"] = st.f_bavail * st.f_frsize
+            node["disk_total"] = st.f_blocks * st.f_frsize
+        except OSError:
+            pass
+        try:
+            rx = tx = 0
+            with open("/proc/net/dev") as f:
+                for line in f.readlines()[2:]:
+                    name, _, rest = line.partition(":")
+                    if name.strip() != "lo":
+                        v = rest.split()
+                        rx, tx = rx + int(v[0]), tx + int(v[8])
+            if self.net and now > self.net[2]:
+                dt = now - self.net[2]
+                node["net_rx"] = round(max(0, rx - self.net[0]) / dt, 1)
+                node["net_tx"] = round(max(0, tx - self.net[1]) / dt, 1)
+            self.net = (rx, tx, now)
+        except (OSError, ValueError, IndexError):
+            pass
+        gpus = self.gpus()
+        if gpus is not None:
+            node["gpus"] = gpus
+        out = {}
+        if attempts:
+            per = self.processes({pid: aid for aid, (pid, _) in attempts.items() if pid})
+            for aid, (pid, held) in attempts.items():
+                ticks, rss, pids = per.get(aid, (0, 0, []))
+                s = {"rss": rss, "gpus": list(held or [])}
+                prev = self.tasks.get(aid)
+                if prev and now > prev[1]:
+                    s["cpu_pct"] = round(100.0 * max(0, ticks - prev[0]) / self.tick
+                                         / (now - prev[1]), 1)
+                self.tasks[aid] = (ticks, now)
+                self.pids.setdefault(aid, set()).update(pids)
+                groups = self.cgroups.setdefault(aid, {})
+                for p in pids[:8]:  # the memory cgroups its processes are in
+                    for g in _memory_cgroups(p):
+                        if g not in groups:
+                            groups[g] = _oom_kills(g)
+                out[aid] = s
+        for aid in list(self.tasks):
+            if aid not in attempts:
+                self.tasks.pop(aid, None)
+        self.buf.append({"ts": round(now, 3), "node": node, "attempts": out})
+        del self.buf[:-SAMPLES_MAX]
+        self.last = now
+        self.active = bool(attempts)
+
+    def processes(self, sessions):
+        """{attempt id: (cpu ticks (utime+stime+cutime+cstime), rss bytes, [pid])} summed
+        over the processes of each session in ``sessions`` ({session id: attempt id})."""
+        out = {}
+        try:
+            names = os.listdir("/proc")
+        except OSError:
+            return out
+        for name in names:
+            if not name.isdigit():
+                continue
+            try:
+                with open("/proc/%s/stat" % name, "rb") as f:
+                    raw = f.read()
+            except OSError:
+                continue
+            v = raw[raw.rfind(b")") + 2:].split()
+            try:
+                aid = sessions.get(int(v[3]))
+                if aid is None:
+                    continue
+                ticks = int(v[11]) + int(v[12]) + int(v[13]) + int(v[14])
+                rss = int(v[21]) * self.page
+            except (IndexError, ValueError):
+                continue
+            t, r, pids = out.get(aid, (0, 0, []))
+            pids.append(int(name))
+            out[aid] = (t + ticks, r + rss, pids)
+        return out
+
+    def gpus(self):
+        """[{index, util_pct, mem_used_mib, mem_total_mib, temp_c, power_w}] of the node's
+        GPUs (pynvml when importable, else nvidia-smi's CSV query); None without GPUs."""
+        if self.nvml is None:
+            try:
+                import pynvml
+                pynvml.nvmlInit()
+                self.nvml = pynvml
+            except Exception:
+                self.nvml = False
+        if self.nvml:
+            try:
+                return self._nvml_gpus()
+            except Exception:
+                self.nvml = False
+        if not shutil.which("nvidia-smi"):
+            return None
+        import subprocess
+        try:
+            out = subprocess.run(["nvidia-smi", GPU_QUERY, "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, timeout=10)
+        except Exception:
+            return None
+        if out.returncode != 0:
+            return None
+        gpus = []
+        keys = ("util_pct", "mem_used_mib", "mem_total_mib", "temp_c", "power_w")
+        for line in out.stdout.splitlines():
+            f = [x.strip() for x in line.split(",")]
+            if not f or not f[0].isdigit():
+                continue
+            g = {"index": int(f[0])}
+            for k, x in zip(keys, f[1:]):
+                try:
+                    g[k] = float(x)
+                except ValueError:  # [N/A], [Not Supported]
+                    pass
+            gpus.append(g)
+        return gpus
+
+    def _nvml_gpus(self):
+        nv = self.nvml
+        gpus = []
+        for i in range(nv.nvmlDeviceGetCount()):
+            h = nv.nvmlDeviceGetHandleByIndex(i)
+            g = {"index": i}
+            for k, fn in (("util_pct", lambda: nv.nvmlDeviceGetUtilizationRates(h).gpu),
+                          ("mem_used_mib", lambda: nv.nvmlDeviceGetMemoryInfo(h).used / 2**20),
+                          ("mem_total_mib",
+                           lambda: nv.nvmlDeviceGetMemoryInfo(h).total / 2**20),
+                          ("temp_c", lambda: nv.nvmlDeviceGetTemperature(h, 0)),
+                          ("power_w", lambda: nv.nvmlDeviceGetPowerUsage(h) / 1000.0)):
+                try:
+                    g[k] = float(fn())
+                except Exception:
+                    pass
+            gpus.append(g)
+        return gpus
+
+    def take(self):
+        """The buffered samples, oldest first; the buffer is emptied."""
+        out, self.buf = self.buf, []
+        return out
+
+    def oom(self, attempt_id, started, ended):
+        """Why an attempt killed by SIGKILL was killed by the OOM killer (text), or None."""
+        for g, before in sorted(self.cgroups.get(attempt_id, {}).items()):
+            after = _oom_kills(g)
+            if before is not None and after is not None and after > before:
+                return ("killed by the kernel's OOM killer (memory cgroup %s: %d OOM kill%s "
+                        "while it ran)" % (g, after - before, "" if after - before == 1 else "s"))
+        pids = self.pids.get(attempt_id)
+        if pids:  # kernel log records since the attempt started (monotonic clock)
+            line = _kmsg_oom(pids, time.monotonic() - (time.time() - started) - 1.0)
+            if line:
+                return "killed by the kernel's OOM killer (kernel log: %s)" % line
+        return None
+
+    def forget(self, attempt_id):
+        for d in (self.tasks, self.cgroups, self.pids):
+            d.pop(attempt_id, None)
+
+
+def _environ_gpus(pid):
+    """The GPU indexes of a task from its ``HYPER_GPUS`` (``/proc/<pid>/environ``), or []."""
+    try:
+        with open("/proc/%d/environ" % pid, "rb") as f:
+            for kv in f.read().split(b"\0"):
+                if kv.startswith(b"HYPER_GPUS="):
+                    return [int(x) for x in kv[11:].split(b",") if x.strip().isdigit()]
+    except OSError:
+        pass
+    return []
+
+
+def _memory_cgroups(pid):
+    """The memory cgroup folders (under /sys/fs/cgroup) process ``pid`` is in."""
+    out = []
+    try:
+        with open("/proc/%d/cgroup" % pid) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        if parts[0] == "0" and parts[1] == "":  # cgroup v2
+            d = "/sys/fs/cgroup" + parts[2].rstrip("/")
+            if os.path.exists(d + "/memory.events"):
+                out.append(d)
+        elif "memory" in parts[1].split(","):  # cgroup v1
+            out.append("/sys/fs/cgroup/memory" + parts[2].rstrip("/"))
+    return out
+
+
+def _oom_kills(folder):
+    """The ``oom_kill`` counter of a memory cgroup folder, or None."""
+    for name in ("memory.events", "memory.oom_control"):
+        try:
+            with open(os.path.join(folder, name)) as f:
+                for line in f:
+                    k, _, v = line.partition(" ")
+                    if k == "oom_kill":
+                        return int(v)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def _kmsg_oom(pids, since=None):
+    """The kernel log line of an OOM kill of one of ``pids``, or None (/dev/kmsg, read
+    without blocking; needs CAP_SYSLOG). ``since``: only records logged after this
+    ``time.monotonic()`` value (s; a pid reused since an older kill does not match)."""
+    try:
+        fd = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return None
+    found = None
+    try:
+        while True:
+            try:
+                rec = os.read(fd, 8192)
+            except BlockingIOError:
+                break
+            except OSError:  # EPIPE: records overwritten while reading; go on
+                continue
+            if not rec:
+                break
+            head, _, text = rec.decode(errors="replace").partition(";")
+            text = text.strip()
+            if since is not None:
+                try:  # "priority,sequence,microseconds since boot,flags;message"
+                    if int(head.split(",")[2]) / 1e6 < since:
+                        continue
+                except (IndexError, ValueError):
+                    pass
+            if "Killed process" in text or "oom-kill:" in text:
+                for pid in pids:
+                    if ("Killed process %d " % pid) in text or (",pid=%d," % pid) in text:
+                        found = text[:200]
+    finally:
+        os.close(fd)
+    return found
 
 
 def _detach_from_caller():
