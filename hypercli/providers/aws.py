@@ -14,6 +14,25 @@ What a cluster gets, every piece tagged ``hyper:cluster``, ``hyper:owner`` and `
   watchdog's power-off removes it); its root volume is ``disk_gb`` GiB, gp3, deleted with
   the instance; the boot document is its user data.
 
+Storage identity (``spec.grants``, from the recipe's ``storage`` and ``mounts``; see
+:mod:`hypercli.recipe.access`): when the recipe names ``s3://`` buckets, the cluster gets an
+IAM role and an instance profile, both ``hyper-<cluster>`` under the path
+``/hyper/<cluster>/`` (how ``down`` and ``gc`` find them) and tagged like the rest, and the role an inline policy ``hyper-storage`` (:func:`storage_policy`):
+``s3:GetObject`` on the objects under each read grant's prefix, also ``s3:PutObject``,
+``s3:DeleteObject`` and ``s3:AbortMultipartUpload`` under each read/write grant's, and
+``s3:ListBucket`` on those buckets. ListBucket is not limited to the prefixes: S3 answers a
+HEAD of a missing key with 404 only to a caller that may list the bucket (403 otherwise, with
+an ``s3:prefix`` condition too, since a HEAD carries no prefix), and pushes ask whether an
+object exists; so nodes may list the key names of those buckets, and read or write only
+under the prefixes. The nodes' boto3 gets the role's credentials from the instance metadata
+service. ``cluster.iam_role`` names an existing instance profile instead: nothing is made.
+A caller who may not make roles (``iam:CreateRole``, ``iam:PutRolePolicy``,
+``iam:CreateInstanceProfile``, ``iam:AddRoleToInstanceProfile``, ``iam:PassRole``) gets a
+:class:`CredentialsError` naming the permission and ``cluster.iam_role``, before anything else
+is made. Instances require IMDSv2 with a hop limit of 1: the metadata service answers only a
+session token asked from the node itself, so a container on a bridge network (one hop more)
+cannot read the role's credentials or the user data (which holds the node's host key).
+
 Zones: ``zones`` are tried in order while EC2 answers with a capacity error; with no zones,
 EC2 picks first, then each zone of the default VPC is tried by name.
 
@@ -23,7 +42,7 @@ account limits → :class:`QuotaError`; anything else → :class:`CloudError` wi
 
 Credentials and region: boto3's standard chain (``AWS_PROFILE``, ``AWS_ACCESS_KEY_ID`` /
 ``AWS_SECRET_ACCESS_KEY``, ``~/.aws``, instance roles). Test seam: ``HYPER_AWS_ENDPOINT_URL``
-sends every EC2 and STS call to that endpoint (a moto server in the test suite).
+sends every EC2, IAM and STS call to that endpoint (a moto server in the test suite).
 """
 
 from __future__ import annotations
@@ -77,6 +96,37 @@ USER_DATA_MAX = 16384  # bytes before base64 (RunInstances ``UserData``)
 TERMINATE_WAIT = 600.0  # s that ``delete`` waits for instances to be terminated
 POLL = 2.0  # s between looks while waiting
 BUSY_TRIES, BUSY_PAUSE = 5, 2.0  # tries, s between them, for a resource still in use
+IAM_PATH = "/hyper/"  # roles and instance profiles of cluster C are under /hyper/C/
+STORAGE_POLICY = "hyper-storage"  # the role's inline policy
+#: s that RunInstances is retried while it does not know a new instance profile yet: IAM is
+#: eventually consistent, a new profile "may take a few seconds" to be usable by EC2
+#: (IAM User Guide, "Troubleshooting IAM roles"; 10-15 s is usual)
+PROFILE_WAIT = 60.0
+#: who may assume a cluster's role: EC2 instances
+EC2_TRUST = {"Version": "2012-10-17", "Statement": [{
+    "Effect": "Allow", "Principal": {"Service": "ec2.amazonaws.com"},
+    "Action": "sts:AssumeRole"}]}
+ROLE_HINT = ("give the caller that permission, or name an existing instance profile whose "
+             "role may use the recipe's buckets: cluster.iam_role: NAME")
+
+
+def storage_policy(grants) -> dict:
+    """The IAM policy document (a dict) that allows exactly the ``s3`` grants of ``grants``
+    (:class:`hypercli.recipe.access.Grant`; others are ignored): see the module docstring."""
+    s3 = sorted(g for g in grants if g.scheme == "s3")
+    statements = []
+    for i, g in enumerate(s3):
+        objects = f"arn:aws:s3:::{g.bucket}/" + (f"{g.prefix}/*" if g.prefix else "*")
+        actions = ["s3:GetObject"]
+        if g.write:
+            actions += ["s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload"]
+        statements.append({"Sid": f"{'ReadWrite' if g.write else 'Read'}{i}",
+                           "Effect": "Allow", "Action": actions, "Resource": objects})
+    buckets = sorted({g.bucket for g in s3})
+    if buckets:
+        statements.append({"Sid": "List", "Effect": "Allow", "Action": "s3:ListBucket",
+                           "Resource": [f"arn:aws:s3:::{b}" for b in buckets]})
+    return {"Version": "2012-10-17", "Statement": statements}
 
 
 @contextmanager
@@ -163,7 +213,7 @@ class AWSAPI:
         self._lock = threading.Lock()
 
     def client(self, service: str):
-        """The boto3 client of ``service`` (``ec2``, ``sts``) in this region, made once.
+        """The boto3 client of ``service`` (``ec2``, ``iam``, ``sts``) in this region, made once.
         Raises UsageError when no region is known."""
         with self._lock:
             if service not in self._clients:
@@ -177,6 +227,11 @@ class AWSAPI:
                         service, region_name=self.region, config=config,
                         endpoint_url=os.environ.get(ENDPOINT_ENV) or None)
             return self._clients[service]
+
+    @property
+    def iam(self):
+        """The IAM client (see :meth:`client`; IAM is global, the region only signs)."""
+        return self.client("iam")
 
     @property
     def ec2(self):
@@ -223,6 +278,7 @@ class AWSAPI:
             raise CloudError(f"region {self.region} has no default VPC",
                              "create one: aws ec2 create-default-vpc")
         vpc = vpcs[0]["VpcId"]
+        profile = self.identity(spec)  # first: a refused permission leaves nothing made
         self._key_pair(spec.cluster, name, ssh_public_key)
         group = self._security_group(spec, name, vpc)
         with aws_errors("listing the default subnets"):
@@ -230,7 +286,64 @@ class AWSAPI:
                 {"Name": "vpc-id", "Values": [vpc]},
                 {"Name": "default-for-az", "Values": ["true"]}])
         return {"key_name": name, "security_group": group, "vpc": vpc,
-                "subnets": {s["AvailabilityZone"]: s["SubnetId"] for s in subnets}}
+                "subnets": {s["AvailabilityZone"]: s["SubnetId"] for s in subnets}, **profile}
+
+    # -- storage identity (module docstring) ---------------------------------------------------
+    def identity(self, spec: CloudSpec) -> dict:
+        """Make or update, idempotently, the cluster's role, its inline policy (exactly the
+        ``s3`` grants of ``spec.grants``) and its instance profile (module docstring).
+
+        Returns:
+            ``{"instance_profile": name}`` to launch the instances with, or ``{}`` when the
+            recipe names no ``s3://`` bucket and no ``cluster.iam_role``.
+        Raises:
+            CredentialsError: the caller may not make or change them (the message names the
+                IAM action and ``cluster.iam_role``). CloudError.
+        """
+        if spec.identity:
+            return {"instance_profile": spec.identity}
+        if not any(g.scheme == "s3" for g in spec.grants):
+            return {}
+        import json
+        name, path = f"hyper-{spec.cluster}", f"{IAM_PATH}{spec.cluster}/"
+        tags = [t for t in _tags(spec.cluster) if t["Key"] != "Name"]
+        iam = self.iam
+        with self._denied("iam:CreateRole", f"creating the role {name}"):
+            try:
+                iam.create_role(RoleName=name, Path=path, Tags=tags,
+                                AssumeRolePolicyDocument=json.dumps(EC2_TRUST),
+                                Description=f"hypercli cluster {spec.cluster}: its storage")
+            except iam.exceptions.EntityAlreadyExistsException:
+                pass
+        with self._denied("iam:PutRolePolicy", f"setting the policy of the role {name}"):
+            iam.put_role_policy(RoleName=name, PolicyName=STORAGE_POLICY,
+                                PolicyDocument=json.dumps(storage_policy(spec.grants)))
+        with self._denied("iam:CreateInstanceProfile",
+                          f"creating the instance profile {name}"):
+            try:
+                iam.create_instance_profile(InstanceProfileName=name, Path=path,
+                                            Tags=tags)
+            except iam.exceptions.EntityAlreadyExistsException:
+                pass
+            roles = iam.get_instance_profile(InstanceProfileName=name)["InstanceProfile"]
+        if name not in [r["RoleName"] for r in roles.get("Roles", [])]:
+            with self._denied("iam:AddRoleToInstanceProfile",
+                              f"adding the role {name} to its instance profile"):
+                iam.add_role_to_instance_profile(InstanceProfileName=name, RoleName=name)
+        return {"instance_profile": name}
+
+    @contextmanager
+    def _denied(self, action: str, what: str):
+        """:func:`aws_errors` for an IAM call, a refusal naming ``action`` and
+        ``cluster.iam_role``."""
+        try:
+            with aws_errors(what):
+                yield
+        except CredentialsError as e:
+            if "AccessDenied" not in str(e) and "UnauthorizedOperation" not in str(e):
+                raise
+            raise CredentialsError(f"the caller may not do {action} ({what}): {e}",
+                                   ROLE_HINT) from None
 
     def _key_pair(self, cluster: str, name: str, public_key: str) -> None:
         ec2 = self.ec2
@@ -370,6 +483,11 @@ class AWSAPI:
             args["SecurityGroupIds"] = [prepared["security_group"]]
             if zone:
                 args["Placement"] = {"AvailabilityZone": zone}
+        # IMDSv2 only, one hop: only the node itself gets a session token (module docstring)
+        args["MetadataOptions"] = {"HttpTokens": "required", "HttpPutResponseHopLimit": 1,
+                                   "HttpEndpoint": "enabled"}
+        if prepared.get("instance_profile"):
+            args["IamInstanceProfile"] = {"Name": prepared["instance_profile"]}
         if spec.spot:
             opts = {"SpotInstanceType": "one-time", "InstanceInterruptionBehavior": "terminate"}
             if spec.max_price:
@@ -377,9 +495,18 @@ class AWSAPI:
             args["InstanceMarketOptions"] = {"MarketType": "spot", "SpotOptions": opts}
             args["TagSpecifications"].append({"ResourceType": "spot-instances-request",
                                               "Tags": _tags(spec.cluster, node)})
-        with aws_errors(f"launching {node}" + (f" in {zone}" if zone else "")):
-            inst = self.ec2.run_instances(**args)["Instances"][0]
-        return self._vm(inst)
+        deadline = time.monotonic() + PROFILE_WAIT
+        while True:
+            try:
+                with aws_errors(f"launching {node}" + (f" in {zone}" if zone else "")):
+                    inst = self.ec2.run_instances(**args)["Instances"][0]
+                return self._vm(inst)
+            except CloudError as e:  # a new instance profile EC2 does not see yet
+                if not (e.code == "InvalidParameterValue" and "instance profile" in str(e).lower()
+                        and time.monotonic() < deadline):
+                    raise
+                args["ClientToken"] = f"{node}-{uuid.uuid4().hex}"[-64:]
+                time.sleep(POLL)
 
     @staticmethod
     def _vm(inst: dict) -> VM:
@@ -423,7 +550,8 @@ class AWSAPI:
     def resources(self, cluster: str | None = None) -> list[Resource]:
         """What carries the tag ``hyper:cluster`` (= ``cluster``; any value when None) and
         still exists, in deletion order: ``instance``, ``spot_request`` (open or active),
-        ``nic``, ``disk``, ``public_ip``, ``key_pair``, ``security_group``.
+        ``nic``, ``disk``, ``public_ip``, ``key_pair``, ``security_group``,
+        ``instance_profile``, ``role`` (IAM is global: the same ones in every region).
         Raises CredentialsError / CloudError."""
         f = _cluster_filter(cluster)
 
@@ -444,6 +572,31 @@ class AWSAPI:
                        "KeyName")
             out += res("security_group", self._all("describe_security_groups",
                                                    "SecurityGroups", Filters=f), "GroupId")
+        out += self._iam_resources(cluster)
+        return out
+
+    def _iam_resources(self, cluster: str | None) -> list[Resource]:
+        """The instance profiles and roles made for clusters: under the path
+        ``/hyper/<cluster>/`` (:data:`IAM_PATH`; the path, unlike tags, comes back in one
+        listing call), of ``cluster`` when given. A caller who may not list IAM gets none
+        (it made none)."""
+        iam = self.iam
+        prefix = IAM_PATH + (f"{cluster}/" if cluster else "")
+        out = []
+        try:
+            with aws_errors("listing the clusters' roles"):
+                for kind, op, key, name in (
+                        ("instance_profile", "list_instance_profiles", "InstanceProfiles",
+                         "InstanceProfileName"),
+                        ("role", "list_roles", "Roles", "RoleName")):
+                    for page in iam.get_paginator(op).paginate(PathPrefix=prefix):
+                        for x in page[key]:
+                            c = x["Path"][len(IAM_PATH):].strip("/")
+                            if c and (cluster is None or c == cluster):
+                                out.append(Resource(kind, x[name], c, "global"))
+        except CredentialsError as e:
+            if "AccessDenied" not in str(e):
+                raise
         return out
 
     def delete(self, resources: list[Resource]) -> list[str]:
@@ -502,6 +655,30 @@ class AWSAPI:
             ec2.release_address(AllocationId=r.id)
         elif r.kind == "security_group":
             ec2.delete_security_group(GroupId=r.id)
+        elif r.kind == "instance_profile":
+            iam = self.iam
+            try:
+                found = iam.get_instance_profile(InstanceProfileName=r.id)["InstanceProfile"]
+            except iam.exceptions.NoSuchEntityException:
+                return False
+            for role in found.get("Roles", []):
+                iam.remove_role_from_instance_profile(InstanceProfileName=r.id,
+                                                      RoleName=role["RoleName"])
+            iam.delete_instance_profile(InstanceProfileName=r.id)
+        elif r.kind == "role":
+            iam = self.iam
+            try:
+                policies = iam.list_role_policies(RoleName=r.id)["PolicyNames"]
+            except iam.exceptions.NoSuchEntityException:
+                return False
+            for name in policies:
+                iam.delete_role_policy(RoleName=r.id, PolicyName=name)
+            for p in iam.list_attached_role_policies(RoleName=r.id)["AttachedPolicies"]:
+                iam.detach_role_policy(RoleName=r.id, PolicyArn=p["PolicyArn"])
+            for prof in iam.list_instance_profiles_for_role(RoleName=r.id)["InstanceProfiles"]:
+                iam.remove_role_from_instance_profile(
+                    InstanceProfileName=prof["InstanceProfileName"], RoleName=r.id)
+            iam.delete_role(RoleName=r.id)
         else:
             return False
         return True
