@@ -208,3 +208,32 @@ def test_a_node_reads_its_dataset_and_writes_its_outputs_with_the_roles_credenti
     gets = [r for r in imds.requests if r[0] == "GET"]
     assert gets and all(valid for _, _, valid in gets)
     assert ("GET", "/latest/meta-data/iam/security-credentials/hyper-c1", True) in gets
+
+
+def test_a_later_recipe_on_an_up_cluster_widens_its_role(ec2, hyper_home):
+    """``hyper run --cluster`` with a recipe that needs another bucket: the role's policy
+    gets it, keeps what the cluster had, and the state file remembers the union."""
+    from hypercli import cluster as C
+    from hypercli.providers.cloud_provider import CloudProvider
+    from hypercli.recipe import ClusterSpec
+    from hypercli.recipe.access import grants_from
+    from hypercli.state import State
+    state = State()
+    first = ClusterSpec("c1", "aws", 1, {"region": REGION}, grants=GRANTS)
+    state.put_cluster("c1", "aws", {"options": first.options,
+                                    "grants": [g.as_dict() for g in GRANTS]})
+    provider = CloudProvider("aws", options=first.options, api=AWSAPI(REGION))
+    provider.grant(first)
+    later = ClusterSpec("c1", "aws", 1, {"region": REGION},
+                        grants=(Grant("s3", "dsets", "coco"),))
+    C.grant(state, later, provider)
+    iam = boto3.client("iam", region_name=REGION)
+    doc = iam.get_role_policy(RoleName="hyper-c1", PolicyName="hyper-storage")["PolicyDocument"]
+    doc = json.loads(doc) if isinstance(doc, str) else doc
+    assert doc == storage_policy(GRANTS + later.grants)
+    assert set(grants_from(state.cluster("c1")["spec"]["grants"])) == set(GRANTS + later.grants)
+    calls = []
+    provider.grant = lambda spec: calls.append(spec)  # covered already: nothing asked
+    C.grant(state, ClusterSpec("c1", "aws", 1, {}, grants=(Grant("s3", "dsets", "imagenet"),)),
+            provider)
+    assert calls == []
