@@ -124,9 +124,12 @@ def test_a_caller_who_may_not_make_roles_is_stopped_before_anything_exists(ec2, 
                                 aws_secret_access_key=key["SecretAccessKey"],
                                 region_name=REGION)
         api = AWSAPI(REGION, session=session)
+        said = api.check()  # hyper check says so before any up
+        assert "IAM refused" in said and "cluster.iam_role" in said, said
         with pytest.raises(CredentialsError) as e:
             launch(api, spec(image, grants=GRANTS))
         return e.value
+    assert "storage identities: IAM usable" in AWSAPI(REGION).check()
     err = attempt()
     assert "iam:CreateRole" in str(err) and "cluster.iam_role" in err.hint
     assert ec2.describe_key_pairs()["KeyPairs"] == []

@@ -247,11 +247,23 @@ class AWSAPI:
 
     # -- the contract ----------------------------------------------------------------------
     def check(self) -> str:
-        """``account <id>, region <region>`` from STS GetCallerIdentity.
+        """``account <id>, region <region>`` from STS GetCallerIdentity, and whether the
+        caller may use IAM for clusters' storage identities (a listing of the roles made for
+        clusters: refused means ``hyper up`` of a recipe with ``s3://`` buckets would stop,
+        unless it names ``cluster.iam_role``).
         Raises CredentialsError (with how to configure them) or CloudError."""
         with aws_errors("checking the credentials"):
             ident = self.client("sts").get_caller_identity()
-        return f"account {ident['Account']}, region {self.region}"
+        line = f"account {ident['Account']}, region {self.region}"
+        try:
+            with aws_errors("listing the clusters' instance profiles"):
+                self.iam.list_instance_profiles(PathPrefix=IAM_PATH, MaxItems=1)
+        except CredentialsError as e:
+            if "AccessDenied" not in str(e):
+                raise
+            return (line + "; storage identities: IAM refused (iam:ListInstanceProfiles), "
+                    "so recipes with s3:// buckets need cluster.iam_role")
+        return line + "; storage identities: IAM usable"
 
     def prepare(self, spec: CloudSpec, ssh_public_key: str) -> dict:
         """Make or find, idempotently, the key pair and the security group of
