@@ -4,8 +4,9 @@ credentials.html): a session token from ``PUT /latest/api/token`` (header
 ``X-aws-ec2-metadata-token-ttl-seconds``), then, with that token in
 ``X-aws-ec2-metadata-token``, ``GET /latest/meta-data/iam/security-credentials/`` (the role's
 name) and ``.../<role>`` (the credentials JSON). A request without a valid token is answered
-401, as with ``HttpTokens: required``. Runs in a thread on loopback; every request is kept in
-``requests`` as (method, path, had a valid token).
+401, as with ``HttpTokens: required``. Runs in a thread (on loopback, or on the SSH test hosts'
+bridge address ``10.213.0.1``); every request is kept in ``requests`` as (method, path, had a
+valid token, client address).
 
     with IMDS("hyper-c1", credentials) as imds:   # credentials: STS's Credentials dict
         env["AWS_EC2_METADATA_SERVICE_ENDPOINT"] = imds.endpoint
@@ -23,7 +24,7 @@ class IMDS:
     """The stand-in (module docstring). ``credentials``: ``AccessKeyId``,
     ``SecretAccessKey``, ``SessionToken`` and ``Expiration`` (a datetime or ISO text)."""
 
-    def __init__(self, role: str, credentials: dict):
+    def __init__(self, role: str, credentials: dict, host: str = "127.0.0.1"):
         self.role, self.tokens, self.requests = role, set(), []
         exp = credentials["Expiration"]
         self.document = json.dumps({
@@ -48,7 +49,7 @@ class IMDS:
             def do_PUT(self):
                 ok = self.path == "/latest/api/token" and \
                     self.headers.get("X-aws-ec2-metadata-token-ttl-seconds")
-                imds.requests.append(("PUT", self.path, False))
+                imds.requests.append(("PUT", self.path, False, self.client_address[0]))
                 if not ok:
                     return self._send(400)
                 token = secrets.token_urlsafe(16)
@@ -57,7 +58,7 @@ class IMDS:
 
             def do_GET(self):
                 valid = self.headers.get("X-aws-ec2-metadata-token") in imds.tokens
-                imds.requests.append(("GET", self.path, valid))
+                imds.requests.append(("GET", self.path, valid, self.client_address[0]))
                 if not valid:
                     return self._send(401)
                 base = "/latest/meta-data/iam/security-credentials/"
@@ -67,8 +68,8 @@ class IMDS:
                     return self._send(200, imds.document)
                 self._send(404)
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}/"
+        self.server = ThreadingHTTPServer((host, 0), Handler)
+        self.endpoint = f"http://{host}:{self.server.server_address[1]}/"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
     def __enter__(self) -> "IMDS":

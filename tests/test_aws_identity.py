@@ -209,8 +209,9 @@ def test_a_node_reads_its_dataset_and_writes_its_outputs_with_the_roles_credenti
     # IMDSv2: a token first, then only requests that carry it
     assert imds.requests[0][:2] == ("PUT", "/latest/api/token")
     gets = [r for r in imds.requests if r[0] == "GET"]
-    assert gets and all(valid for _, _, valid in gets)
-    assert ("GET", "/latest/meta-data/iam/security-credentials/hyper-c1", True) in gets
+    assert gets and all(valid for _, _, valid, _ in gets)
+    assert ("GET", "/latest/meta-data/iam/security-credentials/hyper-c1", True, "127.0.0.1") \
+        in gets
 
 
 def test_a_later_recipe_on_an_up_cluster_widens_its_role(ec2, hyper_home):

@@ -1,7 +1,14 @@
 """End to end on a cloud: `hyper up → run → down` with the aws provider against moto's EC2 API
 (moto_server on loopback), where the instances' SSH addresses are SSH test hosts booted by
 tests/cloudhosts.py. A spot interruption is injected mid-run the way it happens: the instance is
-terminated in the cloud and its host dies."""
+terminated in the cloud and its host dies.
+
+The spot test's recipe has ``storage: s3://`` and a ``chunks+s3://`` mount on an S3 server the
+hosts reach; the nodes have no credentials of their own but those an IMDSv2 stand-in serves
+for the cluster's role (tests/imds.py), found through the node's boto3 configuration as on an
+instance. moto's authorisation checks are off here: its server rejects the signatures of
+listings with a ``/`` in their prefix, which every mount and push makes; the role's policy is
+enforced in tests/test_aws_identity.py."""
 
 from __future__ import annotations
 
@@ -18,23 +25,46 @@ pytestmark = pytest.mark.slow
 
 
 def test_up_run_spot_interruption_and_down_on_aws(aws, ssh_hosts, tmp_path, hyper_home,
-                                                  hyper):
+                                                  hyper, monkeypatch):
+    import boto3
+
+    from hypercli.mount import pack
     from hypercli.scheduler import Scheduler
     from hypercli.state import State
     from hypercli.workflows import prepare_run
+    from imds import IMDS
+    from s3server import S3Server
     from test_ssh import assert_one_success_each
     hosts = ssh_hosts.start(3)
+    if hosts[0].run("python3 -c 'import boto3'").returncode != 0:
+        pytest.skip("the hosts' python3 has no boto3 (Debian: python3-boto3)")
+    store = S3Server(host="10.213.0.1").start()  # the bridge address: the hosts reach it
+    imds = IMDS("hyper-spotjob", {"AccessKeyId": "ASIAE2ENODE", "SecretAccessKey": "node",
+                                  "SessionToken": "node-session",
+                                  "Expiration": "2099-01-01T00:00:00Z"},
+                host="10.213.0.1").__enter__()
+    monkeypatch.setenv("HYPER_S3_ENDPOINT_URL", store.endpoint)
+    for h in hosts:  # where an instance's boto3 finds its metadata service (169.254.169.254)
+        h.run(f"mkdir -p ~/.aws && printf '[default]\\nec2_metadata_service_endpoint = "
+              f"{imds.endpoint}\\n' > ~/.aws/config && rm -f ~/.aws/credentials", check=True)
+    store.make_bucket("spotdata")
+    (tmp_path / "ds").mkdir()
+    for i in range(1, 7):
+        (tmp_path / "ds" / f"x{i}").write_text(f"value {i * i}\n")
+    pack.push(tmp_path / "ds", "s3://spotdata/ds")
     booter = Booter(aws, hosts, tmp_path / "addresses.json")
     booter.start()
     image = aws.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
     recipe = {
         "name": "spotjob",
+        "storage": "s3://spotdata/runs",
+        "mounts": {"/data": "chunks+s3://spotdata/ds"},
         "cluster": {"provider": "aws", "region": REGION, "zone": [f"{REGION}a"],
                     "instance_type": "m5.large", "workers": 2, "image": image,
                     "ssh_cidr": "10.213.0.0/24"},
         "experiments": {"work": {
             "parameters": {"i": [1, 2, 3, 4, 5, 6]}, "retries": 2,
-            "command": 'sleep 1.5; echo {{i}} > "$HYPER_OUTPUT/v"'}}}
+            "command": 'sleep 1.5; cat /data/x{{i}} > "$HYPER_OUTPUT/v"'}}}
     path = tmp_path / "spotjob.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     try:
@@ -44,6 +74,11 @@ def test_up_run_spot_interruption_and_down_on_aws(aws, ssh_hosts, tmp_path, hype
         nodes = State().nodes("spotjob", status="up")
         assert {n["info"]["spot"] for n in nodes} == {True}
         assert all(n["provider_id"].startswith("i-") for n in nodes)
+        for n in nodes:  # launched with the cluster's role and IMDSv2 only
+            inst = aws.describe_instances(InstanceIds=[n["provider_id"]])["Reservations"][0][
+                "Instances"][0]
+            assert inst["IamInstanceProfile"]["Arn"].endswith("/hyper-spotjob")
+            assert inst["MetadataOptions"]["HttpTokens"] == "required"
         # the host key was pinned before the first contact: no trust-on-first-use
         pinned = (hyper_home / "known_hosts" / "spotjob").read_text()
         assert all(h.ip in pinned for h in booter.booted.values() if h)
@@ -78,14 +113,31 @@ def test_up_run_spot_interruption_and_down_on_aws(aws, ssh_hosts, tmp_path, hype
         used = {a["node"] for a in state.attempts(wid) if a["status"] == "succeeded"}
         assert replacement in used  # ... and took work
         assert not booter.errors, booter.errors
+        # each task read its file from the mount and its output was pushed from its node
+        for t in state.tasks(wid):
+            i = t["params"]["i"]
+            got = pack.pull(f"s3://spotdata/runs/{wid}/{t['id']}", tmp_path / "got" / t["id"])
+            assert got is not None
+            assert (tmp_path / "got" / t["id"] / "v").read_text() == f"value {i * i}\n"
+        # the nodes' boto3 found the role's credentials through IMDSv2: a token first
+        from_nodes = [r for r in imds.requests if r[3] != "127.0.0.1"]
+        assert {r[3] for r in from_nodes} >= {h.ip for h in booter.booted.values() if h}
+        assert ("PUT", "/latest/api/token") in [r[:2] for r in from_nodes]
+        assert all(r[2] for r in from_nodes if r[0] == "GET")
 
         r = hyper("down", "spotjob", timeout=120)
         assert r.returncode == 0, r.stdout + r.stderr
         assert "removed instance" in r.stdout and "security_group" in r.stdout
         assert tagged_left(aws, "spotjob") == []
+        iam = boto3.client("iam", region_name=REGION,
+                           endpoint_url=aws.meta.endpoint_url)
+        assert iam.list_roles(PathPrefix="/hyper/")["Roles"] == []
+        assert iam.list_instance_profiles(PathPrefix="/hyper/")["InstanceProfiles"] == []
     finally:
         booter.stopping.set()
         booter.join(10)
+        imds.__exit__(None, None, None)
+        store.stop()
 
 
 def test_dry_run_prices_then_gc_after_the_state_file_is_deleted(aws, ssh_hosts, tmp_path,
