@@ -4,6 +4,8 @@ Manager stand-in (:class:`azurefake.ArmFake` serves them), with ARM's paths and 
 * ``.../resourceGroups/G/providers/Microsoft.ManagedIdentity/userAssignedIdentities[/N]``:
   PUT (answers at once with ``properties.principalId`` / ``clientId``), GET, list; kept with
   the group's resources, so deleting the group deletes it;
+* ``/subscriptions/S/providers/Microsoft.Authorization/permissions``: the caller's actions
+  (``*`` but ``deny``);
 * ``/subscriptions/S/providers/Microsoft.Storage/storageAccounts``: the accounts added with
   :meth:`IdentityFake.add_account`;
 * ``{scope}/providers/Microsoft.Authorization/roleAssignments/{uuid}``: PUT (the role must be
@@ -92,6 +94,9 @@ class IdentityFake:
             return 200, {"value": [{"id": i, "name": n, "type":
                                     "Microsoft.Storage/storageAccounts", "location": "eastus"}
                                    for n, i in self.accounts.items()]}, {}
+        if low == f"{sub}/providers/microsoft.authorization/permissions":
+            return 200, {"value": [{"actions": ["*"], "notActions": sorted(self.deny),
+                                    "dataActions": [], "notDataActions": []}]}, {}
         if low == f"{sub}/providers/microsoft.authorization/roleassignments":
             m = re.fullmatch(r"principalId eq '([^']*)'", (q.get("$filter") or "").strip())
             if not m:

@@ -7,6 +7,8 @@ shapes:
   delete;
 * ``/compute/v1/projects/{p}/zones/{z}/instances/{name}/setIamPolicy`` (kept in
   ``instance_policies``);
+* ``/v1/projects/{p}:testIamPermissions`` (Resource Manager): the asked permissions that
+  are not in ``deny``;
 * ``/storage/v1/b/{bucket}/iam``: getIamPolicy (``optionsRequestedPolicyVersion``; a policy
   with conditions asked below version 3 is refused, HTTP 400) and setIamPolicy (the etag
   must match, else 412; a binding with a condition needs ``version: 3``; conditional
@@ -114,6 +116,9 @@ class IAMFake:
         m = re.fullmatch(r"/storage/v1/b/([^/]+)/iam", path)
         if m:
             return self._policy(method, m[1], query, body)
+        if path == f"/v1/projects/{self.project}:testIamPermissions" and method == "POST":
+            return 200, {"permissions": [x for x in body.get("permissions", [])
+                                         if x not in self.deny]}
         return None
 
     def _accounts(self, method, email, query, body):

@@ -306,7 +306,13 @@ def test_missing_subscription(fake, monkeypatch):
         AzureAPI(None, "eastus", credential=Token()).check()
     assert "AZURE_SUBSCRIPTION_ID" in e.value.hint
     monkeypatch.setenv("AZURE_SUBSCRIPTION_ID", "sub-1")
-    assert AzureAPI(None, "eastus", credential=Token()).check().startswith("subscription sub-1")
+    api = AzureAPI(None, "eastus", credential=Token())
+    said = api.check()
+    assert said.startswith("subscription sub-1") and said.endswith("storage identities: allowed")
+    fake.deny.add("Microsoft.Authorization/roleAssignments/write")  # as up would be refused
+    said = api.check()
+    assert "missing Microsoft.Authorization/roleAssignments/write" in said
+    assert "cluster.identity" in said
 
 
 def test_image_lookup(fake):

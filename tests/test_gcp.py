@@ -282,7 +282,12 @@ def test_permission_denied_is_a_credentials_error(fake):
 def test_project_from_the_environment_or_a_clear_error(fake, monkeypatch):
     monkeypatch.setenv("GOOGLE_CLOUD_PROJECT", "proj")
     api = GCPAPI(None, "us-central1", credentials=AnonymousCredentials())
-    assert api.check() == "project proj, region us-central1 (3 zones)"
+    assert api.check() == ("project proj, region us-central1 (3 zones); "
+                           "storage identities: allowed")
+    fake.deny.add("iam.serviceAccounts.create")  # hyper check says what up would need
+    said = api.check()
+    assert "missing iam.serviceAccounts.create" in said and "cluster.service_account" in said
+    fake.deny.discard("iam.serviceAccounts.create")
     monkeypatch.delenv("GOOGLE_CLOUD_PROJECT")
     with pytest.raises(CredentialsError, match="no Google Cloud project") as e:
         GCPAPI(None, "us-central1", credentials=AnonymousCredentials()).check()

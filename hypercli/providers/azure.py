@@ -114,6 +114,9 @@ VM_CONTRIBUTOR = "9980e02c-c2be-4d73-94e8-173b1dc7cf3c"
 BLOB_READER, BLOB_CONTRIBUTOR = ("2a2b9908-6ea1-4ae2-8e65-a410df84e7d1",
                                  "ba92f5b4-2d11-453d-a403-e96b0029c9fe")
 AUTH_API, MSI_API, STORAGE_API = "2022-04-01", "2023-01-31", "2023-01-01"
+#: what making a cluster's storage identity asks of the caller
+IDENTITY_ACTIONS = ("Microsoft.ManagedIdentity/userAssignedIdentities/write",
+                    "Microsoft.Authorization/roleAssignments/write")
 IDENTITY_HINT = ("or name an existing user-assigned managed identity that may use the "
                  "containers: cluster.identity: /subscriptions/S/resourceGroups/G/providers/"
                  "Microsoft.ManagedIdentity/userAssignedIdentities/NAME")
@@ -282,10 +285,34 @@ class AzureAPI:
 
     # -- the contract --------------------------------------------------------------------------
     def check(self) -> str:
-        """``subscription S, region R (N hyper resource groups)``. Raises CredentialsError."""
+        """``subscription S, region R (N hyper resource groups)`` and whether the caller may
+        make clusters' storage identities (:meth:`identity_check`). Raises CredentialsError."""
         n = len(self._groups(None))
         return f"subscription {self.subscription}, region {self.region or '?'} " \
-               f"({n} hyper resource groups)"
+               f"({n} hyper resource groups); {self.identity_check()}"
+
+    def identity_check(self) -> str:
+        """Whether the caller's actions in the subscription (ARM ``Microsoft.Authorization/
+        permissions``: actions minus notActions, with ``*`` wildcards) include
+        :data:`IDENTITY_ACTIONS`, as one line for ``hyper check``. Raises CredentialsError."""
+        import fnmatch
+        try:
+            rows = self._arm("GET", f"/subscriptions/{self.subscription}/providers/"
+                             "Microsoft.Authorization/permissions?api-version=2022-04-01",
+                             "listing the caller's permissions").get("value", [])
+        except CloudError as e:
+            return f"storage identities: not known ({e})"
+
+        def allowed(action: str) -> bool:
+            def hit(patterns):
+                return any(fnmatch.fnmatchcase(action.lower(), x.lower()) for x in patterns)
+            return any(hit(r.get("actions") or []) and not hit(r.get("notActions") or [])
+                       for r in rows)
+        missing = [a for a in IDENTITY_ACTIONS if not allowed(a)]
+        if not missing:
+            return "storage identities: allowed"
+        return (f"storage identities: missing {', '.join(missing)}, so recipes with az:// "
+                "containers need cluster.identity")
 
     def prepare(self, spec: CloudSpec, ssh_public_key: str) -> dict:
         """Create or update the group, network security group and virtual network (module

@@ -111,6 +111,8 @@ IAM_URL, STORAGE_URL = "https://iam.googleapis.com", "https://storage.googleapis
 READ_ROLE, WRITE_ROLE = "roles/storage.objectViewer", "roles/storage.objectUser"
 #: the cluster service account's role on each of its own instances (idle self-deletion)
 INSTANCE_ROLE = "roles/compute.instanceAdmin.v1"
+#: what making a cluster's service account asks of the caller, project-wide
+IDENTITY_PERMISSIONS = ("iam.serviceAccounts.create", "iam.serviceAccounts.actAs")
 IDENTITY_HINT = ("or name an existing service account that may use the buckets in the "
                  "recipe: cluster.service_account: NAME@PROJECT.iam.gserviceaccount.com")
 #: operation error codes (cloud.google.com/compute/docs/troubleshooting/troubleshooting-vm-creation)
@@ -376,10 +378,32 @@ class GCPAPI:
         project when no region is set). Raises CredentialsError, UsageError, CloudError."""
         if self.region:
             zones = self._region_zones()
-            return f"project {self.project}, region {self.region} ({len(zones)} zones)"
-        with _calls("reading the project"):
-            self._client(compute_v1.ProjectsClient).get(project=self.project)
-        return f"project {self.project}, no region set"
+            line = f"project {self.project}, region {self.region} ({len(zones)} zones)"
+        else:
+            with _calls("reading the project"):
+                self._client(compute_v1.ProjectsClient).get(project=self.project)
+            line = f"project {self.project}, no region set"
+        return f"{line}; {self.identity_check()}"
+
+    def identity_check(self) -> str:
+        """Whether the caller may make clusters' service accounts (Resource Manager
+        ``projects.testIamPermissions`` of :data:`IDENTITY_PERMISSIONS`), as one line for
+        ``hyper check``: ``storage identities: allowed`` or what is missing and what to do.
+        Bucket policies (``storage.buckets.setIamPolicy``) are per bucket: ``hyper up``
+        checks those. Raises CredentialsError."""
+        url = (f"{self._base('https://cloudresourcemanager.googleapis.com')}/v1/projects/"
+               f"{self.project}:testIamPermissions")
+        try:
+            have = set(self._rest("POST", url, "testing the caller's IAM permissions",
+                                  {"permissions": list(IDENTITY_PERMISSIONS)})
+                       .get("permissions") or [])
+        except CloudError as e:
+            return f"storage identities: not known ({e})"
+        missing = [x for x in IDENTITY_PERMISSIONS if x not in have]
+        if not missing:
+            return "storage identities: allowed"
+        return (f"storage identities: missing {', '.join(missing)}, so recipes with gs:// "
+                "buckets need cluster.service_account")
 
     def prepare(self, spec: CloudSpec, ssh_public_key: str) -> dict:
         """Make (or find, or correct) the cluster's two firewall rules (module docstring):
