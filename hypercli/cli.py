@@ -762,6 +762,10 @@ from hypercli.cli_cluster import exec_, ssh, ssh_config  # noqa: E402  (hyper ex
 for _command in (exec_, ssh, ssh_config):
     cli.add_command(_command)
 
+from hypercli.cli_ui import ui  # noqa: E402  (hyper ui)
+
+cli.add_command(ui)
+
 from hypercli.cli_usage import stats, top  # noqa: E402  (hyper top/stats)
 
 for _command in (top, stats):
