@@ -185,9 +185,9 @@ def test_gpu_standin_for_the_local_provider(tmp_path, monkeypatch):
     assert not set(subprocess.run([str(other), "-L"], capture_output=True, text=True).stdout
                    .split()) & {r[3] + ")" for r in got}
     # errors as the real tool's: message on stdout, exit status 2 (6: no such GPU)
-    p = smi("--query-gpu=index,power.draw", "--format=csv,noheader,nounits")
+    p = smi("--query-gpu=index,clocks.no_such", "--format=csv,noheader,nounits")
     assert (p.returncode, p.stdout) == (
-        2, 'Field "power.draw" is not a valid field to query.\n\n')
+        2, 'Field "clocks.no_such" is not a valid field to query.\n\n')
     for bad in (["--query-gpu=index"], ["--format=csv"], ["-L", "--format=csv"],
                 ["--query-gpu=index", "--format=xml"]):
         p = smi(*bad)
