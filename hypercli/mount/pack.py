@@ -593,7 +593,7 @@ def _write_file(dest: Path, e: Entry, segs, fetcher: _Fetcher, url: str) -> int:
             os.fchmod(out.fileno(), e.mode & 0o1777)  # setuid/setgid are not restored
         if h.hexdigest() != e.sha256:
             raise DatasetError(f"{url}: {e.path!r} has the wrong sha256 after pulling")
-        os.utime(tmp, ns=(time.time_ns(), int(e.mtime * 1e9)))
+        os.utime(tmp, ns=(time.time_ns(), round(e.mtime * 1e9)))
         os.replace(tmp, dest)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -662,7 +662,7 @@ def pull(url: str, dest_dir: str | os.PathLike, *, jobs: int = 16, path_prefix: 
                     if os.path.lexists(dest):
                         dest.unlink()  # a file or link; a folder there is an error
                     os.symlink(e.target, dest)
-                    os.utime(dest, ns=(time.time_ns(), int(e.mtime * 1e9)),
+                    os.utime(dest, ns=(time.time_ns(), round(e.mtime * 1e9)),
                              follow_symlinks=False)
                 else:
                     done += _write_file(dest, e, segs[e.path], fetcher, url)
@@ -675,7 +675,7 @@ def pull(url: str, dest_dir: str | os.PathLike, *, jobs: int = 16, path_prefix: 
             fetcher.close()
     for dest, e in reversed(made):  # deepest first, after their contents
         os.chmod(dest, e.mode & 0o1777)
-        os.utime(dest, ns=(time.time_ns(), int(e.mtime * 1e9)))
+        os.utime(dest, ns=(time.time_ns(), round(e.mtime * 1e9)))
     return PullReport(files=counts["f"], dirs=counts["d"] - (not prefix), symlinks=counts["l"],
                       bytes=done, chunks=len(order), seconds=time.monotonic() - t0)
 
