@@ -17,6 +17,8 @@ Rules:
   * A multi-node task of N ranks is placed all at once on N distinct nodes, or not at all.
   * The rendezvous port of a multi-node attempt is the lowest port from :data:`BASE_PORT` not
     claimed by another live attempt of its rank-0 node (torch.distributed's default, 29500).
+    An ``engine:`` attempt claims :data:`ENGINE_PORTS` consecutive ports there the same way
+    (its master's port, web UI, ...).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 BASE_PORT = 29500  #: torch.distributed's default MASTER_PORT (pytorch.org, torchrun docs)
+ENGINE_PORTS = 2  #: ports an engine's master needs at once (hypercli/node/engine.py lists them)
 EPS = 1e-9  # fractional CPUs are summed as floats
 
 
@@ -83,9 +86,10 @@ class Free:
         t = (need.get("gpu_type") or "").lower()
         return sorted(i for i, name in self.gpus.items() if t in name.lower())
 
-    def take(self, need: dict, port: bool = False) -> dict:
-        """Claim ``need`` here (it must fit); returns the claim ``{"cpus", "memory", "gpus":
-        [indexes], "port"?}``."""
+    def take(self, need: dict, port: int = 0) -> dict:
+        """Claim ``need`` here (it must fit), and ``port`` consecutive ports when > 0 (True
+        counts as 1); returns the claim ``{"cpus", "memory", "gpus": [indexes], "port"?: the
+        first port, "ports"?: how many when more than 1}``."""
         gpus = self._gpus(need)[:need.get("gpus", 0)]
         for i in gpus:
             del self.gpus[i]
@@ -95,11 +99,14 @@ class Free:
             self.memory -= need.get("memory", 0)
         claim = {"cpus": need.get("cpus", 1), "memory": need.get("memory", 0), "gpus": gpus}
         if port:
+            n = int(port)
             p = BASE_PORT
-            while p in self.ports:
+            while any(q in self.ports for q in range(p, p + n)):
                 p += 1
-            self.ports.add(p)
+            self.ports.update(range(p, p + n))
             claim["port"] = p
+            if n > 1:
+                claim["ports"] = n
         return claim
 
 def free_of(node: dict, claims: list[dict]) -> Free:
@@ -122,7 +129,7 @@ def free_of(node: dict, claims: list[dict]) -> Free:
         for i in c.get("gpus") or ():
             f.gpus.pop(i, None)
         if c.get("port"):
-            f.ports.add(c["port"])
+            f.ports.update(range(c["port"], c["port"] + (c.get("ports") or 1)))
     return f
 
 

@@ -41,7 +41,7 @@ PACKER_DIR = Path(__file__).resolve().parent.parent / "images" / "packer"
 #: provider → the template's source for ``packer build -only=``
 SOURCES = {"aws": "amazon-ebs.node", "gcp": "googlecompute.node", "azure": "azure-arm.node"}
 #: steps of ``provision.sh`` that download (left out by ``--offline``)
-DOWNLOAD_STEPS = ("base", "docker", "nvidia", "goofys", "prepull")
+DOWNLOAD_STEPS = ("base", "docker", "nvidia", "goofys", "prepull", "engines")
 #: variables that :func:`build` sets itself
 OWN_VARIABLES = ("hyper_version", "variant", "stamp", "bundle")
 PACKER_HINT = ("apt-get install packer (Debian, Ubuntu), or download it from "

@@ -51,6 +51,7 @@ class ExperimentPlan:
         tasks: number of tasks the experiment has.
         resources: what each task (each rank) needs of a node, ``Resources.as_dict()``.
         checkpoint_every: seconds between saves of ``HYPER_CHECKPOINT`` while a task runs.
+        engine: ``"spark"`` or ``"ray"`` started across each task's nodes, or None.
     """
 
     name: str
@@ -61,6 +62,7 @@ class ExperimentPlan:
     tasks: int
     resources: dict
     checkpoint_every: float = 60.0
+    engine: str | None = None
 
 
 @dataclass(frozen=True)
@@ -128,10 +130,12 @@ def build_plan(recipe: Recipe, shards: dict | None = None) -> Workflow:
         res = exp.resources.as_dict()
         experiments.append(ExperimentPlan(name, tuple(exp.after), exp.retries, exp.image,
                                           exp.workers, len(exp_tasks), res,
-                                          exp.checkpoint_every))
+                                          exp.checkpoint_every, exp.engine))
         settings = [name, list(exp.after), exp.retries, exp.image, exp.workers]
         if exp.resources != Resources():  # default resources keep older workflows' digests
             settings.append(res)
+        if exp.engine:
+            settings.append({"engine": exp.engine})
         h.update(json.dumps(settings, sort_keys=True).encode())
         plan = (shards or {}).get(name)
         if plan is not None:

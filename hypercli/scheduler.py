@@ -20,8 +20,9 @@ Rules (paper section III-D for the re-run of lost work):
     nodes. A rank that fails or is lost stops the others; the attempt ends when its last rank
     has, and counts as one success (every rank exited 0) or one failure.
   * An attempt its node *refused* (a container task where the container runtime does not
-    work) uses no retry: the task goes back to the queue and that node gets no more container
-    tasks; when no node is left that could hold a ready task, the run ends (InfraError).
+    work; an ``engine:`` task where the engine is not installed) uses no retry: the task goes
+    back to the queue and that node gets no more tasks that need what it lacks; when no node
+    is left that could hold a ready task, the run ends (InfraError, naming what is missing).
   * A failed attempt (exit code ≠ 0) or a lost one (its node, or the agent that started it, died)
     gives the task a new attempt with the same arguments while failed + lost attempts ≤
     ``retries``.
@@ -61,8 +62,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from hypercli import usage
-from hypercli.capacity import free_of, never_fits, place_gang, shortfall
+from hypercli.capacity import ENGINE_PORTS, free_of, never_fits, place_gang, shortfall
 from hypercli.errors import HyperError, InfraError, NodeError
+from hypercli.node.client import engine_source
 from hypercli.state import LIVE_ATTEMPT, TERMINAL_TASK, State
 
 POLL_WAIT = 1.0  # s a node's long poll waits for an attempt to end (cut short by new work)
@@ -379,8 +381,9 @@ class Scheduler:
         #: "cause_text", "metrics": rank 0's}; a task of one node is a gang of one
         self.gangs: dict[tuple, dict] = {}
         self.waits: dict[str, str | None] = {}  # task → why it waits, as recorded
-        #: node → why its container runtime fails: it gets no more container tasks
-        self.no_containers: dict[str, str] = {}
+        #: node → {what it lacks ("containers", "spark", "ray") → why}: it gets no more tasks
+        #: that need it (the agent refused one)
+        self.lacking: dict[str, dict[str, str]] = {}
         self.shard_plans: dict[str, dict | None] = {}  # experiment → its shard plan
         self.failures: dict[str, int] = {}
         self.count: dict[str, dict[str, int]] = {e: {} for e in self.exps}
@@ -534,6 +537,12 @@ class Scheduler:
             k = int(task["params"][shards["param"]])
             b = shards["bounds"]
             files["HYPER_SHARD_FILES"] = "".join(p + "\n" for p in shards["files"][b[k]:b[k + 1]])
+        if exp.get("engine"):
+            ips = [self._address(n) for n in (g["nodes"] if g else [node])]
+            env.update({"HYPER_ENGINE_PORT": str(g["port"]), "HYPER_NODE_IP": ips[rank],
+                        "HYPER_MASTER_ADDR": ips[0]})
+            if claim.get("memory"):
+                env["HYPER_MEMORY"] = str(int(claim["memory"]))
         if size > 1:
             ips = [self._address(n) for n in g["nodes"]]
             port = str(g["port"])
@@ -549,6 +558,8 @@ class Scheduler:
                 "checkpoint_every": exp.get("checkpoint_every") or 60}
         if files:
             spec["files"] = files
+        if exp.get("engine"):
+            spec["engine"] = {"kind": exp["engine"], "source": engine_source()}
         if size > 1:
             spec["bind_address"] = env["HYPER_NODE_IP"]
         if claim.get("memory"):
@@ -586,9 +597,15 @@ class Scheduler:
     def _usable(self, name: str, free: dict) -> dict:
         """The nodes of ``free`` that can run experiment ``name`` (a container experiment
         skips nodes whose container runtime failed). The values are shared, not copied."""
-        if not self.exps[name]["image"] or not self.no_containers:
+        needs = self._needs(name)
+        if not needs or not self.lacking:
             return free
-        return {n: f for n, f in free.items() if n not in self.no_containers}
+        return {n: f for n, f in free.items() if not needs & self.lacking.get(n, {}).keys()}
+
+    def _needs(self, name: str) -> set:
+        """What experiment ``name`` needs of a node beyond capacity: "containers", its engine."""
+        exp = self.exps[name]
+        return {k for k in ("containers" if exp["image"] else None, exp.get("engine")) if k}
 
     def _dispatch(self) -> None:
         ready = []
@@ -639,7 +656,9 @@ class Scheduler:
             self.waits.pop(task["id"], None)  # start_attempts clears it in the state file
             number = task["attempts"] + 1
             gang = len(nodes) > 1
-            claims = [free[n].take(need, port=gang and r == 0) for r, n in enumerate(nodes)]
+            ports = ENGINE_PORTS if exp.get("engine") else int(gang)
+            claims = [free[n].take(need, port=ports if r == 0 else 0)
+                      for r, n in enumerate(nodes)]
             self.gangs[(task["id"], number)] = self._new_gang(nodes, claims[0].get("port"))
             self._set(task, "running")
             task["attempts"] = number
@@ -799,9 +818,11 @@ class Scheduler:
                             "lost; result discarded" % st.get("code"))
                     att_upd.append({"id": aid, "error": note})
                 continue
-            if st["state"] == "refused" and node not in self.no_containers:
-                self.no_containers[node] = st.get("error") or "refused"
-                self.state.event("node", f"no container tasks here any more: {st.get('error')}",
+            lacks = st.get("lacks") or "containers"
+            if st["state"] == "refused" and lacks not in self.lacking.get(node, {}):
+                self.lacking.setdefault(node, {})[lacks] = st.get("error") or "refused"
+                what = "container" if lacks == "containers" else lacks
+                self.state.event("node", f"no {what} tasks here any more: {st.get('error')}",
                                  workflow=self.wid, node=node)
             if st["state"] == "running":
                 if a["status"] == "launching":
@@ -848,9 +869,13 @@ class Scheduler:
                 free = free or self._free()
                 why = never_fits(self.exps[name].get("resources") or {},
                                  self._usable(name, free))
-                if why and self.exps[name]["image"] and self.no_containers:
-                    why = "it runs in a container and no node left can run one: " + "; ".join(
-                        f"{n}: {e}" for n, e in sorted(self.no_containers.items()))
+                lacked = sorted((n, k, e) for n, ks in self.lacking.items()
+                                for k, e in ks.items() if k in self._needs(name))
+                if why and lacked:
+                    need = ("runs in a container" if lacked[0][1] == "containers"
+                            else f"needs the {lacked[0][1]} engine")
+                    why = f"it {need} and too few nodes left have it: " + "; ".join(
+                        f"{n}: {e}" for n, _, e in lacked)
                 if why and not self.state.claims(self.up):
                     raise InfraError(f"experiment {name} cannot run on the nodes left: {why}",
                                      "`hyper status` shows the nodes; `hyper run` again "

@@ -129,6 +129,12 @@ def m006_samples(db: sqlite3.Connection) -> None:
     """)
 
 
+@migration
+def m007_engine(db: sqlite3.Connection) -> None:
+    """``experiments.engine``: ``spark`` or ``ray`` started across each task's nodes, or NULL."""
+    db.execute("ALTER TABLE experiments ADD COLUMN engine TEXT")
+
+
 def _script(db: sqlite3.Connection, sql: str) -> None:
     """Run ``;``-separated statements inside the caller's transaction (``executescript``
     would commit it)."""
@@ -345,10 +351,10 @@ class State:
                        (wid, wf.name, seq, cluster, recipe_path, wf.digest, storage, workdir,
                         "running", now, _dumps(spec or {})))
             db.executemany("INSERT INTO experiments (workflow, name, position, after, retries,"
-                           " image, workers, resources, checkpoint_every) VALUES "
-                           "(?,?,?,?,?,?,?,?,?)",
+                           " image, workers, resources, checkpoint_every, engine) VALUES "
+                           "(?,?,?,?,?,?,?,?,?,?)",
                            [(wid, e.name, i, _dumps(list(e.after)), e.retries, e.image,
-                             e.workers, _dumps(e.resources), e.checkpoint_every)
+                             e.workers, _dumps(e.resources), e.checkpoint_every, e.engine)
                             for i, e in enumerate(wf.experiments)])
             db.executemany("INSERT INTO tasks (workflow, id, experiment, idx, params, command,"
                            " env, status) VALUES (?,?,?,?,?,?,?, 'pending')",

@@ -3,8 +3,9 @@
 # Arguments are passed to pytest. On Debian as root, missing system packages are installed first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-echo "scripts/test.sh: as root on Debian, installs missing system packages with apt-get and Azurite globally with npm (scripts/deps.sh), then hypercli's test extras and PyTorch's CPU build into .venv" >&2
+echo "scripts/test.sh: as root on Debian, installs missing system packages with apt-get and Azurite globally with npm (scripts/deps.sh) and Spark and Ray into /opt/hypercli-engines (scripts/engines.sh), then hypercli's test extras and PyTorch's CPU build into .venv" >&2
 bash scripts/deps.sh
+bash scripts/engines.sh   # Spark and Ray for the engine tests, where the SSH test hosts see them
 python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e '.[test]'

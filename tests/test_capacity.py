@@ -71,6 +71,17 @@ def test_gang_on_distinct_nodes_all_or_nothing_and_its_port():
     assert f.take(need(), port=True)["port"] == BASE_PORT + 2
 
 
+def test_engine_claims_consecutive_ports_that_later_claims_skip():
+    f = free_of(node("x", cpus=8), [{"cpus": 1, "port": BASE_PORT + 1}])
+    c = f.take(need(), port=2)  # BASE_PORT is free, BASE_PORT + 1 is not: both must be
+    assert (c["port"], c["ports"]) == (BASE_PORT + 2, 2)
+    assert f.take(need(), port=True)["port"] == BASE_PORT  # the single one left below
+    g = free_of(node("x", cpus=8), [c])  # as rebuilt from the state file's claims
+    assert g.take(need(), port=True)["port"] == BASE_PORT
+    assert g.take(need(), port=True)["port"] == BASE_PORT + 1
+    assert g.take(need(), port=True)["port"] == BASE_PORT + 4
+
+
 def test_never_fits_names_the_largest_node():
     free = {"s": free_of(node("s", cpus=2), []), "l": free_of(node("l", cpus=4, gpus=2), [])}
     assert never_fits(need(gpus=2), free) is None

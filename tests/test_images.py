@@ -393,13 +393,36 @@ def test_a_config_sshd_refuses_is_put_back(ssh_hosts, tmp_path):
         with pytest.raises(images.InfraError, match="sshd refuses") as e:
             images.provision(conn, skip=("base", "docker", "nvidia", "goofys", "hypercli",
                                          "prepull"), env=HOST_ENV)
-        assert "hyper-provision: prepull: skipped" in str(e.value)  # the step before
+        assert "hyper-provision: engines: skipped" in str(e.value)  # the step before
         assert cfg.read_text() == good + "NoSuchKeyword yes\n"
         assert not (host.root / "etc-ssh" / "sshd_config.d" / "01-hyper.conf").exists()
         cfg.write_text(good)
         lines = images.provision(conn, skip=images.DOWNLOAD_STEPS + ("hypercli",),
                                  env=HOST_ENV)
         assert any(line.startswith("hyper-provision: ssh: changed") for line in lines)
+    finally:
+        conn.close()
+
+
+def test_engines_step_finds_engines_already_there_and_refuses_unknown_ones(ssh_hosts, tmp_path):
+    """The engines step on a host whose PATH has Java and an environment with pyspark and
+    ray (scripts/engines.sh): nothing to install; an unknown engine stops provisioning."""
+    engines = Path(os.environ.get("HYPER_TEST_ENGINES") or "/opt/hypercli-engines")
+    if not (engines / "bin" / "ray").exists() or not shutil.which("java"):
+        if os.environ.get("HYPER_REQUIRE_SSH_HOSTS") == "1":
+            pytest.fail(f"no engines at {engines} (scripts/engines.sh installs them)")
+        pytest.skip(f"no engines at {engines}")
+    [host] = ssh_hosts.start(1)
+    conn = connect(ssh_hosts, host, tmp_path)
+    others = tuple(s for s in images.DOWNLOAD_STEPS + ("hypercli", "ssh") if s != "engines")
+    env = dict(HOST_ENV, PATH=f"{engines}/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+    try:
+        lines = images.provision(conn, skip=others, env=dict(env, HYPER_ENGINES="spark ray"))
+        assert "hyper-provision: engines: unchanged" in lines
+        with pytest.raises(images.InfraError, match="unknown engine 'flink'"):
+            images.provision(conn, skip=others, env=dict(env, HYPER_ENGINES="spark flink"))
+        lines = images.provision(conn, skip=others, env=env)
+        assert "hyper-provision: engines: skipped (HYPER_ENGINES is empty)" in lines
     finally:
         conn.close()
 
@@ -439,7 +462,8 @@ source "null" "host" {{
     assert r.returncode == 0, out + r.stderr
     for line in ("hyper-provision: base: skipped", "hyper-provision: hypercli: skipped",
                  "hyper-provision: nvidia: skipped (variant cpu)",
-                 "hyper-provision: prepull: unchanged", "hyper-provision: ssh: changed"):
+                 "hyper-provision: prepull: unchanged", "hyper-provision: ssh: changed",
+                 "hyper-provision: engines: skipped (HYPER_ENGINES is empty)"):
         assert line in out
     conf = host.root / "etc-ssh" / "sshd_config.d" / "01-hyper.conf"
     assert "PasswordAuthentication no" in conf.read_text()

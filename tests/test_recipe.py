@@ -236,6 +236,17 @@ def test_unknown_key_did_you_mean():
     assert "unknown key 'samles'" in str(e) and "did you mean 'samples'?" in str(e)
 
 
+def test_engine_key():
+    r = parse_recipe(with_experiment("command: x\nengine: ray\nnodes: 3\n"))
+    assert r.experiments["search"].engine == "ray"
+    assert parse_recipe(with_experiment("command: x\n")).experiments["search"].engine is None
+    text = with_experiment("command: x\nengine: sprak\n")
+    e = fail(text)
+    assert "engine must be spark or ray, not 'sprak'" in str(e) and "did you mean 'spark'?" in str(e)
+    assert e.field == "experiments.search.engine" and e.line == line_of(text, "sprak")
+    assert "a string" in str(fail(with_experiment("command: x\nengine: [spark]\n")))
+
+
 def test_unknown_key_lists_valid_keys():
     e = fail("name: n\nzzzzqq: 1\nexperiments: {a: {command: x}}\n")
     assert e.line == 2 and "valid keys: version, name, seed" in str(e)

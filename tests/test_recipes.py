@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -87,6 +89,7 @@ def local_copy(name: str, tmp_path, mount: str, dataset: str) -> "Path":
     recipe["mounts"] = {mount: f"chunks+file://{dataset}"}
     recipe["workdir"] = str(ROOT / "recipes")
     for exp in recipe["experiments"].values():
+        exp["command"] = exp["command"].replace(old_mount, mount)
         for p in (exp.get("parameters") or {}).values():
             if isinstance(p, dict) and p.get("of") == old_mount:
                 p["of"] = mount
@@ -158,3 +161,32 @@ def test_inference_recipe(hyper_home, hyper, tmp_path):
         assert hyper("down", "inference").returncode == 0
     finally:
         unmount(mnt)
+
+
+def test_engine_recipes_featurize_with_spark_and_ray(hyper_home, hyper, tmp_path, monkeypatch):
+    """featurize-spark.yaml and ray-map.yaml on 2 local nodes, with the engines from
+    scripts/engines.sh first on PATH (their python3 has pyspark, ray and scikit-learn): every
+    image featurized once, the same features from both engines."""
+    from test_engines import ENGINES, need_engines
+    need_engines()
+    images, ds, mnt = tmp_path / "images", tmp_path / "dataset", tmp_path / "mnt"
+    subprocess.run([sys.executable, ROOT / "recipes" / "inference" / "make_images.py", images],
+                   check=True, capture_output=True)
+    assert hyper("data", "push", images, f"file://{ds}").returncode == 0
+    monkeypatch.setenv("PATH", f"{ENGINES}/bin:{os.environ['PATH']}")
+    got = {}
+    try:
+        for name in ("featurize-spark", "ray-map"):
+            path = local_copy(name, tmp_path, str(mnt), str(ds))
+            r = hyper("run", path, timeout=300)
+            assert r.returncode == 0, r.stdout + r.stderr
+            out = hyper_home / "storage" / f"{name}-1" / "featurize-0000"
+            got[name] = (out / "features.jsonl").read_text()
+            ranks = State().attempts(f"{name}-1", "featurize-0000")
+            assert sorted(a["rank"] for a in ranks) == [0, 1]
+            assert hyper("down", name).returncode == 0
+    finally:
+        unmount(mnt)
+    files = [json.loads(line)["file"] for line in got["featurize-spark"].splitlines()]
+    assert files == sorted(str(p.relative_to(images)) for p in images.rglob("*.pgm"))
+    assert got["ray-map"] == got["featurize-spark"]

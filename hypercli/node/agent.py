@@ -22,6 +22,15 @@ Attempt folder ``ROOT/tasks/<attempt id>/``::
     <var>          for each ``files: {VAR: text}`` of the launch spec (``hyper_hostfile``):
                    the text, its path in the task's environment as ``VAR``
 
+An attempt with ``engine: {kind, source}`` (a rank of an ``engine: spark|ray`` task) runs the
+task's command under the engine wrapper (``hypercli/node/engine.py``, whose text comes in the
+spec, kept once per content as ``ROOT/engine-<hash>.py``): the agent first checks on the node
+itself that the engine is there (not in a container: the wrapper checks there, exit 3) and
+answers state "refused" with ``lacks: KIND`` and the reason when it is not; it sets
+``HYPER_ENGINE_ATTEMPT`` (the attempt id, which the wrapper puts on the engine's processes as
+``HYPER_ENGINE_ID``) and ``HYPER_ENGINE_DIR`` (the attempt folder), and after the rank ends it
+kills whatever process of the node still carries that mark.
+
 Every file costs: creating one on a VM's ext4 takes ~90 µs here, the biggest part of a
 trivial task's cost on its node, so an attempt makes these and no others.
 
@@ -52,10 +61,10 @@ Requests (``{"id": N, "op": OP, ...}``) and responses (``{"id": N, "ok": true, .
                                     CHECKPOINT_WRAPPER), bind_address (a rank's address:
                                     GLOO_SOCKET_IFNAME and
                                     NCCL_SOCKET_IFNAME are set to its interface),
-                                    limits: {cpus, memory} (container limits)); an attempt
-                                    with an image on a node whose container runtime fails
-                                    ``docker info`` is not started: state "refused" + error;
-                                    with
+                                    limits: {cpus, memory} (container limits), engine (see
+                                    above)); an attempt with an image on a node whose
+                                    container runtime fails ``docker info`` is not started:
+                                    state "refused" + error + lacks "containers"; with
             ids: [id]?, wait: s?    wait > 0 it then waits as ``poll`` does, over the launched
                                     attempts and ``ids``, and answers with all their states
     poll    ids: [id], wait: s    → states: {id: state}; with wait > 0 returns as soon as one of
@@ -544,7 +553,15 @@ class Agent:
         if spec.get("image") and not os.path.isdir(d):
             broken = self.runtime_error()
             if broken:  # a fault of the node, not of the task: nothing is started
-                return {"state": "refused", "error": broken}
+                return {"state": "refused", "error": broken, "lacks": "containers"}
+        engine = spec.get("engine")
+        if engine:
+            spec["engine_path"] = self.engine_file(engine["source"])
+            if not spec.get("image") and not os.path.isdir(d):
+                env = dict(self.base_env, **(spec.get("env") or {}))
+                lacks = self.engine_missing(spec["engine_path"], engine["kind"], env)
+                if lacks:
+                    return {"state": "refused", "error": lacks, "lacks": engine["kind"]}
         try:
             os.mkdir(d)
         except FileExistsError:
@@ -561,6 +578,9 @@ class Agent:
         env = dict(self.base_env)
         env.update(spec.get("env") or {})
         env["HYPER_METRICS"] = os.path.join(d, "metrics.jsonl")
+        if engine:
+            env.update(HYPER_ENGINE=engine["kind"], HYPER_ENGINE_ATTEMPT=attempt_id,
+                       HYPER_ENGINE_DIR=d)
         for var, text in sorted((spec.get("files") or {}).items()):  # e.g. HYPER_HOSTFILE
             path = os.path.join(d, var.lower())
             with open(path, "w") as f:
@@ -596,6 +616,29 @@ class Agent:
                 self.own_cgroups = _memory_cgroups(os.getpid())
             self.sampler.cgroups[attempt_id] = {g: _oom_kills(g) for g in self.own_cgroups}
         return {"state": "running", "cancelled": False, "started": started}
+
+    def engine_file(self, source):
+        """The path of the engine wrapper with text ``source``, written once (atomically)."""
+        data = source.encode()
+        import hashlib
+        path = os.path.join(self.root, "engine-%s.py" % hashlib.sha256(data).hexdigest()[:12])
+        if not os.path.exists(path):
+            tmp = "%s.%d.tmp" % (path, os.getpid())
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.rename(tmp, path)
+        return path
+
+    @staticmethod
+    def engine_missing(path, kind, env):
+        """What engine ``kind`` lacks on this node for a task with environment ``env``
+        (the wrapper's ``--check``), or None."""
+        import subprocess
+        p = subprocess.run([sys.executable, "-I", "-S", path, "--check", kind], env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=60)
+        if p.returncode == 0:
+            return None
+        return p.stdout.decode(errors="replace").strip() or "the %s engine check failed" % kind
 
     def runtime_error(self):
         """None when the container runtime answers ``docker info``, else why not (a missing
@@ -668,6 +711,13 @@ class Agent:
                 ex["oom"] = why
                 _note(child.dir, why)
         self.sampler.forget(child.id)
+        if child.spec.get("engine_path"):  # nothing of the rank's engine outlives it
+            import subprocess
+            try:
+                subprocess.run([sys.executable, "-I", "-S", child.spec["engine_path"],
+                                "--sweep", child.id], timeout=60, stdout=subprocess.DEVNULL)
+            except (OSError, subprocess.TimeoutExpired) as e:
+                _note(child.dir, "cannot stop the engine's processes: %s" % e)
         _write_json(os.path.join(child.dir, "exit"), ex)
         os.close(child.lock)
         self.children.pop(child.id, None)
@@ -1091,8 +1141,9 @@ def _command(d, spec, env):
     """
     shell = "/bin/bash" if os.path.exists("/bin/bash") else "/bin/sh"
     script = os.path.join(d, "script.sh")
+    engine = spec.get("engine_path")
     if not spec.get("image"):
-        return [shell, script]
+        return ([sys.executable, "-I", "-S", engine] if engine else []) + [shell, script]
     docker = shutil.which("docker") or "docker"
     argv = [docker, "run", "--rm", "--name", "hyper-" + spec["id"], "-v", "%s:%s" % (d, d)]
     binds = dict(spec.get("binds") or {})
@@ -1114,9 +1165,14 @@ def _command(d, spec, env):
         argv += ["--cpus", "%g" % limits["cpus"]]
     if limits.get("memory"):
         argv += ["--memory", "%d" % limits["memory"]]
-    for k in sorted(spec.get("env") or {}) + ["HYPER_METRICS"] + sorted(spec.get("files") or {}):
+    if engine:
+        argv += ["-v", "%s:%s:ro" % (engine, engine)]
+    names = sorted(spec.get("env") or {}) + ["HYPER_METRICS"] + sorted(spec.get("files") or {})
+    if engine:
+        names += ["HYPER_ENGINE", "HYPER_ENGINE_ATTEMPT", "HYPER_ENGINE_DIR"]
+    for k in names:
         argv += ["-e", k]
-    return argv + [spec["image"], "sh", script]
+    return argv + [spec["image"]] + (["python3", engine] if engine else []) + ["sh", script]
 
 
 def main(argv):

@@ -9,6 +9,7 @@ a ``poll`` wait in progress.
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import os
 import subprocess
@@ -25,6 +26,13 @@ AGENT_PATH = Path(__file__).with_name("agent.py")
 def agent_source() -> bytes:
     """The agent program's bytes, as copied to remote nodes."""
     return AGENT_PATH.read_bytes()
+
+
+@functools.lru_cache(maxsize=1)
+def engine_source() -> str:
+    """The engine wrapper's text (``engine.py``), sent in the launch spec of ``engine:``
+    attempts."""
+    return AGENT_PATH.with_name("engine.py").read_text()
 
 
 class AgentClient:

@@ -38,7 +38,8 @@ MAX_TASKS = 1_000_000        #: largest number of tasks one recipe may make
 
 _EXPERIMENT_KEYS = ("command", "image", "parameters", "sampling", "samples", "after",
                     "retries", "env", "workers", "resources", "hardware", "nodes",
-                    "checkpoint_every")
+                    "checkpoint_every", "engine")
+ENGINES = ("spark", "ray")   #: what ``engine:`` may name (hypercli/node/engine.py starts them)
 
 
 def _experiments(ctx: _Ctx, item: _Item) -> tuple[dict, tuple]:
@@ -93,6 +94,12 @@ def _experiment(ctx: _Ctx, name: str, item: _Item) -> tuple[ExperimentSpec, int,
         every = _get(ctx, keys["checkpoint_every"], f"{f}.checkpoint_every",
                      lambda v: _is_number(v) and _finite(v) and v >= 1,
                      "a number of seconds, at least 1")
+    engine = None
+    if "engine" in keys:
+        engine = _str(ctx, keys["engine"], f"{f}.engine")
+        if engine not in ENGINES:
+            ctx.fail(f"engine must be spark or ray, not {_show(engine)}", keys["engine"].line,
+                     f"{f}.engine", _suggest(engine, list(ENGINES), "choices"))
     _check_placeholders(ctx, command, parameters, keys["command"].line, f"{f}.command")
     for var, (value, line) in env.items():
         _check_placeholders(ctx, value, parameters, line, f"{f}.env.{var}")
@@ -105,7 +112,7 @@ def _experiment(ctx: _Ctx, name: str, item: _Item) -> tuple[ExperimentSpec, int,
         name=name, command=command, parameters=parameters, sampling=sampling, samples=samples,
         after=tuple(dict.fromkeys(a for a, _ in after)), retries=retries, image=image,
         env={k: v for k, (v, _) in env.items()}, workers=workers, line=item.line,
-        resources=resources(ctx, keys, f), checkpoint_every=every)
+        resources=resources(ctx, keys, f), checkpoint_every=every, engine=engine)
     return spec, count, after
 
 

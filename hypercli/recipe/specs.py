@@ -69,6 +69,8 @@ class ExperimentSpec:
         line: 1-based line of the experiment's key in the file.
         resources: what each task needs of a node (:class:`Resources`).
         checkpoint_every: seconds between saves of a running attempt's ``HYPER_CHECKPOINT``.
+        engine: ``"spark"`` or ``"ray"``, started across each task's nodes around its command
+            (``hypercli/node/engine.py``), or None.
     """
 
     name: str
@@ -84,6 +86,7 @@ class ExperimentSpec:
     line: int | None
     resources: Resources = field(default_factory=Resources)
     checkpoint_every: float = 60.0
+    engine: str | None = None
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,12 @@ variable "prepull" {
   description = "container images pulled into the image, separated by spaces"
 }
 
+variable "engines" {
+  type        = string
+  default     = ""
+  description = "engines for `engine:` experiments baked in: spark (Java 17 + pyspark), ray, or both, separated by spaces"
+}
+
 variable "skip" {
   type        = string
   default     = ""
@@ -213,6 +219,7 @@ build {
       "HYPER_VARIANT=${var.variant}",
       "HYPER_SKIP=${var.skip}",
       "HYPER_PREPULL=${var.prepull}",
+      "HYPER_ENGINES=${var.engines}",
       "HYPER_NVIDIA_DRIVER=${var.nvidia_driver}",
       "HYPER_BUNDLE=/tmp/hyper-provision/${basename(var.bundle)}",
     ]

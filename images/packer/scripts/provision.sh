@@ -7,6 +7,8 @@
 #   HYPER_VARIANT        cpu | gpu | auto (gpu when the host has an NVIDIA device)
 #   HYPER_BUNDLE         tar of hypercli's code (hypercli.node.bundle), for the hypercli step
 #   HYPER_PREPULL        container images to pull, separated by spaces
+#   HYPER_ENGINES        engines to install for `engine:` experiments: spark, ray (see
+#                        steps/65-engines.sh)
 #   HYPER_NVIDIA_DRIVER  NVIDIA driver branch for the gpu variant (default 535-server)
 #   HYPER_PREFIX, HYPER_BIN, HYPER_LIB, HYPER_UNITS, HYPER_SSHD_CONFIG: where files go
 #                        (defaults /opt/hypercli, /usr/local/bin, /usr/local/lib/hyper,
