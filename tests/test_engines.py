@@ -78,12 +78,13 @@ def local_features(workdir, tmp_path_factory) -> bytes:
     return (out / "features" / "features.jsonl").read_bytes()
 
 
-def engine_recipe(tmp_path, pool, hosts, workdir, experiments: dict, name="feat") -> Path:
+def engine_recipe(tmp_path, pool, hosts, workdir, experiments: dict, name="feat",
+                  **more) -> Path:
     exps = {"train": {"command": f'{PY} inference/train.py "$HYPER_OUTPUT"', "env": ENV}}
     for exp, (engine, job) in experiments.items():
         exps[exp] = {"after": "train", "engine": engine, "nodes": 3, "retries": 1, "env": ENV,
                      "command": f'python featurize/{job} "$HYPER_OUTPUTS/train-0000/model.pkl" '
-                                f'images "$HYPER_OUTPUT" 6'}
+                                f'images "$HYPER_OUTPUT" 6', **more}
     return ssh_recipe(tmp_path, pool, hosts, exps, name=name, workdir=str(workdir))
 
 
@@ -120,10 +121,12 @@ def hostnames(hosts) -> set:
 
 
 def test_ray_job_on_three_hosts(ssh_hosts, tmp_path, hyper_home, workdir, local_features):
+    """Ray on 3 hosts with 2 (stand-in) GPUs each, every rank asking 1 GPU and 2 CPUs."""
     need_engines()
-    hosts = ssh_hosts.start(3)
+    hosts = ssh_hosts.start(3, gpus=[2, 2, 2])
     path = engine_recipe(tmp_path, ssh_hosts, hosts, workdir,
-                         {"featurize": ("ray", "ray_map.py")})
+                         {"featurize": ("ray", "ray_map.py")},
+                         resources={"gpus": 1, "cpus": 2})
     state, summary = run_in_process(path)
     assert summary.exit_code == 0, explain(state, "feat-1")
     ranks = state.attempts("feat-1", "featurize-0000")
@@ -132,6 +135,11 @@ def test_ray_job_on_three_hosts(ssh_hosts, tmp_path, hyper_home, workdir, local_
     assert got == local_features  # the same features as Spark's local mode
     ran = json.loads(output(hyper_home, "feat-1", "featurize-0000", "hosts.json").read_text())
     assert set(ran) == hostnames(hosts) and sum(ran.values()) == 899  # tasks on all 3
+    rank0 = next(a for a in ranks if a["rank"] == 0)
+    logs = (hyper_home / "logs" / rank0["id"] / "stderr").read_text()
+    assert "hyper engine: ray up on 3 nodes" in logs
+    # the ranks' own resources, and only those, as Ray counts them
+    assert "hyper engine: ray: 0.0/6.0 CPU" in logs and "hyper engine: ray: 0.0/3.0 GPU" in logs
     assert engine_processes(hosts) == {}
 
 
@@ -187,6 +195,7 @@ def test_spark_job_with_a_host_killed_mid_job_retries_the_gang_with_an_exact_res
     assert f"Starting Spark master at spark://{ip0}:{port}" in logs
     assert f"Bound MasterWebUI to {ip0}" in logs  # the web UI on the private address only
     assert "hyper engine: spark up on 3 nodes" in logs
+    assert all(f"hyper engine: worker {h.ip}: 1 cores," in logs for h in used)  # 1 CPU each
     worker = (hyper_home / "logs" / second[2]["id"] / "stderr").read_text()
     assert "Successfully registered with master" in worker  # a worker's log, kept with rank 2
     assert engine_processes(hosts + spare) == {}

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import ROOT
 
 from hypercli.state import State
@@ -165,9 +166,11 @@ def test_inference_recipe(hyper_home, hyper, tmp_path):
 
 def test_engine_recipes_featurize_with_spark_and_ray(hyper_home, hyper, tmp_path, monkeypatch):
     """featurize-spark.yaml and ray-map.yaml on 2 local nodes, with the engines from
-    scripts/engines.sh first on PATH (their python3 has pyspark, ray and scikit-learn): every
-    image featurized once, the same features from both engines."""
-    from test_engines import ENGINES, need_engines
+    scripts/engines.sh: their Python (pyspark, ray, scikit-learn) runs the recipes' commands
+    and Spark's Python workers, their bin folder is on PATH after this Python's (the local
+    provider puts hypercli's own first): every image featurized once, the same features from
+    both engines."""
+    from test_engines import ENGINES, PY, need_engines
     need_engines()
     images, ds, mnt = tmp_path / "images", tmp_path / "dataset", tmp_path / "mnt"
     subprocess.run([sys.executable, ROOT / "recipes" / "inference" / "make_images.py", images],
@@ -178,6 +181,11 @@ def test_engine_recipes_featurize_with_spark_and_ray(hyper_home, hyper, tmp_path
     try:
         for name in ("featurize-spark", "ray-map"):
             path = local_copy(name, tmp_path, str(mnt), str(ds))
+            recipe = yaml.safe_load(path.read_text())
+            for exp in recipe["experiments"].values():
+                exp["command"] = exp["command"].replace("python3 ", f"{PY} ")
+                exp["env"] = dict(exp.get("env") or {}, PYSPARK_PYTHON=str(PY))
+            path.write_text(yaml.safe_dump(recipe))
             r = hyper("run", path, timeout=300)
             assert r.returncode == 0, r.stdout + r.stderr
             out = hyper_home / "storage" / f"{name}-1" / "featurize-0000"

@@ -37,7 +37,8 @@ attempt id: the wrapper puts it as ``HYPER_ENGINE_ID`` in the environment of wha
 never in its own, so its own parents are never taken for the engine's processes).
 
 Output to the command (rank 0): Spark: ``SPARK_MASTER_URL`` and ``MASTER`` (read by
-``spark-submit`` and ``SparkSession.builder`` when no master is given), ``SPARK_LOCAL_IP``;
+``spark-submit`` and ``SparkSession.builder`` when no master is given), ``SPARK_LOCAL_IP``,
+and unless the task sets its own, ``SPARK_CONF_DIR`` (see :meth:`Wrapper._spark_conf`);
 Ray: ``RAY_ADDRESS`` (read by ``ray.init()``).
 """
 
@@ -263,12 +264,14 @@ class Wrapper:
         return out
 
     def joined(self):
-        """Workers that have joined the master (rank 0), or None when it cannot tell yet."""
+        """Workers that have joined the master (rank 0), or None when it cannot tell yet.
+        What the master said is kept in ``self.seen`` (for :meth:`describe`)."""
         if self.kind == "spark":
             try:
                 url = "http://%s:%d/json/" % (self.ip, self.port + 1)
                 with urllib.request.urlopen(url, timeout=2) as r:
-                    return int(json.load(r).get("aliveworkers") or 0)
+                    self.seen = json.load(r)
+                return int(self.seen.get("aliveworkers") or 0)
             except (OSError, ValueError):
                 return None
         env = self.engine_env()
@@ -277,16 +280,67 @@ class Wrapper:
                            timeout=60)
         if p.returncode != 0:
             return None
-        return _ray_nodes(p.stdout.decode(errors="replace"))
+        self.seen = p.stdout.decode(errors="replace")
+        return _ray_nodes(self.seen)
+
+    def describe(self):
+        """What the engine holds, one line per worker (Spark: address, cores, memory, GPU
+        addresses) or Ray's resource totals, from the master's last answer."""
+        seen = getattr(self, "seen", None)
+        if self.kind == "spark":
+            out = []
+            for w in (seen or {}).get("workers") or []:
+                if w.get("state") != "ALIVE":
+                    continue
+                gpus = ((w.get("resources") or {}).get("gpu") or {}).get("addresses") or []
+                out.append("worker %s: %s cores, %s MiB%s" % (
+                    w.get("host"), w.get("cores"), w.get("memory"),
+                    ", gpus %s" % ",".join(gpus) if gpus else ""))
+            return sorted(out)
+        lines, on = [], False
+        for line in (seen or "").splitlines():
+            s = line.strip()
+            if s.startswith("Total Usage:") or s.startswith("Usage:"):
+                on = True
+                continue
+            if on:
+                if not s or s.endswith(":"):
+                    break
+                lines.append("ray: " + s)
+        return lines
 
     def command_env(self):
         env = dict(self.env)  # marked too: what the command leaves behind is stopped with it
         if self.kind == "spark":
             url = "spark://%s:%d" % (self.ip, self.port)
             env.update(SPARK_MASTER_URL=url, MASTER=url, SPARK_LOCAL_IP=self.ip)
+            if not env.get("SPARK_CONF_DIR"):
+                env["SPARK_CONF_DIR"] = self._spark_conf(url, env)
         else:
             env["RAY_ADDRESS"] = "%s:%d" % (self.ip, self.port)
         return env
+
+    def _spark_conf(self, url, env):
+        """A conf folder in the rank's folder whose ``spark-defaults.conf`` is the Spark
+        installation's own (when it has one) plus the master, and jobs that wait until an
+        executor on every worker has registered (``minRegisteredResourcesRatio`` 1.0, at most
+        60 s: Spark's standalone default starts at once and may leave nodes of the gang idle).
+        Returns its path."""
+        conf = os.path.join(self.folder, "spark-conf")
+        os.makedirs(conf, exist_ok=True)
+        text = ""
+        home = env.get("SPARK_HOME") or os.path.dirname(os.path.dirname(
+            os.path.realpath(_spark_class(env) or "/nonexistent/bin/x")))
+        try:
+            with open(os.path.join(home, "conf", "spark-defaults.conf")) as f:
+                text = f.read().rstrip("\n") + "\n"
+        except OSError:
+            pass
+        text += ("spark.master %s\nspark.scheduler.minRegisteredResourcesRatio 1.0\n"
+                 "spark.scheduler.maxRegisteredResourcesWaitingTime 60s\n" % url)
+        with open(os.path.join(conf, "spark-defaults.conf"), "w") as f:
+            f.write(text)
+        return conf
 
     # -- the rank ------------------------------------------------------------------------
     def _daemon(self, argv, env):
@@ -318,6 +372,8 @@ class Wrapper:
             _say("%s up on %d node%s in %.1f s" % (self.kind, self.size,
                                                    "s" if self.size > 1 else "",
                                                    time.time() - t0))
+            for line in self.describe():
+                _say(line)
             proc = subprocess.Popen(self.argv, env=self.command_env(),
                                     stdin=subprocess.DEVNULL)
             self.command = proc
