@@ -24,7 +24,9 @@ For n = 1, 2, 3 nodes (hosts[:n]):
   hand    inside the hosts (nsenter, no SSH): ``spark-class ...Master --host IP0`` on host 0,
           ``spark-class ...Worker spark://IP0:7077 --cores C`` on each host; start-up = until
           the master's /json/ shows n alive workers; then the job on host 0 with
-          MASTER=spark://IP0:7077; wall = start-up + job + stop.
+          MASTER=spark://IP0:7077 and the scheduler settings hypercli's engine gives jobs
+          (minRegisteredResourcesRatio 1.0, so both sides wait for every executor); wall =
+          start-up + job + stop.
   job     the job's own measured time (``job_s`` in its metrics: SparkSession creation to
           features written), the figure the two sides are compared on.
 Printed per n: start-up, job, wall, the hyper/hand job ratio; speedup job(1)/job(n) and
@@ -164,8 +166,11 @@ def hand_side(hosts, n: int) -> dict:
             raise SystemExit("the hand-started cluster did not come up in 180 s")
         time.sleep(0.25)
     startup = time.perf_counter() - t0
-    hosts[0].run("rm -rf /root/out /root/m.jsonl")
+    hosts[0].run("rm -rf /root/out /root/m.jsonl; mkdir -p /root/spark-conf; printf '"
+                 "spark.scheduler.minRegisteredResourcesRatio 1.0\\nspark.scheduler."
+                 "maxRegisteredResourcesWaitingTime 60s\\n' > /root/spark-conf/spark-defaults.conf")
     p = hosts[0].run(f"cd /root/featjob && {envs} MASTER=spark://{ip0}:7077 "
+                     "SPARK_CONF_DIR=/root/spark-conf "
                      f"SPARK_LOCAL_IP={ip0} HYPER_METRICS=/root/m.jsonl python "
                      f"featurize/featurize_spark.py featurize/model.pkl /root/featdata "
                      f"/root/out {PARTS}", timeout=900)
