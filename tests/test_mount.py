@@ -91,6 +91,7 @@ class Mounted:
 
     def close(self) -> None:
         self._timer.cancel()
+        self._timer.join(30)  # a watchdog that fired: its fusermount3 has ended too
         mp = str(self.mp)
         if fusefs._mounted(mp):
             r = subprocess.run(["fusermount3", "-u", mp], capture_output=True, timeout=10)
@@ -677,6 +678,7 @@ def test_a_hung_daemon_cannot_hang_the_suite(mount, synth_url, synth_tree):
     assert not t.is_alive()
     assert list(result) == ["errno"] and result["errno"] in (errno.ECONNABORTED,
                                                              errno.ENOTCONN)
+    m._timer.join(30)  # the watchdog's fusermount3 -uz has ended
     end = time.monotonic() + 5
     while not _gone(m.pid) and time.monotonic() < end:
         time.sleep(0.02)
