@@ -205,14 +205,25 @@ class Connection:
             pass
 
 
+#: s a command's output may stay open after its exit status arrived (a background process
+#: holding it) before the read ends without the server's EOF
+EXIT_GRACE = 2.0
+
+
 def _drain(ch, timeout: float) -> tuple[bytes, bytes]:
     """Read a channel's stdout and stderr to the end without either blocking the other.
+
+    The end is the server's EOF with the exit status. The exit status alone is not: it is not flow-controlled, so
+    it can arrive while output is still on its way (a 300 kB tar stream was cut short that
+    way). After the exit status, a command whose output stays open (a background process
+    holding it) ends the read once nothing has arrived for EXIT_GRACE s.
 
     Raises:
         TimeoutError: ``timeout`` seconds passed before the command ended.
     """
     out, err = bytearray(), bytearray()
     deadline = time.monotonic() + timeout
+    quiet_since = None
     while True:
         got = False
         while ch.recv_ready():
@@ -221,11 +232,16 @@ def _drain(ch, timeout: float) -> tuple[bytes, bytes]:
         while ch.recv_stderr_ready():
             err += ch.recv_stderr(1 << 16)
             got = True
-        if ch.exit_status_ready() and not ch.recv_ready() and not ch.recv_stderr_ready():
+        if (ch.closed or ch.eof_received and ch.exit_status_ready()) \
+                and not ch.recv_ready() and not ch.recv_stderr_ready():
             return bytes(out), bytes(err)
-        if ch.closed or (ch.eof_received and not got and ch.exit_status_ready()):
-            return bytes(out), bytes(err)
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if ch.exit_status_ready():
+            if got or quiet_since is None:
+                quiet_since = now
+            elif now - quiet_since > EXIT_GRACE:
+                return bytes(out), bytes(err)
+        if now > deadline:
             raise TimeoutError(f"no end after {timeout:.0f} s")
         if not got:
             time.sleep(0.0005)
