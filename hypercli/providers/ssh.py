@@ -100,6 +100,12 @@ def _tar_dir(src: Path, arcname: str) -> bytes:
     return buf.getvalue()
 
 
+#: tar streams of ended attempts' logs and outputs fetched at most this many times when one
+#: arrives cut short (seen once under load in CI: "unexpected end of data"), before the
+#: attempt's collection fails
+FETCH_TRIES = 3
+
+
 def _untar(data: bytes, dest: Path) -> None:
     """Extract a tar that came from a node, member by member, skipping what ``data_filter``
     refuses (absolute or escaping paths and links): a task's output can hold anything."""
@@ -430,12 +436,19 @@ class SSHSession:
         paths += [f"outputs/{wid}/{t}" for t in wanted.values()]
         cmd = (f"cd {self.root} && tar -cf - --ignore-failed-read "
                + " ".join(shlex.quote(p) for p in paths) + " 2>/dev/null; true")
-        data = self.conn().run(cmd, timeout=600).stdout
         tmp = logs / f".incoming-{os.getpid()}-{threading.get_ident()}"
-        tmp.mkdir(parents=True, exist_ok=True)
         try:
-            if data:
-                _untar(data, tmp)
+            for attempt in range(FETCH_TRIES):
+                data = self.conn().run(cmd, timeout=600).stdout
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True, exist_ok=True)
+                try:
+                    if data:
+                        _untar(data, tmp)
+                    break
+                except (tarfile.TarError, EOFError):  # a stream cut short: fetch it again
+                    if attempt == FETCH_TRIES - 1:
+                        raise
             for a in fetch:
                 src = tmp / "tasks" / a
                 if src.exists():
