@@ -211,6 +211,9 @@ class Wrapper:
 
     # -- the engines ---------------------------------------------------------------------
     def engine_env(self):
+        """The environment of the engine's daemons: the rank's, marked, plus the engine's
+        own settings (Spark: its addresses and folders; Ray: logs to stderr, no usage
+        reports)."""
         env = dict(self.env)
         if self.kind == "spark":
             env.update(SPARK_LOCAL_IP=self.ip, SPARK_LOCAL_HOSTNAME=self.ip,
@@ -221,6 +224,7 @@ class Wrapper:
         return env
 
     def start_master(self):
+        """Rank 0: the Spark master on P (web UI P+1), or Ray's head (GCS on P)."""
         env = self.engine_env()
         if self.kind == "spark":
             self._daemon([_spark_class(env), "org.apache.spark.deploy.master.Master",
@@ -233,6 +237,8 @@ class Wrapper:
                          + self._ray_resources(), env)
 
     def start_worker(self):
+        """A Spark worker with the rank's cores, memory and GPUs; on ranks other than 0 a
+        Ray node joining the head with the same (the head is rank 0's Ray node)."""
         env = self.engine_env()
         if self.kind == "spark":
             work = os.path.join(self.folder, "spark-work")
@@ -310,6 +316,7 @@ class Wrapper:
         return lines
 
     def command_env(self):
+        """The command's environment on rank 0 (module docstring: output)."""
         env = dict(self.env)  # marked too: what the command leaves behind is stopped with it
         if self.kind == "spark":
             url = "spark://%s:%d" % (self.ip, self.port)
@@ -454,8 +461,8 @@ def _ray_nodes(text):
 
 def main(argv):
     """``engine.py COMMAND...`` (the rank, module docstring); ``engine.py --check KIND``
-    (print what is missing, exit 3, or exit 0); ``engine.py --sweep ATTEMPT_ID`` (SIGKILL
-    every process carrying the mark, see :func:`sweep`)."""
+    (print what is missing, exit 3, or exit 0); ``engine.py --sweep ATTEMPT_ID`` (stop the
+    attempt's processes, see :func:`sweep`: SIGTERM, SIGKILL after 0.5 s)."""
     if len(argv) == 3 and argv[1] == "--check":
         why = missing(argv[2], os.environ)
         if why:
