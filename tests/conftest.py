@@ -71,6 +71,9 @@ def hyper_home(tmp_path, monkeypatch):
     """A fresh ``$HYPER_HOME`` for the test (also exported to subprocesses)."""
     home = tmp_path / "hyper-home"
     monkeypatch.setenv("HYPER_HOME", str(home))
+    # a command a test gives up waiting for is stopped with SIGABRT: its threads' stacks go
+    # to its stderr (faulthandler), which wait_for puts in the failure
+    monkeypatch.setenv("PYTHONFAULTHANDLER", "1")
     yield home
     _kill_leftovers(home)
 
@@ -111,7 +114,9 @@ def hyper(hyper_home):
 def wait_for(pred, timeout: float = 30, interval: float = 0.05, what: str = "condition",
              proc: subprocess.Popen | None = None):
     """Poll pred() until truthy; returns its value or fails the test after timeout (s), or
-    as soon as ``proc`` (a command the condition depends on) has exited, with its output."""
+    as soon as ``proc`` (a command the condition depends on) has exited, with its output.
+    On a timeout a ``proc`` still running is stopped with SIGABRT and its output (with the
+    stacks of its threads, ``PYTHONFAULTHANDLER``) is in the failure."""
     end = time.time() + timeout
     while time.time() < end:
         v = pred()
@@ -122,7 +127,18 @@ def wait_for(pred, timeout: float = 30, interval: float = 0.05, what: str = "con
             raise AssertionError(f"{proc.args} exited {proc.returncode} before {what}:\n"
                                  f"{out or ''}{err or ''}")
         time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+    tail = ""
+    if proc is not None and proc.poll() is None:
+        proc.send_signal(signal.SIGABRT)
+        try:
+            out, err = proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        if isinstance(out, bytes):
+            out, err = out.decode(errors="replace"), (err or b"").decode(errors="replace")
+        tail = f"; {proc.args} printed:\n{out or ''}{err or ''}"
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}{tail}")
 
 
 def _children() -> dict[int, int]:

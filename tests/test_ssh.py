@@ -230,10 +230,12 @@ def test_sigkilled_run_resumes_over_ssh(ssh_hosts, tmp_path, hyper_home, hyper):
     try:
         running = wait_for(lambda: len(State().attempts("lab-1", status=["running"])) >= 2
                            and State().attempts("lab-1", status=["running"]),
-                           what="2 running attempts")
-    except AssertionError:
+                           what="2 running attempts", proc=p)
+    except AssertionError as e:
         p.kill()
-        raise
+        p.wait()
+        raise AssertionError(f"{e}\nnodes: {State().nodes('lab')}\n"
+                             f"attempts: {State().attempts('lab-1')}") from None
     p.kill()
     p.wait()
     r = hyper("run", path)

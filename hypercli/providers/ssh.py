@@ -10,7 +10,8 @@ that is unreachable, refuses the key or has no ``python3`` is reported on its ow
 others go on.
 
 Per node and workflow (:class:`SSHSession`, in the node's scheduler thread):
-* the recipe's ``workdir`` is copied once to ``~/.hyper/work/<workflow>`` (a tar stream);
+* the recipe's ``workdir`` is copied once to ``~/.hyper/work/<workflow>`` (a tar stream; the
+  state folder is left out when it lies inside the workdir);
 * before a task of an experiment with ``after`` starts, the outputs of those experiments are
   copied to the node's ``~/.hyper/outputs/<workflow>/`` (``HYPER_OUTPUTS``);
 * the experiment's image is made present (:mod:`hypercli.ssh.images`);
@@ -67,18 +68,41 @@ def _target_of(node: dict) -> Target:
     return Target(a["host"], a["port"], a["user"], a.get("identity_file"))
 
 
-def _tar_dir(src: Path, arcname: str) -> bytes:
-    """A tar of a folder, skipping caches, VCS folders and files that vanish while it is read.
+def _same_dir(path: str, key: tuple[int, int] | None) -> bool:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) == key
+
+
+def _tar_dir(src: Path, arcname: str, skip: Path | None = None) -> bytes:
+    """A tar of a folder, skipping caches, VCS folders, files that vanish while it is read,
+    and the folder ``skip`` (the state folder, wherever it is: ``HYPER_HOME`` inside a
+    workdir).
+
+    The state folder is never read here: besides naming hosts, its SQLite file is open in this
+    process, and closing any other descriptor of it drops the process's POSIX locks on it, after
+    which another process closing its connection deletes the WAL this one still writes to,
+    losing every later commit (sqlite.org, "How To Corrupt An SQLite Database File", 2.2).
 
     Raises:
         UsageError: the folder holds over WORKDIR_MAX bytes.
     """
     buf = io.BytesIO()
     total = 0
+    key = None
+    if skip is not None:
+        try:
+            st = os.stat(skip)
+            key = (st.st_dev, st.st_ino)
+        except OSError:
+            pass
     with tarfile.open(fileobj=buf, mode="w") as tar:
         tar.add(str(src), arcname=arcname, recursive=False)
         for dirpath, dirs, files in os.walk(src):
-            dirs[:] = sorted(d for d in dirs if d not in WORKDIR_EXCLUDE)
+            dirs[:] = sorted(d for d in dirs if d not in WORKDIR_EXCLUDE
+                             and not _same_dir(os.path.join(dirpath, d), key))
             rel = Path(dirpath).relative_to(src)
             for name in sorted(dirs) + sorted(files):
                 path = Path(dirpath) / name
@@ -375,7 +399,7 @@ class SSHSession:
         """Copy the workdir to ``<root>/work/<wid>`` unless the same content is there (a
         resumed run must not pull the folder from under its re-attached attempts); a changed
         one is unpacked beside it and swapped in (running attempts keep their folder)."""
-        data = _tar_dir(Path(self.wf["workdir"]), wid)
+        data = _tar_dir(Path(self.wf["workdir"]), wid, skip=S.home())
         digest = hashlib.sha256(data).hexdigest()
         w = f"{self.root}/work"
         conn.run(f"mkdir -p {w} && if [ \"$(cat {w}/{wid}/.hyper-digest 2>/dev/null)\" != "
