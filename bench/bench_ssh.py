@@ -39,7 +39,10 @@ sshd in its own network/PID/mount namespaces on the 10.213.0.0/24 bridge; needs 
    ServerAliveCountMax=3 -o ConnectTimeout=3`` so that it can notice a silent link at all;
    measured from the fault to the retried job 0's START (its own timestamp). Full mode adds one
    cut trial of parallel with bench 1's plain ssh options, capped at 30 s.
-   A fresh 3-host pool and HYPER_HOME per trial.
+   A fresh 3-host pool and HYPER_HOME per trial. A third fault, ``stall``, is a loaded host
+   that is alive: 4 busy loops on it and its agent stopped for 4 s one second after task 0
+   runs there; hypercli must not declare it lost (false losses counted; task 0 must end with
+   one attempt).
 
 3. Fan-out: bootstrap (connect, host key pinned with trust_new_hosts, agent upload, hello) of
    8 cold hosts (``~/.hyper`` removed on every host and a fresh HYPER_HOME before each
@@ -519,6 +522,12 @@ def bench_dispatch(args, key: Path, out: list[str]) -> None:
 # ----------------------------------------------------------------------------- 2. recovery
 
 SHORT_TASKS = 50
+#: the ``stall`` fault, run inside the victim host: 4 busy loops on its (shared) CPUs for 6 s,
+#: and its node agent stopped for 4 s in the middle (an answer 4 s late: longer than the
+#: answer's grace and the TCP probe together)
+STALL_CMD = ("for i in 1 2 3 4; do timeout 6 sh -c 'while :; do :; done' & done; "
+             "pids=$(pgrep -f 'agent-.*[.]py serve'); kill -STOP $pids; sleep 4; "
+             "kill -CONT $pids; wait")
 RECOVERY_CMD = "if [ {{i}} -eq 0 ]; then sleep 6; else sleep 0.5; fi"
 
 
@@ -555,6 +564,9 @@ def hyper_recovery(key: Path, fault: str) -> dict:
                 host = by_ip[ip_of[run[0]["node"]]]
                 time.sleep(1.0)
                 seen["fault"] = time.time()
+                if fault == "stall":  # loaded but alive: must not be declared lost
+                    host.run(STALL_CMD, check=True, timeout=30)
+                    return
                 host.kill() if fault == "kill" else host.cut()
                 end = time.time() + 60
                 while time.time() < end:
@@ -582,6 +594,13 @@ def hyper_recovery(key: Path, fault: str) -> dict:
             sts = [a["status"] for a in state.attempts(wid, t["id"])]
             assert sts.count("succeeded") == 1, (t["id"], sts)
         atts = state.attempts(wid, victim)
+        if fault == "stall":
+            lost = [e for e in state.events(wid, limit=10000) if e["message"].startswith("lost")]
+            late = [e for e in state.events(wid, limit=10000)
+                    if e["node"] == seen["node"] and e["ts"] >= seen["fault"]]
+            state.close()
+            return {"lost_events": len(lost), "attempts": len(atts),
+                    "status": atts[0]["status"], "events": len(late)}
         assert atts[0]["status"] == "lost" and atts[0]["node"] == seen["node"], atts
         retry = next(a for a in atts if a["number"] >= 2)
         assert retry["node"] != seen["node"]
@@ -666,7 +685,13 @@ def bench_recovery(args, key: Path, out: list[str]) -> None:
     print(f"   load average at start: {loadavg()}")
     res: dict[str, list] = defaultdict(list)
     cmds = {}
+    stalls = []
     for r in range(reps):
+        st = hyper_recovery(key, "stall")
+        stalls.append(st)
+        print(f"   trial {r + 1} hyper    stall: lost events {st['lost_events']}, task 0 "
+              f"attempts {st['attempts']} ({st['status']}), node events after the fault "
+              f"{st['events']}", flush=True)
         for fault in ("kill", "cut"):
             h = hyper_recovery(key, fault)
             res[("hyper", fault)].append(h)
@@ -721,6 +746,11 @@ def bench_recovery(args, key: Path, out: list[str]) -> None:
                 ratio = med(r_vs) / med(h_vs)
                 print(f"   {fault}: parallel / hyper (medians) = {ratio:.1f}")
                 lines.append(f"| parallel / hyper, {fault} | {ratio:.1f}× | | | | |")
+    false = sum(1 for x in stalls if x["lost_events"] or x["attempts"] != 1)
+    print(f"   stall (loaded host, agent stopped 4 s): false losses {false} of {len(stalls)}")
+    lines.append(f"| hyper | stall (loaded, agent stopped 4 s) | false losses: {false} of "
+                 f"{len(stalls)} | | task 0 attempts: "
+                 f"{', '.join(str(x['attempts']) for x in stalls)} | |")
     if plain is not None:
         lines.append(f"| parallel, plain ssh options (no ServerAlive) | cut | "
                      f"{fmt(plain['running'], none='not recovered after 30 s')} | | 1 trial | |")

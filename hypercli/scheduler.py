@@ -30,7 +30,9 @@ Rules (paper section III-D for the re-run of lost work):
   * The first successful attempt of a task wins: a later success of the same task is recorded
     as ``superseded`` and changes nothing.
   * A node unreachable for LOST_AFTER seconds is *lost*: its attempts are marked lost and their
-    tasks re-queued. A lost node that answers again is first *fenced*: the attempts that were
+    tasks re-queued. An SSH host is lost at once when an answer of its agent is late and the
+    host no longer answers a TCP handshake either (:class:`~hypercli.node.client.NodeCutOff`,
+    ~3 s after a silent cut-off); a host that answers is only slow and is waited for. A lost node that answers again is first *fenced*: the attempts that were
     declared lost on it are cancelled there, and whatever they produced is discarded (nothing
     is fetched, their attempts stay ``lost``), so a node that comes back never gives a task a
     second result. Then it takes new work again.
@@ -64,7 +66,7 @@ from typing import Callable
 from hypercli import usage
 from hypercli.capacity import ENGINE_PORTS, free_of, never_fits, place_gang, shortfall
 from hypercli.errors import HyperError, InfraError, NodeError
-from hypercli.node.client import engine_source
+from hypercli.node.client import NodeCutOff, engine_source
 from hypercli.state import LIVE_ATTEMPT, TERMINAL_TASK, State
 
 POLL_WAIT = 1.0  # s a node's long poll waits for an attempt to end (cut short by new work)
@@ -77,7 +79,8 @@ LAUNCH_WAIT = 0.2
 DISPATCH_GRACE = 0.02
 #: s a node may stay unreachable before its attempts are declared lost and re-queued. With
 #: the SSH layer's keepalive (~4 s to notice a silent link) and 3 s reconnect timeouts this
-#: puts a task back to work within ~10 s of its node's death (goal of the SSH issue).
+#: puts a task back to work within ~10 s of its node's death (goal of the SSH issue); a silent
+#: cut-off of an SSH host is found sooner, by its late answer and a TCP probe (NodeCutOff).
 LOST_AFTER = 3.0
 FENCE_RETRY = 5.0  # s between reconnect tries to a lost node (to fence it when it is back)
 #: s a cloud node that the cloud still reports running may stay unreachable before it is lost
@@ -302,6 +305,11 @@ class NodeWorker(threading.Thread):
                     verdict = self._probe()
                     if verdict in ("preempted", "gone"):
                         self._declare_lost(f"{verdict} (the cloud says so): {e}")
+                        continue
+                    if isinstance(e, NodeCutOff) and verdict is None:
+                        # its agent's answer was late *and* its host no longer answers TCP:
+                        # cut off (a loaded or stalled host still answers; see client.py)
+                        self._declare_lost(str(e))
                         continue
                 waited = time.monotonic() - down_since
                 if waited >= LOST_AFTER:

@@ -185,8 +185,9 @@ def test_host_cut_off_is_detected_and_fenced_when_it_comes_back(ssh_hosts, tmp_p
     state, summary = run_in_process(path)
     t.join()
     assert summary.exit_code == 0
-    # declared lost by the keepalives (~8 s; the benchmark measures it), not by TCP (minutes)
-    assert seen["lost"] - seen["cut"] < 20
+    # declared lost by a late answer and a TCP probe (~3 s; the benchmark measures it), not
+    # by TCP's own timeouts (minutes)
+    assert seen["lost"] - seen["cut"] < 10
     assert_one_success_each(state, "lab-1")
     lost = [a for a in state.attempts("lab-1") if a["id"] == seen["attempt"]][0]
     assert lost["status"] == "lost"
@@ -194,9 +195,40 @@ def test_host_cut_off_is_detected_and_fenced_when_it_comes_back(ssh_hosts, tmp_p
     runs = hosts[0].run(f"cat /root/.hyper/outputs/lab-1/{lost['task']}/runs").stdout
     pid = json.loads(hosts[0].run(f"cat /root/.hyper/tasks/{lost['id']}/pid").stdout)["pid"]
     assert hosts[0].run(f"kill -0 {pid}").returncode != 0
-    assert len(runs.splitlines()) == 1
+    # the lost attempt ran there once (a retry may run there too once the node is back)
+    assert [ln for ln in runs.splitlines() if ln.startswith("1 ")] == ["1 h1"]
     winner = [a for a in state.attempts("lab-1", lost["task"]) if a["status"] == "succeeded"]
-    assert len(winner) == 1 and winner[0]["node"] != "lab-0"
+    assert len(winner) == 1 and winner[0]["number"] > lost["number"]
+
+
+def test_stalled_agent_on_a_live_host_is_not_lost(ssh_hosts, tmp_path, hyper_home):
+    """An agent that answers late (stopped 4 s: longer than its answer's grace and the TCP
+    probe together) on a host whose network works is waited for, not declared lost."""
+    hosts = ssh_hosts.start(2)
+    slow = {"work": dict(SLEEPY["work"], command=SLEEPY["work"]["command"].replace(
+        "sleep 1.5", "sleep 3"))}
+    path = ssh_recipe(tmp_path, ssh_hosts, hosts, slow)
+    seen = {}
+
+    def stall():
+        wait_for(lambda: when_running_on("lab-0", "lab-1"), what="a task on lab-0")
+        pids = hosts[0].run("pgrep -f 'agent-.*[.]py serve'").stdout.split()
+        assert pids, "no agent process on h1"
+        seen["pids"] = pids
+        hosts[0].run("kill -STOP " + " ".join(pids), check=True)
+        time.sleep(4)
+        hosts[0].run("kill -CONT " + " ".join(pids), check=True)
+    t = threading.Thread(target=stall)
+    t.start()
+    try:
+        state, summary = run_in_process(path)
+    finally:
+        t.join()
+    assert seen.get("pids")
+    assert summary.exit_code == 0
+    assert state.nodes("lab", status="lost") == []
+    assert_one_success_each(state, "lab-1")
+    assert all(t["attempts"] == 1 for t in state.tasks("lab-1"))
 
 
 def test_hung_host_is_declared_lost(ssh_hosts, tmp_path, hyper_home):

@@ -41,7 +41,7 @@ from hypercli.providers.base import Instance, LaunchResult
 from hypercli.providers.runtime import NodeRuntime, forwarded_env, unmount_command
 from hypercli.recipe import ClusterSpec
 from hypercli.ssh import images
-from hypercli.ssh.conn import CONNECT_TIMEOUT, Connection, Target
+from hypercli.ssh.conn import CONNECT_TIMEOUT, Connection, Target, tcp_silent
 from hypercli.ssh.fanout import fan_out
 from hypercli.ssh.hostkeys import KnownHosts
 
@@ -235,7 +235,9 @@ class SSHProvider:
                 ch.shutdown_write()
             finally:
                 ch.close()
-        return AgentClient(name, ch.sendall, f.readline, close, ch.settimeout)
+        target = conn.target
+        return AgentClient(name, ch.sendall, f.readline, close, ch.settimeout,
+                           silent=lambda: tcp_silent(target.host, target.port))
 
     def connect(self, node: dict) -> AgentClient:
         cluster = node["cluster"]

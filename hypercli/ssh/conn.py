@@ -31,6 +31,10 @@ logging.getLogger("paramiko").addHandler(logging.NullHandler())  # errors reach 
 CONNECT_TIMEOUT = 3.0
 KEEPALIVE = (2, 1, 3)  # TCP_KEEPIDLE s, TCP_KEEPINTVL s, TCP_KEEPCNT
 USER_TIMEOUT_MS = 4000  # TCP_USER_TIMEOUT: unacknowledged data for this long kills the socket
+#: s a host has to answer a TCP handshake when an answer of its agent is late. Linux resends an
+#: unanswered SYN after 1 s (its initial RTO, RFC 6298 2.1), so one lost SYN does not make a
+#: healthy host look cut off; a loaded host's kernel answers in well under a millisecond here.
+PROBE_TIMEOUT = 1.5
 
 
 class HostUnreachable(NodeError):
@@ -110,6 +114,18 @@ def make_socket(host: str, port: int, timeout: float = CONNECT_TIMEOUT) -> socke
     sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, "TCP_USER_TIMEOUT", 18),
                     USER_TIMEOUT_MS)
     return sock
+
+
+def tcp_silent(host: str, port: int, timeout: float = PROBE_TIMEOUT) -> str | None:
+    """None when ``host`` answers a TCP handshake on ``port`` within ``timeout`` s (a refusal
+    is an answer too: the host is up), else why not. The connection is closed at once."""
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except ConnectionRefusedError:
+        return None
+    except OSError as e:
+        return f"{host}:{port} does not answer TCP ({e or 'timed out'} within {timeout:g} s)"
+    return None
 
 
 class Connection:
