@@ -72,7 +72,7 @@ class Free:
         return (self.slots >= 1 and self.cpus + EPS >= need.get("cpus", 1)
                 and (not need.get("memory") or self.memory is None
                      or self.memory >= need["memory"])
-                and len(self._gpus(need)) >= need.get("gpus", 0))
+                and (not need.get("gpus") or len(self._gpus(need)) >= need["gpus"]))
 
     def could_ever(self, need: dict) -> bool:
         """True when the empty node would hold a task asking ``need``."""

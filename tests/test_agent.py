@@ -273,3 +273,26 @@ def test_a_wake_between_waits_is_not_lost(agents, tmp_path):
     c.call("poll", ids=["a"], wait=0.4)
     assert time.monotonic() - t0 >= 0.35
     c.call("cancel", ids=["a"], grace=2)
+
+
+def test_an_ended_attempt_says_whether_its_checkpoint_folder_holds_anything(agents, tmp_path):
+    """``checkpoint_empty`` in the inline answer: the SSH session copies the node's
+    checkpoints only after an attempt that wrote some (no extra exec per plain task)."""
+    c = agents()
+    ck = {"dir": str(tmp_path / "ck-{}"), "every": 60, "save": "true", "restore": None}
+    wrote = spec("w", 'echo step > "$HYPER_CHECKPOINT/state"', tmp_path,
+                 checkpoint=dict(ck, dir=str(tmp_path / "ck-w")))
+    quiet = spec("q", "true", tmp_path, checkpoint=dict(ck, dir=str(tmp_path / "ck-q")))
+    plain = spec("p", "true", tmp_path)
+    wrote["env"]["HYPER_CHECKPOINT"] = str(tmp_path / "ck-w")
+    c.call("launch", attempts=[wrote, quiet, plain])
+    ended = {}
+    end = time.monotonic() + 20
+    while len(ended) < 3 and time.monotonic() < end:
+        r = c.call("poll", ids=sorted({"w", "q", "p"} - ended.keys()), wait=1, inline=65536)
+        ended.update({k: v for k, v in r["states"].items() if v["state"] != "running"})
+    assert {k: v["code"] for k, v in ended.items()} == {"w": 0, "q": 0, "p": 0}
+    assert ended["w"]["inline"]["checkpoint_empty"] is False
+    assert ended["q"]["inline"]["checkpoint_empty"] is True
+    assert ended["p"]["inline"]["checkpoint_empty"] is True
+    assert ended["p"]["inline"]["output_empty"] is True  # no output folder: nothing to copy

@@ -102,9 +102,11 @@ metrics (the last value of each key over all lines of metrics.jsonl) come with e
 that is not running.
 ``launch``, ``poll`` and ``cancel`` take an optional ``inline: N`` (bytes): every state that
 is not running then also carries ``inline = {"stdout": b64?, "stderr": b64?, "output_empty":
-bool}``, the logs included when both together are at most N bytes, so a client over a
-network brings back an ended attempt's logs in the answer it already waits for instead of a
-second round trip (``output_empty``: the attempt's output folder holds nothing to copy).
+bool, "checkpoint_empty": bool}``, the logs included when both together are at most N bytes,
+so a client over a network brings back an ended attempt's logs in the answer it already waits
+for instead of a second round trip (``output_empty``: the attempt's output folder holds
+nothing to copy; ``checkpoint_empty``: its ``HYPER_CHECKPOINT`` folder holds nothing, so no
+save of it made anything to copy).
 """
 
 import binascii
@@ -371,7 +373,8 @@ class Agent:
         return {"states": states}
 
     def inline(self, attempt_id, limit):
-        """``{"stdout": b64, "stderr": b64, "output_empty": bool}`` of an ended attempt; the
+        """``{"stdout": b64, "stderr": b64, "output_empty": bool, "checkpoint_empty": bool}``
+        of an ended attempt; the
         logs are left out when together they exceed ``limit`` bytes (the client reads them)."""
         d = self.dir(attempt_id)
         out = {}
@@ -391,12 +394,17 @@ class Agent:
                         out[name] = _b64(f.read(limit + 1))
                 except FileNotFoundError:
                     out[name] = ""
-        output = (_read_json(os.path.join(d, "pid")) or {}).get("output")
-        try:
-            with os.scandir(output) as it:
-                out["output_empty"] = next(it, None) is None
-        except (OSError, TypeError):
-            out["output_empty"] = True
+        pid = _read_json(os.path.join(d, "pid")) or {}
+        for key, folder in (("output_empty", pid.get("output")),
+                            ("checkpoint_empty", pid.get("checkpoint"))):
+            if not folder:  # (``os.scandir(None)`` would list the agent's own folder)
+                out[key] = True
+                continue
+            try:
+                with os.scandir(folder) as it:
+                    out[key] = next(it, None) is None
+            except OSError:
+                out[key] = True
         return out
 
     def op_poll(self, req):
@@ -609,7 +617,8 @@ class Agent:
             return self.state(attempt_id)
         _write_json(os.path.join(d, "pid"), {"pid": proc.pid, "started": started,
                                              "image": spec.get("image"),
-                                             "output": spec.get("output")})
+                                             "output": spec.get("output"),
+                                             "checkpoint": (ck or {}).get("dir")})
         self.children[attempt_id] = _Child(attempt_id, d, spec, env, proc, lock, started)
         if self.sample_every > 0:  # OOM kills in the cgroups the task starts in count
             if self.own_cgroups is None:

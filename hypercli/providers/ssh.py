@@ -431,8 +431,10 @@ class SSHSession:
         (file:// storage only; the first success of a task wins), come in one tar stream
         over a second exec. Raises NodeError."""
         ids = [a for a, st in states.items() if st["state"] != "unknown"]
-        if ids:
-            self.mirror_checkpoints()  # the last save of these attempts, before a retry
+        if any(not (states[a].get("inline") or {}).get("checkpoint_empty") for a in ids):
+            # the last save of these attempts, before a retry; an attempt that wrote nothing
+            # in HYPER_CHECKPOINT saved nothing (one exec per ended batch saved per task)
+            self.mirror_checkpoints()
         if not ids:
             return
         wid = self.wf["id"]
