@@ -19,8 +19,9 @@ exactly when its bytes hash to its name. The rules:
   local sequential read of a chunk that is about to be read anyway (it also warms the page cache).
   A cached file that turns out short while in use (truncated behind our back) is dropped and
   fetched again.
-- **Eviction.** Prefetched chunks no reader has opened yet, then least recently used chunks,
-  are deleted when the cached bytes would exceed
+- **Eviction.** Chunks no reader has touched for ``ACTIVE_WINDOW`` s (least recently used
+  first), then read-ahead no reader has opened yet, then the chunks readers are in, are
+  deleted when the cached bytes would exceed
   ``max_bytes`` or the cache's disk would have less than ``min_free_bytes`` free. A chunk in
   use (``acquire``-d and not yet ``release``-d, or being read) is never evicted: when every chunk
   is in use the cap is exceeded until one is released. Files of other datasets found in
@@ -415,8 +416,9 @@ class ChunkCache:
             _unlink(self.dir / e.sha)
 
     def _make_room(self, keep: _Entry | None, spare_unopened: bool = False) -> None:
-        """Evict chunks not in use until under the cap with min_free_bytes free: prefetched
-        chunks no reader has opened first, then least recently used. Under the lock.
+        """Evict chunks not in use until under the cap with min_free_bytes free: chunks read
+        past first (untouched for ACTIVE_WINDOW s, least recently used first), then
+        read-ahead not yet opened, then the chunks readers are in. Under the lock.
         ``self._bytes`` already counts a download being reserved. ``spare_unopened``: chunks
         prefetched and not yet opened stay (room made for a prefetch)."""
         need = keep.size if keep is not None else 0
@@ -437,10 +439,13 @@ class ChunkCache:
             self.evictions += 1
         if not over():
             return
-        # read-ahead no reader has opened yet goes first (it is a guess), then LRU order
-        order = [sha for sha, v in self._lru.items() if not v.opened] if not spare_unopened \
-            else []
-        for sha in order + list(self._lru):
+        # first chunks no reader has touched for ACTIVE_WINDOW s (read past, LRU order), then
+        # read-ahead no reader has opened yet (a guess), then chunks readers are in
+        idle_since = time.monotonic() - ACTIVE_WINDOW
+        idle, ahead, active = [], [], []
+        for sha, v in self._lru.items():
+            (ahead if not v.opened else idle if v.used < idle_since else active).append(sha)
+        for sha in idle + ([] if spare_unopened else ahead) + active:
             if not over():
                 return
             v = self._lru.get(sha)
