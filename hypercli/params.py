@@ -21,6 +21,7 @@ Pure functions, no I/O.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import random
@@ -174,7 +175,12 @@ def sample(params: dict[str, ParamSpec], *, sampling: str = "grid",
     rng = random.Random(seed)
     discrete = [(k, p.values) for k, p in params.items() if isinstance(p, Discrete)]
     total = grid_size(params)
-    combos = [_combination(discrete, i) for i in _discrete_indices(total, n, sampling, rng)]
+    indices = _discrete_indices(total, n, sampling, rng)
+    if total <= n:  # each combination is built once and shared by the draws that pick it
+        table = [_combination(discrete, i) for i in range(total)]
+        combos = [table[i] for i in indices]
+    else:
+        combos = [_combination(discrete, i) for i in indices]
     ranges = {k: _continuous_draws(p, n, sampling, rng)
               for k, p in params.items() if isinstance(p, Continuous)}
     order = list(params)
@@ -212,10 +218,39 @@ def render(template: str, values: dict[str, Scalar], *, quote: bool = True) -> s
     Raises:
         KeyError: a placeholder has no value (the recipe check reports this earlier).
     """
-    def sub(m: re.Match) -> str:
-        text = format_value(values[m.group(1)])
-        return shlex.quote(text) if quote else text
-    return PLACEHOLDER.sub(sub, template)
+    out = []
+    for part in _template(template):
+        if part.__class__ is str:
+            out.append(part)
+        else:
+            out.append(_quoted(values[part[0]]) if quote else format_value(values[part[0]]))
+    return "".join(out)
+
+
+@functools.lru_cache(maxsize=256)
+def _template(template: str) -> tuple:
+    """A command split once into literal text (str) and placeholders (``(name,)``), so that
+    rendering 100,000 tasks is a join, not 100,000 regex substitutions."""
+    parts: list = []
+    pos = 0
+    for m in PLACEHOLDER.finditer(template):
+        parts += [template[pos:m.start()], (m.group(1),)]
+        pos = m.end()
+    parts.append(template[pos:])
+    return tuple(p for p in parts if p != "")
+
+
+def _quoted(value: Scalar) -> str:
+    """``shlex.quote(format_value(value))``, remembered for the values that repeat across
+    tasks (discrete ones: strings, ints, booleans); sampled floats are not remembered."""
+    if value.__class__ is float:
+        return shlex.quote(format_value(value))
+    return _quoted_repeating(value.__class__, value)
+
+
+@functools.lru_cache(maxsize=4096)
+def _quoted_repeating(kind: type, value: Scalar) -> str:  # kind: True and 1 are equal keys
+    return shlex.quote(format_value(value))
 
 
 def to_json(values: dict[str, Scalar]) -> str:

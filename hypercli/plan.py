@@ -85,6 +85,10 @@ class Workflow:
     shards: dict = field(default_factory=dict)
 
 
+#: ``json.dumps(x, sort_keys=True)`` without a new encoder per call (same text)
+_DIGEST_JSON = json.JSONEncoder(sort_keys=True)
+
+
 def experiment_seed(seed: int, experiment: str) -> int:
     """The seed of one experiment's draws: 64 bits of SHA-256 over ``"<seed>:<name>"``."""
     h = hashlib.sha256(f"{seed}:{experiment}".encode()).digest()
@@ -143,8 +147,9 @@ def build_plan(recipe: Recipe, shards: dict | None = None) -> Workflow:
             exp_tasks = [dataclasses.replace(t, env={
                 **t.env, "HYPER_SHARD": str(t.params[plan.param]),
                 "HYPER_SHARDS": str(plan.count)}) for t in exp_tasks]
+        encode = _DIGEST_JSON.encode
         for t in exp_tasks:
-            h.update(json.dumps([t.id, t.command, t.env], sort_keys=True).encode())
+            h.update(encode([t.id, t.command, t.env]).encode())
         tasks.extend(exp_tasks)
     return Workflow(recipe.name, tuple(experiments), tuple(tasks), h.hexdigest(),
                     dict(shards or {}))

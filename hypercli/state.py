@@ -359,7 +359,7 @@ class State:
             db.executemany("INSERT INTO tasks (workflow, id, experiment, idx, params, command,"
                            " env, status) VALUES (?,?,?,?,?,?,?, 'pending')",
                            ((wid, t.id, t.experiment, t.index, _dumps(t.params), t.command,
-                             _dumps(t.env)) for t in wf.tasks))
+                             _dumps(t.env) if t.env else "{}") for t in wf.tasks))
             self._event(db, "workflow", f"planned {len(wf.tasks)} tasks", workflow=wid)
         return wid
 
