@@ -152,13 +152,18 @@ def verify(url, jobs, endpoint_url):
               help="Serve in this process until unmounted, or start a daemon and return.")
 @click.option("--allow-other", is_flag=True, help="Let other users (containers) read it.")
 @click.option("--endpoint-url", metavar="URL", help="S3-compatible endpoint.")
-def mount(url, mountpoint, cache_dir, cache_size, foreground, allow_other, endpoint_url):
+@click.option("--warm-entries", type=click.IntRange(min=0), default=100_000,
+              show_default=True, metavar="N",
+              help="Entries listed at mount time, so first reads skip a lookup (0: none).")
+def mount(url, mountpoint, cache_dir, cache_size, foreground, allow_other, endpoint_url,
+          warm_entries):
     """Mount the dataset at URL read-only at MOUNTPOINT (an existing folder)."""
     from hypercli.mount.fusefs import mount as mount_
     from hypercli.state import home
     cache = cache_dir or str(home() / "cache")
     pid = mount_(url, mountpoint, cache_dir=cache, cache_bytes=cache_size << 20,
-                 endpoint_url=endpoint_url, foreground=foreground, allow_other=allow_other)
+                 endpoint_url=endpoint_url, foreground=foreground, allow_other=allow_other,
+                 warm_entries=warm_entries)
     if not foreground:
         click.echo(f"mounted {url} at {mountpoint} (daemon pid {pid}); "
                    f"`hyper data unmount {mountpoint}` ends it")

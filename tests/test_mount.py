@@ -16,6 +16,7 @@ by pid (then SIGTERM, SIGKILL), falls back to ``-uz``, and checks the mount is g
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import random
@@ -424,6 +425,114 @@ def test_synth_tree_equal_and_symlink_and_odd_names(synth_tree, synth_mount):
         os.path.getsize(synth_tree / r) for r in files_of(synth_tree))
 
 
+class _Dirent(ctypes.Structure):  # struct dirent of glibc on 64-bit Linux
+    _fields_ = [("d_ino", ctypes.c_uint64), ("d_off", ctypes.c_int64),
+                ("d_reclen", ctypes.c_uint16), ("d_type", ctypes.c_uint8),
+                ("d_name", ctypes.c_char * 256)]
+
+
+def _listing_with_positions(folder: Path) -> tuple[list[tuple[bytes, int]], object]:
+    """[(name, telldir() before it)] of a folder read with libc's readdir, and a function
+    ``from_pos(pos, n)`` that seekdir()s a fresh stream there and reads n names."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.opendir.restype = ctypes.c_void_p
+    libc.opendir.argtypes = [ctypes.c_char_p]
+    libc.readdir.restype = ctypes.POINTER(_Dirent)
+    libc.readdir.argtypes = [ctypes.c_void_p]
+    libc.telldir.restype = ctypes.c_long
+    libc.telldir.argtypes = [ctypes.c_void_p]
+    libc.seekdir.argtypes = [ctypes.c_void_p, ctypes.c_long]
+    libc.closedir.argtypes = [ctypes.c_void_p]
+
+    def read(d, n=None):
+        out = []
+        while n is None or len(out) < n:
+            pos = libc.telldir(d)
+            ent = libc.readdir(d)
+            if not ent:
+                break
+            out.append((ent.contents.d_name, pos))
+        return out
+
+    d = libc.opendir(os.fsencode(folder))
+    assert d, os.strerror(ctypes.get_errno())
+    try:
+        listing = read(d)
+    finally:
+        libc.closedir(d)
+
+    def from_pos(pos: int, n: int) -> list[bytes]:
+        d = libc.opendir(os.fsencode(folder))
+        try:
+            libc.seekdir(d, pos)
+            return [name for name, _ in read(d, n)]
+        finally:
+            libc.closedir(d)
+    return listing, from_pos
+
+
+def test_listings_carry_attributes_and_warming_spares_every_lookup(mount, tmp_path):
+    """READDIRPLUS: a listing leaves each entry's attributes in the kernel, so stat and the
+    first read of a listed file send no LOOKUP (the daemon's getattr) — over a folder of more
+    entries than one page of the daemon's listing, also read from the middle (seekdir). A new
+    mount lists ``warm_entries`` entries itself: reading every file of a fixed list, never
+    listed by the reader, then asks no LOOKUP either; with a small warm_entries it does."""
+    rng = random.Random(3)
+    src = tmp_path / "src"
+    n = 2 * fusefs.LISTING_PAGE + 300
+    (src / "many").mkdir(parents=True)
+    for i in range(n):
+        (src / "many" / f"x{rng.randrange(10**9):09d}-{i}").write_bytes(
+            rng.randbytes(rng.randrange(0, 64)))
+    (src / "few" / "sub").mkdir(parents=True)
+    for i in range(3):
+        (src / "few" / f"f{i}").write_bytes(b"y" * i)
+    os.chmod(src / "few" / "f1", 0o640)
+    url = "file://" + str(tmp_path / "store")
+    pack.push(src, url, chunk_size=MiB)
+    rels = files_of(src)
+    many = [r for r in rels if r.startswith("many/")]
+    others = [r for r in rels if not r.startswith("many/")]
+
+    def lookups(m):
+        return m.stats()["ops"].get("getattr", {}).get("calls", 0)
+
+    # no warming: a listing (in pages) carries the attributes
+    m = mount(url, "cold", warm_entries=0)
+    names = sorted(os.listdir(m.mp / "many"))
+    assert names == sorted(os.listdir(src / "many"))
+    before = lookups(m)
+    dirs, files = compare_trees(src / "many", m.mp / "many")  # lstat of every entry
+    assert files == n and read_all(m.mp, many) == read_all(src, many)
+    assert lookups(m) == before, "a listed file was looked up again"
+    assert m.stats()["ops"]["readdir_plus"]["calls"] >= 3  # pages of LISTING_PAGE
+    # readdir positions: a stream moved back to the middle of a page goes on from there
+    listing, from_pos = _listing_with_positions(m.mp / "many")
+    assert sorted(nm.decode() for nm, _ in listing if nm not in (b".", b"..")) == names
+    for k in (5, fusefs.LISTING_PAGE + 7, len(listing) - 3):
+        assert from_pos(listing[k][1], 3) == [nm for nm, _ in listing[k:k + 3]], k
+    # files in a folder nobody listed are looked up, one LOOKUP each
+    before = lookups(m)
+    assert read_all(m.mp, others) == read_all(src, others)
+    assert lookups(m) - before >= 3
+
+    # warmed at mount: a fixed list of files, never listed by the reader, costs no LOOKUP
+    w = mount(url, "warm")  # warm_entries: the default, more than this dataset has
+    assert lookups(w) <= 1  # the root's, at mount
+    random.Random(5).shuffle(rels)
+    assert read_all(w.mp, rels) == read_all(src, rels)
+    assert os.stat(w.mp / "few" / "f1").st_mode & 0o777 == 0o640
+    assert lookups(w) <= 1, w.stats()["ops"]
+    assert w.stats()["ops"]["readdir_plus"]["calls"] >= 4
+
+    # warming stops at warm_entries (the kernel has taken the buffer of entries it asked
+    # for: a few hundred here)
+    assert fusefs.warm(w.mp, limit=10) == 10
+    s = mount(url, "small", warm_entries=10)
+    assert read_all(s.mp, rels) == read_all(src, rels)
+    assert lookups(s) >= n // 2
+
+
 # -- read-only ----------------------------------------------------------------------------
 def test_every_write_fails_with_erofs(synth_tree, synth_mount, synth_url, tmp_path, caplog):
     mp = synth_mount.mp
@@ -478,7 +587,7 @@ def test_every_write_fails_with_erofs(synth_tree, synth_mount, synth_url, tmp_pa
         ops.read("/big", 10, 0, 0)
     assert e.value.errno == errno.EISDIR
     # a fault that is not a missing path is EIO, logged with its traceback (never ENOENT)
-    ops.cache.pread = lambda *a: 1 // 0
+    ops.cache.read = lambda *a: 1 // 0
     with pytest.raises(OSError) as e:
         ops.read("/big/b-1m", 10, 0, 0)
     assert e.value.errno == errno.EIO

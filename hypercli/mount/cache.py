@@ -244,6 +244,34 @@ class ChunkCache:
         finally:
             self.release(seq)
 
+    def read(self, seq: int, offset: int, length: int) -> bytes:
+        """:meth:`acquire`, :meth:`pread` and :meth:`release` in one: the bytes a program
+        reads, counted as a hit or a miss, the chunk held while they are read (never
+        evicted under the read), its read-ahead started on its first read.
+
+        Raises:
+            ChunkError: as :meth:`pread`.
+        """
+        e = self._entry(seq)
+        with self._lock:
+            e.refs += 1
+            e.used = time.monotonic()
+            if e.state == _READY and e.verified:
+                self.hits += 1
+                self._lru.move_to_end(e.sha)
+            else:
+                self.misses += 1
+            first, e.opened = not e.opened, True
+        try:
+            if first:
+                self._prefetch_after(seq)
+            return self._pread_held(e, seq, offset, length)
+        finally:
+            with self._lock:
+                self._unref(e)
+                if e.refs == 0 and self._bytes > self.max_bytes:
+                    self._make_room(None)
+
     def pread(self, seq: int, offset: int, length: int) -> bytes:
         """``length`` bytes at ``offset`` of chunk ``seq`` (fewer only past the chunk's end).
 
@@ -254,25 +282,29 @@ class ChunkCache:
             ChunkError: as :meth:`acquire`, or the file is short twice.
         """
         e = self._entry(seq)
-        length = max(0, min(length, e.size - offset))
         with self._lock:
             e.refs += 1
         try:
-            for _ in range(2):
-                while (fd := e.fd if e.state == _READY and e.verified else None) is None:
-                    self._ensure(e, seq)
-                data = os.pread(fd, length, offset)
-                if len(data) == length:
-                    return data
-                self._drop(e, f"{len(data)} bytes at offset {offset} where {length} were "
-                              "expected (file truncated?)")
-            with self._lock:
-                self.errors += 1
-            raise ChunkError(f"{self.store.url}/chunks/{e.sha}: cached copy keeps coming "
-                             "back short")
+            return self._pread_held(e, seq, offset, length)
         finally:
             with self._lock:
                 self._unref(e)
+
+    def _pread_held(self, e: _Entry, seq: int, offset: int, length: int) -> bytes:
+        """pread of chunk e, whose ref the caller holds."""
+        length = max(0, min(length, e.size - offset))
+        for _ in range(2):
+            while (fd := e.fd if e.state == _READY and e.verified else None) is None:
+                self._ensure(e, seq)
+            data = os.pread(fd, length, offset)
+            if len(data) == length:
+                return data
+            self._drop(e, f"{len(data)} bytes at offset {offset} where {length} were "
+                          "expected (file truncated?)")
+        with self._lock:
+            self.errors += 1
+        raise ChunkError(f"{self.store.url}/chunks/{e.sha}: cached copy keeps coming "
+                         "back short")
 
     def stats(self) -> dict:
         """The counters (see the class docstring) and cache state, JSON-ready: also

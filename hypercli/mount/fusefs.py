@@ -16,7 +16,13 @@ lookups cached for an hour: the data is immutable, so nothing the kernel caches 
 ``open`` answers ENOSYS, once: the kernel then stops sending opens (and releases) for the life
 of the mount and keeps each file's page cache across opens (``no_open``, Linux 4.19+:
 ``fuse_file_open`` in fs/fuse/file.c), so a file read again costs no request to this daemon.
+Listings are answered with every entry's attributes (READDIRPLUS), and a new mount lists its
+first ``WARM_ENTRIES`` entries itself (:func:`warm`): the kernel then knows those names and
+sizes, and the first read of a file is one request (READ) instead of two (LOOKUP, READ). With
+a reader on one core and this daemon on the other, a request's round trip costs ~25-30 µs of
+wake-ups on this kind of VM (bench/RESULTS.md §4), more than the handlers' own work.
 Reads find a file's layout by path, and each read holds the chunks it reads for its duration.
+The calls of every operation and the time spent in them are counted (:meth:`ChunkFS.stats`).
 (``opendir`` is not answered the same way: libfuse's high-level readdir needs the handle its
 own opendir makes.)
 
@@ -62,7 +68,14 @@ log = logging.getLogger("hypercli.mount")
 
 STATS_XATTR = "user.hypercli.stats"  # on the mount's root: the cache counters, as JSON
 CACHE_TIMEOUT = 3600.0  # s the kernel keeps attributes, entries and misses (data is immutable)
-LAYOUTS = 4096  # file layouts (segment lists) kept for reads by path
+NODES = 16384  # paths whose entry and layout the daemon keeps (LOOKUP, then READ, by path)
+LISTING_PAGE = 1024  # entries of a folder read from the index at once for READDIRPLUS
+LISTING_FOLDERS = 64  # folders whose current READDIRPLUS page is kept
+#: entries a new mount lists at once (READDIRPLUS), so the kernel knows them before a program
+#: asks: a file first read then costs one request (READ), not two (LOOKUP, READ). ~1 KiB of
+#: reclaimable kernel memory (dentry, inode) and ~0.1 KiB of the daemon's (libfuse's node)
+#: each; listing 100,000 takes ~0.6 s (bench/RESULTS.md §4)
+WARM_ENTRIES = 100_000
 MAX_THREADS = 64       # libfuse worker threads: concurrent requests (most wait on downloads)
 MAX_IDLE_THREADS = 64  # kept when idle, with their Python thread states (_keep_thread_state)
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
@@ -97,9 +110,12 @@ def _op(fn):
     """Run a FUSE handler: chosen errnos pass; a store or chunk failure is logged and becomes
     EIO; anything unexpected is logged with its traceback and becomes EIO (never the silent
     ENOENT or EINVAL of the binding)."""
+    name = fn.__name__
+
     @functools.wraps(fn)
     def handler(self, path, *args):
         _keep_thread_state()
+        t0 = time.perf_counter_ns()
         try:
             return fn(self, path, *args)
         except _Errno:
@@ -110,6 +126,14 @@ def _op(fn):
         except Exception:
             log.exception("%s %s failed", fn.__name__, path)
             raise _Errno(errno.EIO, path) from None
+        finally:
+            dt = time.perf_counter_ns() - t0
+            with self._ops_lock:
+                c = self._ops.get(name)
+                if c is None:
+                    c = self._ops[name] = [0, 0]
+                c[0] += 1
+                c[1] += dt
     return handler
 
 
@@ -120,15 +144,16 @@ def _read_only(fn):
     return handler
 
 
-class _Handle:
-    """A file's layout: its segments (chunk, offset in chunk, length) and their starts."""
+class _Node:
+    """What the daemon keeps of a path it was asked about: its index entry, and a file's
+    layout (segments: chunk, offset in chunk, length; ``starts``: each segment's offset in
+    the file)."""
 
-    __slots__ = ("path", "size", "starts", "segs")
+    __slots__ = ("entry", "starts", "segs")
 
-    def __init__(self, path: str, size: int, segments: list[tuple[int, int, int]]):
-        self.path, self.size = path, size
+    def __init__(self, entry, segments: list[tuple[int, int, int]]):
+        self.entry, self.segs = entry, segments
         self.starts: list[int] = []
-        self.segs = segments
         pos = 0
         for _, _, length in segments:
             self.starts.append(pos)
@@ -142,7 +167,10 @@ class ChunkFS:
         index: the dataset's :class:`~hypercli.mount.index.Index`.
         cache: a :class:`~hypercli.mount.cache.ChunkCache` over the index's chunks.
         uid, gid: owner reported for every entry (default: this process's).
-    Each read holds the chunks it reads for its duration (never evicted under it).
+    Each read holds the chunks it reads for its duration (never evicted under it). A path's
+    entry and layout come from one index query and are kept (``NODES`` paths, least recently
+    used dropped), so the READ that follows a LOOKUP asks the index nothing. Counters of
+    every operation (calls, time spent) are in :meth:`stats`.
     """
 
     use_ns = True
@@ -153,22 +181,48 @@ class ChunkFS:
         self.uid = os.getuid() if uid is None else uid
         self.gid = os.getgid() if gid is None else gid
         self.files, self.dirs, self.bytes = index.count()
-        self._layouts: OrderedDict[str, _Handle] = OrderedDict()  # path → layout, LRU
-        self._layouts_lock = threading.Lock()
+        self._nodes: OrderedDict[str, _Node] = OrderedDict()  # path → node, LRU
+        self._nodes_lock = threading.Lock()
         self.started = False
+        self.on_start = None  # called once mounted (from libfuse's init)
         self.open_calls = 0  # opens that reached this daemon (the kernel stops after one)
+        self._ops: dict[str, list[int]] = {}  # FUSE operation → [calls, ns spent in it]
+        self._ops_lock = threading.Lock()
+        # READDIRPLUS pages: folder → (offset of the page's first entry, [(name, attrs)])
+        self._pages: OrderedDict[str, tuple[int, list]] = OrderedDict()
+
+    def stats(self) -> dict:
+        """The chunk cache's counters (:meth:`ChunkCache.stats`), ``open_calls`` and ``ops``:
+        {FUSE operation: {"calls": n, "us": µs spent in this daemon's handler}} (the kernel's
+        and libfuse's share of a request is not in ``us``)."""
+        with self._ops_lock:
+            ops = {k: {"calls": c, "us": round(t / 1000)} for k, (c, t) in self._ops.items()}
+        return dict(self.cache.stats(), open_calls=self.open_calls, ops=ops)
 
     # -- helpers ------------------------------------------------------------------------
-    def _entry(self, path: str):
+    def _node(self, path: str) -> _Node:
+        with self._nodes_lock:
+            n = self._nodes.get(path)
+            if n is not None:
+                self._nodes.move_to_end(path)
+                return n
         rel = path.strip("/")
         try:
             rel.encode("utf-8")
         except UnicodeEncodeError:  # a name the dataset cannot hold
             raise _Errno(errno.ENOENT, path) from None
-        e = self.index.stat(rel)
-        if e is None:
+        found = self.index.lookup(rel)
+        if found is None:
             raise _Errno(errno.ENOENT, path)
-        return e
+        n = _Node(*found)
+        with self._nodes_lock:
+            self._nodes[path] = n
+            if len(self._nodes) > NODES:
+                self._nodes.popitem(last=False)
+        return n
+
+    def _entry(self, path: str):
+        return self._node(path).entry
 
     def _attrs(self, e) -> dict:
         ns = int(round(e.mtime * 1e9))
@@ -199,6 +253,47 @@ class ChunkFS:
         return out
 
     @_op
+    def readdir_plus(self, path: str, offset: int) -> tuple[int, list]:
+        """A page of a folder's listing for READDIRPLUS: (offset of its first entry,
+        [(name as bytes, attrs)]) holding the entry at ``offset`` (0 is ``.``, 1 ``..``, then
+        the children by name), every child's attributes whole; empty past the end. The
+        kernel asks for a listing in pieces, by offset: the folder's last page is kept and
+        the next one is read after its last name (``LISTING_PAGE`` entries a page)."""
+        with self._nodes_lock:
+            page = self._pages.get(path)
+        if page is not None:
+            first, entries = page
+            if first <= offset < first + len(entries) or (not entries and offset >= first):
+                return page
+        e = self._entry(path)
+        if e.kind != "d":
+            raise _Errno(errno.ENOTDIR, path)
+        if offset < 2:
+            first, entries = 0, [(b".", {"st_mode": stat.S_IFDIR}),
+                                 (b"..", {"st_mode": stat.S_IFDIR})]
+            kids = self.index.listdir(e.path, limit=LISTING_PAGE)
+        else:
+            first, entries = offset, []
+            after = None
+            if page is not None and page[1] and offset == page[0] + len(page[1]):
+                after = page[1][-1][0].decode()  # the next page, by name
+                if after in (".", ".."):
+                    after = None
+            if after is not None:
+                kids = self.index.listdir(e.path, after=after, limit=LISTING_PAGE)
+            else:
+                kids = self.index.listdir(e.path, offset=offset - 2, limit=LISTING_PAGE)
+        for c in kids:
+            entries.append((c.path.rsplit("/", 1)[-1].encode(), self._attrs(c)))
+        page = (first, entries)
+        with self._nodes_lock:
+            self._pages[path] = page
+            self._pages.move_to_end(path)
+            if len(self._pages) > LISTING_FOLDERS:
+                self._pages.popitem(last=False)
+        return page
+
+    @_op
     def access(self, path: str, amode: int) -> int:
         self._entry(path)
         if amode & os.W_OK:
@@ -213,46 +308,27 @@ class ChunkFS:
         self.open_calls += 1
         raise _Errno(errno.ENOSYS, path)
 
-    def _layout(self, path: str) -> _Handle:
-        with self._layouts_lock:
-            h = self._layouts.get(path)
-            if h is not None:
-                self._layouts.move_to_end(path)
-                return h
-        e = self._entry(path)
-        if e.kind == "d":
-            raise _Errno(errno.EISDIR, path)
-        if e.kind != "f":
-            raise _Errno(errno.ELOOP, path)
-        h = _Handle(path, e.size, self.index.segments(e.path))
-        with self._layouts_lock:
-            self._layouts[path] = h
-            while len(self._layouts) > LAYOUTS:
-                self._layouts.popitem(last=False)
-        return h
-
     @_op
     def read(self, path: str, size: int, offset: int, fh: int) -> bytes:
-        h = self._layout(path)
-        end = min(offset + size, h.size)
+        n = self._node(path)
+        e = n.entry
+        if e.kind != "f":
+            raise _Errno(errno.EISDIR if e.kind == "d" else errno.ELOOP, path)
+        end = min(offset + size, e.size)
         out = []
-        i = max(0, bisect_right(h.starts, offset) - 1)
-        while offset < end and i < len(h.segs):
-            seq, coff, length = h.segs[i]
-            start = h.starts[i]
-            n = min(end, start + length) - offset
-            if n > 0:
-                self.cache.acquire(seq)  # held for this read: never evicted under it
-                try:
-                    data = self.cache.pread(seq, coff + offset - start, n)
-                finally:
-                    self.cache.release(seq)
-                if len(data) != n:
-                    raise StoreError(f"chunk {seq} ends before {h.path}")
+        i = max(0, bisect_right(n.starts, offset) - 1)
+        while offset < end and i < len(n.segs):
+            seq, coff, length = n.segs[i]
+            start = n.starts[i]
+            k = min(end, start + length) - offset
+            if k > 0:
+                data = self.cache.read(seq, coff + offset - start, k)  # holds the chunk
+                if len(data) != k:
+                    raise StoreError(f"chunk {seq} ends before {e.path}")
                 out.append(data)
-                offset += n
+                offset += k
             i += 1
-        return b"".join(out)
+        return out[0] if len(out) == 1 else b"".join(out)
 
     @_op
     def statfs(self, path: str) -> dict:
@@ -263,7 +339,7 @@ class ChunkFS:
     @_op
     def getxattr(self, path: str, name: str, position: int = 0) -> bytes:
         if name == STATS_XATTR and path == "/":
-            return json.dumps(dict(self.cache.stats(), open_calls=self.open_calls),
+            return json.dumps(self.stats(),
                               separators=(",", ":")).encode()
         self._entry(path)
         raise _Errno(errno.ENODATA, path)
@@ -273,8 +349,19 @@ class ChunkFS:
         self._entry(path)
         return []
 
-    def init(self, path: str) -> None:
-        self.started = True  # mounted and serving: a later non-zero exit is a signal's
+    def init_with_config(self, conn, config) -> None:
+        """Mounted and serving (a later non-zero exit is a signal's). Every listing is asked
+        with READDIRPLUS, not only a folder's first piece (``FUSE_CAP_READDIRPLUS_AUTO`` off:
+        the kernel's ``fuse_use_readdirplus``), and symlink targets stay in the page cache
+        (``FUSE_CAP_CACHE_SYMLINKS``, Linux 4.20+); both only where the kernel offers them."""
+        self.started = True
+        if self.on_start is not None:
+            self.on_start()
+        if conn is not None:
+            if conn.capable & _CAP_READDIRPLUS:
+                conn.want = (conn.want | _CAP_READDIRPLUS) & ~_CAP_READDIRPLUS_AUTO
+            if conn.capable & _CAP_CACHE_SYMLINKS:
+                conn.want |= _CAP_CACHE_SYMLINKS
 
     def destroy(self, path: str) -> None:
         self.cache.close()
@@ -367,7 +454,7 @@ def mount(url: str, mountpoint: str | os.PathLike, *, cache_dir: str | os.PathLi
           cache_bytes: int, endpoint_url: str | None = None, foreground: bool = True,
           min_free_bytes: int = GiB, prefetch: int = 2, jobs: int = 4,
           allow_other: bool = False, log_file: str | os.PathLike | None = None,
-          timeout: float = 60.0) -> int:
+          timeout: float = 60.0, warm_entries: int = WARM_ENTRIES) -> int:
     """Mount the dataset at ``url`` read-only at ``mountpoint``.
 
     Args:
@@ -385,6 +472,8 @@ def mount(url: str, mountpoint: str | os.PathLike, *, cache_dir: str | os.PathLi
         allow_other: let other users (containers) read the mount (kernel-checked modes).
         log_file: the daemon's log (default ``cache_dir/mount.log``).
         timeout: seconds to wait for the daemon's mount.
+        warm_entries: entries listed as soon as the mount is up (:func:`warm`; 0: none); a
+            daemon mount returns once they are, a foreground one lists them in a thread.
     Returns:
         0 after a foreground mount ends; the daemon's pid otherwise.
     Raises:
@@ -403,7 +492,7 @@ def mount(url: str, mountpoint: str | os.PathLike, *, cache_dir: str | os.PathLi
             _log_to(sys.stderr)  # a foreground mount's reasons for EIO go to the terminal
         serve(store, index, mp, cache_dir=cache, cache_bytes=cache_bytes,
               min_free_bytes=min_free_bytes, prefetch=prefetch, jobs=jobs,
-              allow_other=allow_other)
+              allow_other=allow_other, warm_entries=warm_entries)
         return 0
     log_path = Path(log_file).absolute() if log_file else cache / "mount.log"
     cmd = [sys.executable, "-m", "hypercli.mount.fusefs", url, mp, "--cache-dir", str(cache),
@@ -431,7 +520,35 @@ def mount(url: str, mountpoint: str | os.PathLike, *, cache_dir: str | os.PathLi
             raise InfraError(f"mounting {url} at {mp} failed: {tail or 'no reason logged'}",
                              f"the daemon's log is {log_path}")
         time.sleep(0.02)
+    if warm_entries > 0:
+        warm(mp, warm_entries)
     return proc.pid
+
+
+def warm(mountpoint: str | os.PathLike, limit: int = WARM_ENTRIES) -> int:
+    """List a mount's folders, breadth first, until ``limit`` entries are listed; returns
+    how many were (the kernel may have taken a few hundred more: it asks for a listing a
+    buffer at a time). Each listing is a READDIRPLUS (see :func:`_fuse_class`), which leaves
+    every entry's name and attributes in the kernel's caches for the life of the mount (the
+    ``CACHE_TIMEOUT``), so the first open of a listed file sends no LOOKUP to the daemon.
+    The kernel may reclaim them under memory pressure (then a LOOKUP asks again). Errors (an
+    unreadable folder, a mount going away) end the walk; nothing is raised."""
+    done, todo = 0, [os.path.abspath(mountpoint)]
+    try:
+        while todo and done < limit:
+            nxt = []
+            for folder in todo:
+                with os.scandir(folder) as it:
+                    for de in it:
+                        done += 1
+                        if de.is_dir(follow_symlinks=False):
+                            nxt.append(de.path)
+                        if done >= limit:
+                            return done
+            todo = nxt
+    except OSError as e:
+        log.info("warming %s stopped after %d entries: %s", mountpoint, done, e)
+    return done
 
 
 def _tail(path: Path, start: int, lines: int = 5) -> str:
@@ -465,12 +582,62 @@ def load_mfusepy():
     return mfusepy
 
 
+@functools.lru_cache(maxsize=None)
+def _fuse_class(mfusepy):
+    """mfusepy's FUSE, answering READDIRPLUS with every entry's attributes.
+
+    The kernel asks for listings with READDIRPLUS (see :meth:`ChunkFS.init_with_config`);
+    entries given with ``FUSE_FILL_DIR_PLUS`` and a whole ``struct stat`` become dentries and
+    attributes in the kernel's caches for ``entry_timeout`` and ``attr_timeout`` (libfuse's
+    high-level ``fill_dir_plus`` makes their nodes without asking ``getattr``), so reading the
+    files of a listed folder costs no LOOKUP. mfusepy 3.1 passes only the mode (its
+    ``readdir_fuse_3`` leaves this as a TODO). Entries go with their offsets (the next
+    entry's position), a kernel buffer at a time: given all at offset 0, libfuse 3.14 keeps
+    the listing itself and sends it with inode 0, which tells the kernel to drop the
+    attributes (``readdir_fill_from_list`` in lib/fuse.c). libfuse 3.14 counts a lookup for
+    the entry that does not fit in a buffer, which the kernel never forgets: one node of
+    libfuse's (~100 bytes) per request is kept until unmount.
+    """
+    c_stat, set_st_attrs = mfusepy.c_stat, mfusepy.set_st_attrs
+
+    class FUSE(mfusepy.FUSE):
+        def readdir_fuse_3(self, path, buf, filler, offset, fip, flags):
+            if not flags & _READDIR_PLUS:
+                return super().readdir_fuse_3(path, buf, filler, offset, fip, flags)
+            folder = path.decode(self.encoding, self.errors)
+            st = c_stat()
+            size = ctypes.sizeof(c_stat)
+            while True:
+                first, entries = self.operations.readdir_plus(folder, offset)
+                if offset >= first + len(entries):
+                    return 0  # past the end
+                for i in range(offset - first, len(entries)):
+                    name, attrs = entries[i]
+                    ctypes.memset(ctypes.byref(st), 0, size)
+                    set_st_attrs(st, attrs, use_ns=True)
+                    plus = _FILL_DIR_PLUS if "st_size" in attrs else 0
+                    offset = first + i + 1  # the next entry's offset
+                    if filler(buf, name, st, offset, plus) != 0:
+                        return 0  # the kernel's buffer is full
+
+    return FUSE
+
+
+_READDIR_PLUS = 1    # enum fuse_readdir_flags: FUSE_READDIR_PLUS (libfuse 3 fuse.h)
+_FILL_DIR_PLUS = 2   # enum fuse_fill_dir_flags: FUSE_FILL_DIR_PLUS
+_CAP_READDIRPLUS = 1 << 13       # libfuse 3 fuse_common.h
+_CAP_READDIRPLUS_AUTO = 1 << 14
+_CAP_CACHE_SYMLINKS = 1 << 23
+
+
 def serve(store, index: Index, mountpoint: str, *, cache_dir: str | os.PathLike,
           cache_bytes: int, min_free_bytes: int = GiB, prefetch: int = 2, jobs: int = 4,
-          allow_other: bool = False) -> None:
+          allow_other: bool = False, warm_entries: int = 0) -> None:
     """Serve an opened dataset at mountpoint in this process until it is unmounted.
 
-    Chunks go to ``cache_dir/chunks``. Raises InfraError when libfuse fails to mount.
+    Chunks go to ``cache_dir/chunks``; ``warm_entries`` > 0: a thread lists that many
+    entries (:func:`warm`) once the mount is up. Raises InfraError when libfuse fails to
+    mount.
     """
     mfusepy = load_mfusepy()
     cache = ChunkCache(store, index.chunk_list, Path(cache_dir) / "chunks",
@@ -486,8 +653,12 @@ def serve(store, index: Index, mountpoint: str, *, cache_dir: str | os.PathLike,
         opts["allow_other"] = True
     log.info("serving %s at %s (cache %s, cap %d bytes)", store.url, mountpoint, cache_dir,
              cache_bytes)
+    if warm_entries > 0:
+        ops.on_start = lambda: threading.Thread(
+            target=warm, args=(mountpoint, warm_entries), name="hyper-warm",
+            daemon=True).start()
     try:
-        mfusepy.FUSE(ops, os.path.abspath(mountpoint), **opts)
+        _fuse_class(mfusepy)(ops, os.path.abspath(mountpoint), **opts)
     except RuntimeError as e:  # libfuse's non-zero exit: failed to mount, or a signal ended it
         if not ops.started:
             raise InfraError(f"{mountpoint}: FUSE failed to mount {store.url} (libfuse "

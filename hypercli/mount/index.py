@@ -124,11 +124,31 @@ class Index:
             r = db.execute(f"SELECT {self._COLS} FROM files WHERE path=?", (path,)).fetchone()
         return Entry(*r) if r else None
 
-    def listdir(self, path: str) -> list[Entry]:
-        """Entries directly inside a folder, by name."""
+    def lookup(self, path: str) -> tuple[Entry, list[tuple[int, int, int]]] | None:
+        """(entry, segments) at a relative path in one query, or None; segments as
+        :meth:`segments` (empty for folders, symlinks and empty files)."""
         with self._db() as db:
-            rows = db.execute(f"SELECT {self._COLS} FROM files WHERE parent=? AND path!='' "
-                              "ORDER BY name", (path,)).fetchall()
+            rows = db.execute(
+                "SELECT f.path, f.kind, f.size, f.mode, f.mtime, f.sha256, f.target, s.chunk, "
+                "s.offset, s.length FROM files f LEFT JOIN segments s ON s.path = f.path "
+                "WHERE f.path=? ORDER BY s.seq", (path,)).fetchall()
+        if not rows:
+            return None
+        return Entry(*rows[0][:7]), [r[7:] for r in rows if r[7] is not None]
+
+    def listdir(self, path: str, *, after: str | None = None, offset: int = 0,
+                limit: int = -1) -> list[Entry]:
+        """Entries directly inside a folder, by name: those whose name sorts after ``after``
+        (a page's last name; the index's ``(parent, name)`` order), else from the
+        ``offset``-th; at most ``limit`` (-1: all)."""
+        where, args = "parent=? AND path!=''", [path]
+        if after is not None:
+            where += " AND name>?"
+            args.append(after)
+        with self._db() as db:
+            rows = db.execute(f"SELECT {self._COLS} FROM files WHERE {where} ORDER BY name "
+                              "LIMIT ? OFFSET ?", (*args, limit, 0 if after else offset)
+                              ).fetchall()
         return [Entry(*r) for r in rows]
 
     def files_in_pack_order(self) -> list[tuple[str, int]]:
