@@ -966,6 +966,128 @@ def bench_parallel(a, server: Server, src: str, files, prefixes: dict, results: 
     server.delay(0)
 
 
+def _pin(pid: int, cpu: int | None) -> None:
+    """Pin every thread of a process to one CPU (None: all CPUs)."""
+    cpus = set(range(os.cpu_count() or 1)) if cpu is None else {cpu}
+    for t in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(t), cpus)
+        except OSError:
+            pass
+
+
+def bench_roundtrip(a, server: Server, prefixes: dict, results: dict) -> None:
+    """2c: what one request to the mount's daemon costs, by where the reader and the daemon
+    run: ``os.getxattr`` of a missing attribute on a folder of the mount (one request whose
+    handler does a dict lookup), 20,000 times; the same on local disk for reference."""
+    n = 20_000
+    cpus = os.cpu_count() or 1
+    print(f"\n-- 2c. one request's round trip: {n:,} getxattr of a missing attribute, reader "
+          f"and daemon on the same CPU, on different CPUs, and unpinned --")
+    cache_dir = tmpdir("bench-cache-")
+    m = open_side("hyper", server, prefixes, "", cache_dir)
+    out = {}
+    me = os.getpid()
+    try:
+        folder = os.path.join(m.mp, os.listdir(m.mp)[0])
+        for label, reader, daemon in (("same CPU", 0, 0), ("other CPU", 0, min(1, cpus - 1)),
+                                      ("unpinned", None, None)):
+            _pin(m.pid, daemon)
+            _pin(me, reader)
+            before = m.stats()["ops"].get("getxattr", {"calls": 0, "us": 0})
+            t0 = time.perf_counter()
+            for _ in range(n):
+                try:
+                    os.getxattr(folder, "user.none")
+                except OSError:
+                    pass
+            dt = time.perf_counter() - t0
+            after = m.stats()["ops"]["getxattr"]
+            handler = (after["us"] - before["us"]) / max(1, after["calls"] - before["calls"])
+            out[label] = {"us": dt / n * 1e6, "handler_us": handler}
+            print(f"   {label:9s} {dt / n * 1e6:6.1f} µs a request ({handler:.1f} µs of it in "
+                  f"the handler)")
+    finally:
+        _pin(me, None)
+        m.close()
+        shutil.rmtree(cache_dir, ignore_errors=True)
+    local = tmpdir("bench-rt-local-")
+    t0 = time.perf_counter()
+    for _ in range(n):
+        try:
+            os.getxattr(local, "user.none")
+        except OSError:
+            pass
+    out["local disk"] = {"us": (time.perf_counter() - t0) / n * 1e6}
+    print(f"   local disk {out['local disk']['us']:5.1f} µs a getxattr (no daemon)")
+    results["roundtrip"] = out
+
+
+def bench_warm(a, server: Server, results: dict) -> None:
+    """2d: the cost of warming at mount: a dataset of ``a.warm_files`` empty files in folders
+    of 1,000, mounted with ``warm_entries=0`` and with the default (which lists them all):
+    mount time, kernel slab memory added (``Slab`` of /proc/meminfo), and, against it, a cold
+    ``os.scandir`` walk of the same tree on local disk (page cache dropped)."""
+    from hypercli.mount import fusefs, pack
+    src = tmpdir("bench-warm-src-")
+    n = a.warm_files
+    for i in range(n):
+        d = os.path.join(src, f"f{i // 1000:04d}")
+        if i % 1000 == 0:
+            os.mkdir(d)
+        open(os.path.join(d, f"e{i:07d}"), "wb").close()
+    prefix = f"warm-{int(time.time())}"
+    pack.push(src, f"s3://{BUCKET}/{prefix}", endpoint_url=server.endpoint)
+    print(f"\n-- 2d. warming at mount: {n:,} entries in folders of 1,000 --")
+
+    def slab() -> int:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("Slab:"):
+                    return int(line.split()[1]) * 1024
+        return 0
+    out = {}
+    for label, entries in (("warm_entries=0", 0), (f"warm_entries={fusefs.WARM_ENTRIES:,}",
+                                                    fusefs.WARM_ENTRIES)):
+        cache_dir = tmpdir("bench-cache-")
+        url = f"s3://{BUCKET}/{prefix}"
+        kw = dict(cache_dir=cache_dir, cache_bytes=1 << 30, endpoint_url=server.endpoint,
+                  foreground=False)
+        mp0 = tmpdir("bench-mnt-warm-")  # a first mount fetches the index (not timed)
+        Mount(mp0, fusefs.mount(url, mp0, warm_entries=0, **kw)).close()
+        for _ in range(2):  # slab objects are freed after an RCU grace period
+            drop_caches()
+            time.sleep(1.0)
+        s0 = slab()
+        mp_ = tmpdir("bench-mnt-warm-")
+        t0 = time.perf_counter()
+        pid = fusefs.mount(url, mp_, warm_entries=entries, **kw)
+        dt = time.perf_counter() - t0
+        m = Mount(mp_, pid)
+        grown = slab() - s0
+        ops = fusefs.mount_stats(mp_)["ops"]
+        m.close()
+        shutil.rmtree(cache_dir, ignore_errors=True)
+        out[label] = {"mount_s": dt, "slab_bytes": grown, "ops": ops}
+        print(f"   hyper mount, {label:22s} {dt:6.2f} s  kernel slab +{grown / 2**20:6.1f} MiB "
+              f"({grown / n:5.0f} bytes an entry)")
+    drop_caches()
+    t0 = time.perf_counter()
+    k = 0
+    for d in sorted(os.listdir(src)):
+        with os.scandir(os.path.join(src, d)) as it:
+            k += sum(1 for _ in it)
+    out["local cold walk"] = {"s": time.perf_counter() - t0, "entries": k}
+    print(f"   local disk, os.scandir of every folder, cold: "
+          f"{out['local cold walk']['s']:.2f} s")
+    extra = out[f"warm_entries={fusefs.WARM_ENTRIES:,}"]["mount_s"] - out["warm_entries=0"][
+        "mount_s"]
+    print(f"   warming {n:,} entries adds {extra:.2f} s to the mount "
+          f"({extra / n * 1e6:.1f} µs an entry)")
+    results["warm"] = out
+    shutil.rmtree(src, ignore_errors=True)
+
+
 # -------------------------------------------------------------------- bench 3: sweep
 
 def bench_sweep(a, results: dict) -> None:
@@ -1080,6 +1202,7 @@ def main() -> int:
         max(5, caps[delay] // 2)
     a.sweep_delay = 0.02
     a.par_threads, a.par_cap = 8, (10 if not a.full else 60)
+    a.warm_files = 20_000 if a.quick else 100_000
     if os.geteuid() != 0:
         print("warning: not root: FUSE mounts and drop_caches may fail", file=sys.stderr)
     for tool in ("s3fs", "rclone", "fusermount", "fusermount3"):
@@ -1142,6 +1265,9 @@ def main() -> int:
                 bench_epochs(a, server, src, files, prefixes, results)
                 if a.par_threads > 1:
                     bench_parallel(a, server, src, files, prefixes, results)
+                if "hyper" in a.sides:
+                    bench_roundtrip(a, server, prefixes, results)
+                    bench_warm(a, server, results)
             server.stop()
             shutil.rmtree(src, ignore_errors=True)
         if 3 in only:

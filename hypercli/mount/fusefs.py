@@ -72,9 +72,9 @@ NODES = 16384  # paths whose entry and layout the daemon keeps (LOOKUP, then REA
 LISTING_PAGE = 1024  # entries of a folder read from the index at once for READDIRPLUS
 LISTING_FOLDERS = 64  # folders whose current READDIRPLUS page is kept
 #: entries a new mount lists at once (READDIRPLUS), so the kernel knows them before a program
-#: asks: a file first read then costs one request (READ), not two (LOOKUP, READ). ~1 KiB of
-#: reclaimable kernel memory (dentry, inode) and ~0.1 KiB of the daemon's (libfuse's node)
-#: each; listing 100,000 takes ~0.6 s (bench/RESULTS.md §4)
+#: asks: a file first read then costs one request (READ), not two (LOOKUP, READ). ~1.2 KiB
+#: of reclaimable kernel memory (dentry, inode) and ~0.1 KiB of the daemon's (libfuse's node)
+#: each, and ~5 µs of mount time (bench/RESULTS.md §4, "First touch")
 WARM_ENTRIES = 100_000
 MAX_THREADS = 64       # libfuse worker threads: concurrent requests (most wait on downloads)
 MAX_IDLE_THREADS = 64  # kept when idle, with their Python thread states (_keep_thread_state)
@@ -224,11 +224,17 @@ class ChunkFS:
     def _entry(self, path: str):
         return self._node(path).entry
 
+    @staticmethod
+    def _stat(e) -> tuple[int, int, int, int, int]:
+        """(st_mode, st_nlink, st_size, st_blocks, mtime in ns) of an entry."""
+        return (e.mode, 2 if e.kind == "d" else 1, e.size, (e.size + 511) // 512,
+                int(round(e.mtime * 1e9)))
+
     def _attrs(self, e) -> dict:
-        ns = int(round(e.mtime * 1e9))
-        return {"st_mode": e.mode, "st_nlink": 2 if e.kind == "d" else 1, "st_size": e.size,
-                "st_uid": self.uid, "st_gid": self.gid, "st_blocks": (e.size + 511) // 512,
-                "st_atime": ns, "st_mtime": ns, "st_ctime": ns}
+        mode, nlink, size, blocks, ns = self._stat(e)
+        return {"st_mode": mode, "st_nlink": nlink, "st_size": size, "st_uid": self.uid,
+                "st_gid": self.gid, "st_blocks": blocks, "st_atime": ns, "st_mtime": ns,
+                "st_ctime": ns}
 
     # -- reading ------------------------------------------------------------------------
     @_op
@@ -255,8 +261,9 @@ class ChunkFS:
     @_op
     def readdir_plus(self, path: str, offset: int) -> tuple[int, list]:
         """A page of a folder's listing for READDIRPLUS: (offset of its first entry,
-        [(name as bytes, attrs)]) holding the entry at ``offset`` (0 is ``.``, 1 ``..``, then
-        the children by name), every child's attributes whole; empty past the end. The
+        [(name as bytes, stat)]) holding the entry at ``offset`` (0 is ``.``, 1 ``..``, then
+        the children by name), each child's stat as :meth:`_stat` (None for ``.`` and ``..``,
+        which are folders); empty past the end. The
         kernel asks for a listing in pieces, by offset: the folder's last page is kept and
         the next one is read after its last name (``LISTING_PAGE`` entries a page)."""
         with self._nodes_lock:
@@ -269,8 +276,7 @@ class ChunkFS:
         if e.kind != "d":
             raise _Errno(errno.ENOTDIR, path)
         if offset < 2:
-            first, entries = 0, [(b".", {"st_mode": stat.S_IFDIR}),
-                                 (b"..", {"st_mode": stat.S_IFDIR})]
+            first, entries = 0, [(b".", None), (b"..", None)]
             kids = self.index.listdir(e.path, limit=LISTING_PAGE)
         else:
             first, entries = offset, []
@@ -284,7 +290,7 @@ class ChunkFS:
             else:
                 kids = self.index.listdir(e.path, offset=offset - 2, limit=LISTING_PAGE)
         for c in kids:
-            entries.append((c.path.rsplit("/", 1)[-1].encode(), self._attrs(c)))
+            entries.append((c.path.rsplit("/", 1)[-1].encode(), self._stat(c)))
         page = (first, entries)
         with self._nodes_lock:
             self._pages[path] = page
@@ -598,25 +604,37 @@ def _fuse_class(mfusepy):
     the entry that does not fit in a buffer, which the kernel never forgets: one node of
     libfuse's (~100 bytes) per request is kept until unmount.
     """
-    c_stat, set_st_attrs = mfusepy.c_stat, mfusepy.set_st_attrs
+    c_stat = mfusepy.c_stat
+    fields = {f[0] for f in c_stat._fields_}
+    if not {"st_atimespec", "st_mtimespec", "st_ctimespec"} <= fields:
+        raise InfraError("this mfusepy's struct stat has no st_*timespec fields (a Linux "
+                         "build of mfusepy 3 is needed)")
 
     class FUSE(mfusepy.FUSE):
         def readdir_fuse_3(self, path, buf, filler, offset, fip, flags):
             if not flags & _READDIR_PLUS:
                 return super().readdir_fuse_3(path, buf, filler, offset, fip, flags)
+            ops = self.operations
             folder = path.decode(self.encoding, self.errors)
             st = c_stat()
-            size = ctypes.sizeof(c_stat)
+            st.st_uid, st.st_gid = ops.uid, ops.gid
+            times = (st.st_atimespec, st.st_mtimespec, st.st_ctimespec)
             while True:
-                first, entries = self.operations.readdir_plus(folder, offset)
+                first, entries = ops.readdir_plus(folder, offset)
                 if offset >= first + len(entries):
                     return 0  # past the end
                 for i in range(offset - first, len(entries)):
-                    name, attrs = entries[i]
-                    ctypes.memset(ctypes.byref(st), 0, size)
-                    set_st_attrs(st, attrs, use_ns=True)
-                    plus = _FILL_DIR_PLUS if "st_size" in attrs else 0
+                    name, t = entries[i]
                     offset = first + i + 1  # the next entry's offset
+                    if t is None:  # . and ..: only the mode counts without FILL_DIR_PLUS
+                        st.st_mode = stat.S_IFDIR
+                        plus = 0
+                    else:
+                        st.st_mode, st.st_nlink, st.st_size, st.st_blocks, ns = t
+                        sec, nsec = divmod(ns, 1_000_000_000)
+                        for ts in times:
+                            ts.tv_sec, ts.tv_nsec = sec, nsec
+                        plus = _FILL_DIR_PLUS
                     if filler(buf, name, st, offset, plus) != 0:
                         return 0  # the kernel's buffer is full
 
