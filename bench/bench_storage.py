@@ -454,11 +454,14 @@ def wait_mounted(mp_: str, proc: subprocess.Popen, timeout: float, log: str) -> 
 class HyperMount(Mount):
     kind = "hyper"
 
+    warm_entries: int | None = None  # --warm-entries (None: the mount's default)
+
     def __init__(self, url: str, endpoint: str, cache_dir: str, cache_bytes: int = 4 << 30):
         from hypercli.mount import fusefs
         mp_ = tmpdir("bench-mnt-hyper-")
+        kw = {} if self.warm_entries is None else {"warm_entries": self.warm_entries}
         pid = fusefs.mount(url, mp_, cache_dir=cache_dir, cache_bytes=cache_bytes,
-                           endpoint_url=endpoint, foreground=False, timeout=60)
+                           endpoint_url=endpoint, foreground=False, timeout=60, **kw)
         super().__init__(mp_, pid, os.path.join(cache_dir, "mount.log"))
 
     def stats(self) -> dict | None:
@@ -1170,6 +1173,8 @@ def main() -> int:
     p.add_argument("--json", help="write the raw figures to this file")
     p.add_argument("--sides", default="hyper,s3fs,rclone,local",
                    help="the sides of benchmark 2, e.g. hyper,local (peers left out)")
+    p.add_argument("--warm-entries", type=int, help="the hyper mounts' warm_entries "
+                   "(default: the mount's own, 100,000; 0: no listing at mount)")
     p.add_argument("--delays", dest="delays_ms",
                    help="per-request delays of benchmark 2 in ms, e.g. 0,20")
     p.add_argument("--store", choices=["s3rver", "moto"], default="s3rver",
@@ -1179,6 +1184,7 @@ def main() -> int:
     only = {int(x) for x in a.only.split(",")}
     a.push_delays = [0.0, 0.02]
     a.sides = [x for x in a.sides.split(",") if x]
+    HyperMount.warm_entries = a.warm_entries
     if not set(a.sides) <= {"hyper", "s3fs", "rclone", "local"}:
         p.error(f"--sides: one or more of hyper, s3fs, rclone, local, not {a.sides}")
     if a.quick:
