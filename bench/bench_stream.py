@@ -94,6 +94,32 @@ def read_all(root: str, files, readers: int) -> float:
     return time.perf_counter() - t0
 
 
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process has used so far, from /proc/PID/stat."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except OSError:
+        return 0.0
+
+
+class CpuMeter:
+    """CPU seconds used during a side's run by: this process (its readers or boto3's
+    threads), the S3 server, the counting proxy, and the mount's daemon (``daemon`` pid)."""
+
+    def __init__(self, server):
+        self.pids = {"bench": os.getpid(), "s3 server": server.server_pid,
+                     "proxy": server.proc.pid}
+        self.start = {k: cpu_s(p) for k, p in self.pids.items()}
+
+    def stop(self, daemon: int | None = None, daemon_start: float = 0.0) -> dict:
+        out = {k: cpu_s(p) - self.start[k] for k, p in self.pids.items()}
+        if daemon is not None:
+            out["mount daemon"] = cpu_s(daemon) - daemon_start
+        return out
+
+
 def du(path: str) -> int:
     total = 0
     for dp, _, fs in os.walk(path):
@@ -117,18 +143,20 @@ def hyper_side(server, prefix, files, readers, cap) -> dict:
     try:
         S.drop_caches()
         c = S.Counter(server)
+        cpu, d0 = CpuMeter(server), cpu_s(m.pid)
         th = threading.Thread(target=sample, daemon=True)
         th.start()
         dt = read_all(m.mp, files, readers)
         stop.set()
         th.join()
         http, _ = c.stop()
+        cpu = cpu.stop(m.pid, d0)
         stats = m.stats()
     finally:
         stop.set()
         m.close()
         shutil.rmtree(cache, ignore_errors=True)
-    return {"seconds": dt, "http": http, "peak_cache": peak[0], "stats": stats}
+    return {"seconds": dt, "http": http, "peak_cache": peak[0], "stats": stats, "cpu": cpu}
 
 
 def boto3_side(server, prefix, files, readers, jobs) -> dict:
@@ -139,6 +167,7 @@ def boto3_side(server, prefix, files, readers, jobs) -> dict:
     dest = S.tmpdir("bench-stream-boto3-")
     S.drop_caches()
     c = S.Counter(server)
+    cpu = CpuMeter(server)
 
     def one(rel, _size):
         client.download_file(S.BUCKET, f"{prefix}/{rel}", os.path.join(dest, rel), Config=cfg)
@@ -155,10 +184,11 @@ def boto3_side(server, prefix, files, readers, jobs) -> dict:
     os.sync()  # the bytes are on disk, as the mount's chunks are
     dt = time.perf_counter() - t0
     http, _ = c.stop()
+    cpu = cpu.stop()
     for rel, size in files:
         assert os.path.getsize(os.path.join(dest, rel)) == size, rel
     shutil.rmtree(dest, ignore_errors=True)
-    return {"seconds": dt, "http": http}
+    return {"seconds": dt, "http": http, "cpu": cpu}
 
 
 def local_side(src, files, readers) -> dict:
@@ -173,6 +203,8 @@ def main() -> int:
     ap.add_argument("--cap-mib", type=int, default=2048)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--delays", default="0,20", help="ms added per request")
+    ap.add_argument("--readers", default="1,all", help="reader counts: 1 and/or all "
+                    "(one per file)")
     a = ap.parse_args()
     exe = shutil.which("s3rver")
     if not exe:
@@ -190,6 +222,7 @@ def main() -> int:
     jobs = defaults["jobs"].default
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=S.ROOT,
                          capture_output=True, text=True).stdout.strip()
+    counts = [1 if x == "1" else a.files for x in a.readers.split(",")]
     total = a.files * a.file_mib * MiB
     cap = a.cap_mib * MiB
     print(f"bench_stream: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}, hypercli {rev}, "
@@ -209,7 +242,7 @@ def main() -> int:
         print("pushed (not timed)", flush=True)
         for delay in [int(x) for x in a.delays.split(",")]:
             server.delay(delay / 1000)
-            for readers in (1, a.files):
+            for readers in counts:
                 for r in range(a.rounds):
                     for side in ("hyper", "boto3", "local"):
                         if side == "hyper":
@@ -221,8 +254,11 @@ def main() -> int:
                         mbs = total / x["seconds"] / 1e6
                         res.setdefault((delay, readers, side), []).append((mbs, x))
                         extra = ""
+                        if x.get("cpu"):
+                            extra += ", CPU s: " + ", ".join(
+                                f"{k} {v:.1f}" for k, v in x["cpu"].items())
                         if side == "hyper":
-                            extra = (f", cache peak {x['peak_cache'] / MiB:,.0f} MiB (cap "
+                            extra += (f", cache peak {x['peak_cache'] / MiB:,.0f} MiB (cap "
                                      f"{a.cap_mib:,}), {x['stats']}")
                         print(f"   {delay:2d} ms, {readers} reader(s), {side:5s}: "
                               f"{x['seconds']:6.2f} s {mbs:7.0f} MB/s, {x['http']} HTTP "
@@ -241,7 +277,7 @@ def main() -> int:
           "hyper/local | cache peak / cap |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for delay in [int(x) for x in a.delays.split(",")]:
-        for readers in (1, a.files):
+        for readers in counts:
             m = {s: statistics.median(v[0] for v in res[(delay, readers, s)])
                  for s in ("hyper", "boto3", "local")}
             peak = max(v[1]["peak_cache"] for v in res[(delay, readers, "hyper")])
