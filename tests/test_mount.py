@@ -867,6 +867,64 @@ def test_cache_refuses_a_chunk_wrong_twice_and_retries_later(chunked, tmp_path, 
     c.close()
 
 
+def test_cache_hashes_as_bytes_arrive_and_an_sdk_retry_never_fools_it(chunked, tmp_path,
+                                                                       monkeypatch):
+    """A chunk is hashed as it is written (no second pass over it); an SDK that seeks back
+    to write a part again (a retried range) spoils the streamed digest, and the file itself
+    decides: right bytes are kept (no false "corrupt"), wrong ones are refused, even when the
+    bytes written, taken in order, hash right (halves written swapped)."""
+    from hypercli.mount import cache as cache_mod
+    from hypercli.mount.cache import ChunkError
+    from hypercli.mount.store import DigestWriter
+    store, chunks = chunked
+    _, sha, size = chunks[1]
+    good = (store.root / "chunks" / sha).read_bytes()
+    half = len(good) // 2
+    hashed_files = []
+    real = cache_mod.sha256_file
+    monkeypatch.setattr(cache_mod, "sha256_file", lambda p: hashed_files.append(p) or real(p))
+
+    class SDK:
+        """Writes the chunk through DigestWriter, as the GCS and Azure stores do."""
+
+        def __init__(self, mode):
+            self.mode, self.url = mode, store.url
+
+        def get_to_file(self, key, path, digest=None):
+            with open(path, "wb") as f:
+                w = DigestWriter(f, digest)
+                if self.mode == "in order":
+                    w.write(good[:half])
+                    w.write(good[half:])
+                elif self.mode == "retry":  # a part written, then written again
+                    w.write(good[:half + 1000])
+                    f.seek(half)
+                    w.write(good[half:])
+                else:  # "swapped": in order as a stream, in the wrong places in the file
+                    f.seek(half)
+                    w.write(good[:half])
+                    f.seek(0)
+                    w.write(good[half:])
+            return os.path.getsize(path)
+
+    def cache(mode, name):
+        return ChunkCache(SDK(mode), chunks, tmp_path / name, max_bytes=1 << 30,
+                          min_free_bytes=0, prefetch=0)
+    c = cache("in order", "a")
+    assert c.pread(1, 0, size) == good and c.verify_failures == 0
+    assert hashed_files == []  # hashed while written, never read back
+    c.close()
+    c = cache("retry", "b")
+    assert c.pread(1, 0, size) == good
+    assert c.verify_failures == 0 and c.downloads == 1 and len(hashed_files) == 1
+    c.close()
+    c = cache("swapped", "c")
+    with pytest.raises(ChunkError, match="corrupt"):
+        c.pread(1, 0, size)
+    assert c.verify_failures == 2 and not (tmp_path / "c" / sha).exists()
+    c.close()
+
+
 def test_cache_readers_streaming_at_once_never_thrash_nor_overflow(chunked, tmp_path):
     """Three readers stream three files (two chunks each) at once, one 256 KiB read at a time,
     through a cache with room for three chunks: the cache never holds more than its cap, and

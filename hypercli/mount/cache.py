@@ -9,9 +9,11 @@ exactly when its bytes hash to its name. The rules:
 
 - **Single flight.** The first reader of a chunk that is not here downloads it; every other
   reader of that chunk waits for the same download. A download goes to a temporary file
-  (``.<sha>.<pid>.<thread>.tmp``), is hashed, and only then renamed into place: a reader never
-  sees a partial or wrong chunk. A chunk whose bytes are wrong is fetched once more; wrong twice
-  and the read fails with :class:`ChunkError` (the FUSE layer answers EIO).
+  (``.<sha>.<pid>.<thread>.tmp``), is hashed as its bytes arrive (the file itself is hashed
+  again only when that digest is wrong: an SDK may rewrite a part it retried), and only then
+  renamed into place: a reader never sees a partial or wrong chunk. A chunk whose bytes are
+  wrong is fetched once more; wrong twice and the read fails with :class:`ChunkError` (the
+  FUSE layer answers EIO).
 - **Reuse.** Chunks left in ``cache_dir`` by an earlier mount are reused. At start only their
   sizes are checked (a truncated file is deleted at once); the SHA-256 of a reused chunk is
   checked lazily, the first time this process opens it. Hashing the whole cache at start would
@@ -393,12 +395,15 @@ class ChunkCache:
                     break
                 tmp = self.dir / f".{e.sha}.{os.getpid()}.{threading.get_ident()}.tmp"
                 try:
-                    n = self.store.get_to_file(key, tmp)
+                    digest = hashlib.sha256()  # fed as the bytes arrive: one pass over them
+                    n = self.store.get_to_file(key, tmp, digest=digest)
                     with self._lock:
                         self.downloads += 1
                         self.bytes_downloaded += n
                         self.downloads_by_seq[seq] = self.downloads_by_seq.get(seq, 0) + 1
-                    got = sha256_file(tmp)
+                    got = digest.hexdigest()
+                    if got != e.sha and n == e.size:  # an SDK may have rewritten a part
+                        got = sha256_file(tmp)  # the file's bytes decide
                     if n == e.size and got == e.sha:
                         os.replace(tmp, path)
                         ok = True

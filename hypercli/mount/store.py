@@ -48,9 +48,10 @@ class Store(Protocol):
     def get(self, key: str) -> bytes:
         """The whole object. Raises NotFound, StoreError."""
 
-    def get_to_file(self, key: str, path: str | os.PathLike) -> int:
-        """Stream the object into a local file; returns bytes written. Raises NotFound,
-        StoreError."""
+    def get_to_file(self, key: str, path: str | os.PathLike, digest=None) -> int:
+        """Stream the object into a local file; returns bytes written. ``digest``: a
+        hashlib object also fed the bytes as they are written (one pass over them). Raises
+        NotFound, StoreError."""
 
     def exists(self, key: str) -> bool:
         """Whether key exists. Raises StoreError when the store cannot be asked."""
@@ -60,6 +61,27 @@ class Store(Protocol):
 
     def delete(self, key: str) -> None:
         """Remove key (no error when absent)."""
+
+
+class DigestWriter:
+    """A binary file that also feeds what is written to a hashlib object (``digest``); any
+    other attribute is the file's. A write anywhere but at the end of what was written
+    before (an SDK that seeks back to retry a part) spoils the digest for good, so it can
+    never match the file's bytes by accident: callers check a mismatch against the file."""
+
+    def __init__(self, f, digest):
+        self._f, self._digest, self._written = f, digest, 0
+
+    def write(self, data) -> int:
+        if self._f.tell() != self._written:
+            self._digest.update(b"\0not written in order")
+        n = self._f.write(data)
+        self._digest.update(data)
+        self._written = self._f.tell()
+        return n
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
 
 
 class FileStore:
@@ -102,10 +124,18 @@ class FileStore:
         except OSError as e:
             raise StoreError(f"{self.url}/{key}: {e.strerror or e}") from None
 
-    def get_to_file(self, key: str, path: str | os.PathLike) -> int:
+    def get_to_file(self, key: str, path: str | os.PathLike, digest=None) -> int:
         try:
-            shutil.copyfile(self._path(key), path)
-            return os.path.getsize(path)
+            if digest is None:
+                shutil.copyfile(self._path(key), path)
+                return os.path.getsize(path)
+            n = 0
+            with open(self._path(key), "rb") as src, open(path, "wb") as dst:
+                while block := src.read(1 << 20):
+                    digest.update(block)
+                    dst.write(block)
+                    n += len(block)
+            return n
         except FileNotFoundError:
             raise NotFound(f"{self.url}/{key}: no such object") from None
         except OSError as e:
@@ -216,12 +246,14 @@ class S3Store:
         except Exception as e:
             raise self._err(key, e) from None
 
-    def get_to_file(self, key: str, path: str | os.PathLike) -> int:
+    def get_to_file(self, key: str, path: str | os.PathLike, digest=None) -> int:
         try:
             body = self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"]
             n = 0
             with open(path, "wb") as f:
                 for block in body.iter_chunks(1 << 20):
+                    if digest is not None:
+                        digest.update(block)
                     f.write(block)
                     n += len(block)
             return n

@@ -33,7 +33,8 @@ import re
 from typing import Iterator
 
 from hypercli.errors import UsageError
-from hypercli.mount.store import NotFound, PerThread, StoreError, network_reason, sdk_missing
+from hypercli.mount.store import (DigestWriter, NotFound, PerThread, StoreError, network_reason,
+                                  sdk_missing)
 
 MiB = 1 << 20
 #: bytes per request of a download or upload larger than one piece
@@ -189,12 +190,14 @@ class AzureBlobStore:
         except Exception as e:
             raise self._err(key, e) from None
 
-    def get_to_file(self, key: str, path: str | os.PathLike) -> int:
-        """Stream the object into a local file in BLOCK pieces; returns bytes written. On
-        failure the file is removed. Raises NotFound, StoreError."""
+    def get_to_file(self, key: str, path: str | os.PathLike, digest=None) -> int:
+        """Stream the object into a local file in BLOCK pieces (``digest`` also fed the
+        bytes, see ``DigestWriter``); returns bytes written. On failure the file is removed.
+        Raises NotFound, StoreError."""
         try:
             with open(path, "wb") as f:
-                return self._blob(key).download_blob(max_concurrency=1).readinto(f)
+                return self._blob(key).download_blob(max_concurrency=1).readinto(
+                    f if digest is None else DigestWriter(f, digest))
         except Exception as e:
             try:
                 os.unlink(path)

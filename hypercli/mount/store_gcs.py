@@ -24,7 +24,8 @@ from __future__ import annotations
 import os
 from typing import Iterator
 
-from hypercli.mount.store import NotFound, PerThread, StoreError, network_reason, sdk_missing
+from hypercli.mount.store import (DigestWriter, NotFound, PerThread, StoreError, network_reason,
+                                  sdk_missing)
 
 MiB = 1 << 20
 #: seconds an operation keeps retrying transient failures (google-api-core exponential
@@ -164,13 +165,15 @@ class GCSStore:
         except Exception as e:
             raise self._err(key, e) from None
 
-    def get_to_file(self, key: str, path: str | os.PathLike) -> int:
+    def get_to_file(self, key: str, path: str | os.PathLike, digest=None) -> int:
         """Stream the object into a local file (one GET, written as it arrives, its checksum
-        checked by the SDK); returns bytes written. On failure the file is removed.
-        Raises NotFound, StoreError."""
+        checked by the SDK; ``digest`` also fed the bytes, see ``DigestWriter``); returns
+        bytes written. On failure the file is removed. Raises NotFound, StoreError."""
         try:
             with open(path, "wb") as f:
-                self._blob(key).download_to_file(f, retry=self._retry, timeout=TIMEOUT)
+                self._blob(key).download_to_file(f if digest is None else
+                                                 DigestWriter(f, digest),
+                                                 retry=self._retry, timeout=TIMEOUT)
                 return f.tell()
         except Exception as e:
             try:
