@@ -605,7 +605,7 @@ def test_every_write_fails_with_erofs(synth_tree, synth_mount, synth_url, tmp_pa
         ops.read("/big", 10, 0, 0)
     assert e.value.errno == errno.EISDIR
     # a fault that is not a missing path is EIO, logged with its traceback (never ENOENT)
-    ops.cache.read = lambda *a: 1 // 0
+    ops.cache.read = lambda *a, **k: 1 // 0
     with pytest.raises(OSError) as e:
         ops.read("/big/b-1m", 10, 0, 0)
     assert e.value.errno == errno.EIO

@@ -246,10 +246,11 @@ class ChunkCache:
         finally:
             self.release(seq)
 
-    def read(self, seq: int, offset: int, length: int) -> bytes:
+    def read(self, seq: int, offset: int, length: int, into=None):
         """:meth:`acquire`, :meth:`pread` and :meth:`release` in one: the bytes a program
         reads, counted as a hit or a miss, the chunk held while they are read (never
-        evicted under the read), its read-ahead started on its first read.
+        evicted under the read), its read-ahead started on its first read. ``into``: a
+        writable buffer of ``length`` bytes to read into; then their count is returned.
 
         Raises:
             ChunkError: as :meth:`pread`.
@@ -267,7 +268,7 @@ class ChunkCache:
         try:
             if first:
                 self._prefetch_after(seq)
-            return self._pread_held(e, seq, offset, length)
+            return self._pread_held(e, seq, offset, length, into)
         finally:
             with self._lock:
                 self._unref(e)
@@ -292,16 +293,21 @@ class ChunkCache:
             with self._lock:
                 self._unref(e)
 
-    def _pread_held(self, e: _Entry, seq: int, offset: int, length: int) -> bytes:
-        """pread of chunk e, whose ref the caller holds."""
+    def _pread_held(self, e: _Entry, seq: int, offset: int, length: int, into=None):
+        """pread of chunk e, whose ref the caller holds: bytes, or their count read into
+        ``into``."""
         length = max(0, min(length, e.size - offset))
         for _ in range(2):
             while (fd := e.fd if e.state == _READY and e.verified else None) is None:
                 self._ensure(e, seq)
-            data = os.pread(fd, length, offset)
-            if len(data) == length:
+            if into is None:
+                data = os.pread(fd, length, offset)
+                got = len(data)
+            else:
+                data = got = os.preadv(fd, [into[:length]], offset)
+            if got == length:
                 return data
-            self._drop(e, f"{len(data)} bytes at offset {offset} where {length} were "
+            self._drop(e, f"{got} bytes at offset {offset} where {length} were "
                           "expected (file truncated?)")
         with self._lock:
             self.errors += 1

@@ -320,26 +320,34 @@ class ChunkFS:
         raise _Errno(errno.ENOSYS, path)
 
     @_op
-    def read(self, path: str, size: int, offset: int, fh: int) -> bytes:
+    def read(self, path: str, size: int, offset: int, fh: int = 0, into=None):
+        """Up to ``size`` bytes at ``offset``, as bytes; or written into ``into`` (a writable
+        buffer of at least ``size`` bytes: libfuse's own, so no copy is made here) and their
+        count returned."""
         n = self._node(path)
         e = n.entry
         if e.kind != "f":
             raise _Errno(errno.EISDIR if e.kind == "d" else errno.ELOOP, path)
         end = min(offset + size, e.size)
-        out = []
+        if into is None:
+            buf = bytearray(max(0, end - offset))
+            view = memoryview(buf)
+        else:
+            view = memoryview(into)
+        pos = 0
         i = max(0, bisect_right(n.starts, offset) - 1)
         while offset < end and i < len(n.segs):
             seq, coff, length = n.segs[i]
             start = n.starts[i]
             k = min(end, start + length) - offset
             if k > 0:
-                data = self.cache.read(seq, coff + offset - start, k)  # holds the chunk
-                if len(data) != k:
+                got = self.cache.read(seq, coff + offset - start, k, into=view[pos:pos + k])
+                if got != k:
                     raise StoreError(f"chunk {seq} ends before {e.path}")
-                out.append(data)
                 offset += k
+                pos += k
             i += 1
-        return out[0] if len(out) == 1 else b"".join(out)
+        return pos if into is not None else bytes(buf[:pos])
 
     @_op
     def statfs(self, path: str) -> dict:
@@ -636,6 +644,13 @@ def _fuse_class(mfusepy):
                          "build of mfusepy 3 is needed)")
 
     class FUSE(mfusepy.FUSE):
+        def read(self, path, buf, size, offset, fip):
+            """Bytes go straight into libfuse's buffer (preadv from the chunk file), not
+            through a bytes object copied in afterwards (mfusepy's ``read``)."""
+            into = (ctypes.c_char * size).from_address(ctypes.addressof(buf.contents))
+            return self.operations.read(path.decode(self.encoding, self.errors), size,
+                                        offset, 0, into)
+
         def readdir_fuse_3(self, path, buf, filler, offset, fip, flags):
             if not flags & _READDIR_PLUS:
                 return super().readdir_fuse_3(path, buf, filler, offset, fip, flags)
