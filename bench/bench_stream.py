@@ -18,10 +18,13 @@ thread per file, all at once), each side cold:
           multipart_chunksize=8 MiB))`` into a temp folder (deleted after), J = the mount's
           ``jobs`` (the same concurrency), the files in the same order / threads.
   local   the same files on local disk after ``drop_caches``, read like the mount.
-Figures: MB/s per side, hyper / boto3 (goal >= 0.9x) and hyper / local; HTTP requests.
+Figures: MB/s per side, hyper / boto3 (goal >= 0.9x) and hyper / local; HTTP requests; the
+CPU seconds used during each run by this process (the readers, or boto3's threads), the S3
+server, the proxy and the mount daemon (``/proc/PID/stat``), which show where the cores went.
 
 Usage (from the repo root, as root):
     python bench/bench_stream.py [--files 8] [--file-mib 512] [--cap-mib 2048] [--rounds 1]
+                                 [--delays 0,20] [--readers 1,all]
 """
 
 from __future__ import annotations
