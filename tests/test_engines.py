@@ -251,3 +251,34 @@ def test_missing_engine_stops_the_run_with_exit_3(hyper, tmp_path, engine, env, 
     assert "never" not in r.stdout
     tasks = json.loads(hyper("ps", "noengine", "--json", check=True).stdout)
     assert [t["status"] for t in tasks] == ["pending"]  # nothing ran, nothing counted
+
+
+def test_spark_jobs_wait_for_every_workers_cores(tmp_path, monkeypatch):
+    """The Spark conf of a gang's command makes the job wait for the executors of all the
+    workers that joined: ``minRegisteredResourcesRatio`` is a share of ``spark.cores.max``,
+    and a standalone application without it expects 0 cores and starts at once (seen here:
+    a retried gang whose third executor came late and never took a task). The cores are the
+    master's count; an installation's own ``spark.cores.max`` is left as it is."""
+    from hypercli.node import engine
+    home = tmp_path / "spark"
+    (home / "conf").mkdir(parents=True)
+    (home / "conf" / "spark-defaults.conf").write_text("spark.eventLog.enabled false\n")
+    env = {"HYPER_ENGINE": "spark", "HYPER_ENGINE_PORT": "7077", "HYPER_ENGINE_ATTEMPT": "a1",
+           "HYPER_NUM_NODES": "3", "HYPER_ENGINE_DIR": str(tmp_path / "rank0"),
+           "SPARK_HOME": str(home)}
+    (tmp_path / "rank0").mkdir()
+
+    def conf(seen):
+        w = engine.Wrapper(["true"], env)
+        w.seen = seen
+        folder = Path(w.command_env()["SPARK_CONF_DIR"])
+        lines = (folder / "spark-defaults.conf").read_text().splitlines()
+        return dict(line.split(" ", 1) for line in lines)
+
+    got = conf({"aliveworkers": 3, "cores": 6})
+    assert got["spark.cores.max"] == "6"
+    assert got["spark.scheduler.minRegisteredResourcesRatio"] == "1.0"
+    assert got["spark.eventLog.enabled"] == "false"  # the installation's own defaults stay
+    assert got["spark.master"] == "spark://127.0.0.1:7077"
+    (home / "conf" / "spark-defaults.conf").write_text("spark.cores.max 2\n")
+    assert conf({"aliveworkers": 3, "cores": 6})["spark.cores.max"] == "2"

@@ -44,6 +44,7 @@ Ray: ``RAY_ADDRESS`` (read by ``ray.init()``).
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -332,7 +333,10 @@ class Wrapper:
         installation's own (when it has one) plus the master, and jobs that wait until an
         executor on every worker has registered (``minRegisteredResourcesRatio`` 1.0, at most
         60 s: Spark's standalone default starts at once and may leave nodes of the gang idle).
-        Returns its path."""
+        The ratio is of ``spark.cores.max``: a standalone application without it expects 0
+        cores and never waits (Spark's ``StandaloneSchedulerBackend``), so it is set to the
+        cores of the workers that joined (the master's count), unless the installation's
+        own defaults set it. Returns its path."""
         conf = os.path.join(self.folder, "spark-conf")
         os.makedirs(conf, exist_ok=True)
         text = ""
@@ -345,6 +349,9 @@ class Wrapper:
             pass
         text += ("spark.master %s\nspark.scheduler.minRegisteredResourcesRatio 1.0\n"
                  "spark.scheduler.maxRegisteredResourcesWaitingTime 60s\n" % url)
+        cores = (getattr(self, "seen", None) or {}).get("cores")
+        if cores and not re.search(r"(?m)^\s*spark\.cores\.max\b", text):
+            text += "spark.cores.max %d\n" % int(cores)
         with open(os.path.join(conf, "spark-defaults.conf"), "w") as f:
             f.write(text)
         return conf
