@@ -25,7 +25,8 @@ For n = 1, 2, 3 nodes (hosts[:n]):
           ``spark-class ...Worker spark://IP0:7077 --cores C`` on each host; start-up = until
           the master's /json/ shows n alive workers; then the job on host 0 with
           MASTER=spark://IP0:7077 and the scheduler settings hypercli's engine gives jobs
-          (minRegisteredResourcesRatio 1.0, so both sides wait for every executor); wall =
+          (minRegisteredResourcesRatio 1.0 of spark.cores.max = n × C, so both sides wait
+          for every executor); wall =
           start-up + job + stop.
   job     the job's own measured time (``job_s`` in its metrics: SparkSession creation to
           features written), the figure the two sides are compared on.
@@ -168,7 +169,8 @@ def hand_side(hosts, n: int) -> dict:
     startup = time.perf_counter() - t0
     hosts[0].run("rm -rf /root/out /root/m.jsonl; mkdir -p /root/spark-conf; printf '"
                  "spark.scheduler.minRegisteredResourcesRatio 1.0\\nspark.scheduler."
-                 "maxRegisteredResourcesWaitingTime 60s\\n' > /root/spark-conf/spark-defaults.conf")
+                 f"maxRegisteredResourcesWaitingTime 60s\\nspark.cores.max {n * CPUS}\\n' "
+                 "> /root/spark-conf/spark-defaults.conf")
     p = hosts[0].run(f"cd /root/featjob && {envs} MASTER=spark://{ip0}:7077 "
                      "SPARK_CONF_DIR=/root/spark-conf "
                      f"SPARK_LOCAL_IP={ip0} HYPER_METRICS=/root/m.jsonl python "
