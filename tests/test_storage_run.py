@@ -5,8 +5,12 @@ Real moto S3 server, real FUSE mounts, real sshd test hosts."""
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -148,3 +152,61 @@ def test_plain_bucket_mount_in_a_recipe(s3, hyper, hyper_home, tmp_path):
     finally:
         for m in (mnt, scratch):
             subprocess.run(["fusermount", "-uz", str(m)], capture_output=True)
+
+
+def daemon_pids(mnt: Path) -> list[int]:
+    """PIDs of the mount daemons serving mnt (their command line names it)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        try:
+            argv = (d / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if d.name.isdigit() and str(mnt).encode() in argv and b"hypercli.mount.fusefs" in argv:
+            out.append(int(d.name))
+    return out
+
+
+def kill_daemon(mnt: Path) -> None:
+    """SIGKILL the daemon of mnt: the mount stays in the mount table, dead (ECONNABORTED,
+    then ENOTCONN)."""
+    pids = daemon_pids(mnt)
+    assert len(pids) == 1, pids
+    os.kill(pids[0], signal.SIGKILL)
+    end = time.monotonic() + 10
+    while pids[0] in daemon_pids(mnt) and time.monotonic() < end:
+        time.sleep(0.05)
+    with pytest.raises(OSError) as e:
+        os.statvfs(mnt)  # stat may still answer from the kernel's cached attributes
+    assert e.value.errno in (errno.ECONNABORTED, errno.ENOTCONN) and mounted(mnt)
+
+
+def test_a_mount_whose_daemon_died_is_mounted_again_and_taken_down(hyper, hyper_home,
+                                                                    tmp_path):
+    """The mount daemon dies (OOM killer, a crash): its mount stays behind, dead. The next
+    run on the node mounts the dataset again, and `hyper down` removes a dead mount too."""
+    files = make_dataset(tmp_path / "src", n=8)
+    url = "file://" + str(tmp_path / "store")
+    pack.push(tmp_path / "src", url, chunk_size=1 << 20)
+    mnt = tmp_path / "mnt"
+
+    def recipe(rel: str) -> Path:  # a file no run read before: not in the page cache
+        path = tmp_path / f"{rel.replace('/', '-')}.yaml"
+        path.write_text(yaml.safe_dump({
+            "name": "remount", "cluster": {"workers": 1}, "mounts": {str(mnt): "chunks+" + url},
+            "experiments": {"read": {"command": f'cat "{mnt}/{rel}"'}}}))
+        return path
+    try:
+        assert hyper("run", recipe("shard-3/item-007.txt")).returncode == 0
+        kill_daemon(mnt)
+        r = hyper("run", recipe("shard-2/item-006.txt"))
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert (mnt / "shard-1" / "item-005.txt").read_text() == files["shard-1/item-005.txt"]
+        kill_daemon(mnt)
+        r = hyper("down", "remount")
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert not mounted(mnt)
+    finally:
+        for pid in daemon_pids(mnt):
+            os.kill(pid, signal.SIGKILL)
+        subprocess.run(["fusermount3", "-uz", str(mnt)], capture_output=True)

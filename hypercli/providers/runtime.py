@@ -45,12 +45,25 @@ def env_prefix() -> str:
     return "".join(f"{k}={shlex.quote(v)} " for k, v in forwarded_env().items())
 
 
+def _serving(p: str) -> str:
+    """Shell test: a file system is mounted at quoted path ``p`` and answers. A FUSE mount
+    whose daemon died stays in the mount table and may still pass ``stat`` from the kernel's
+    cached attributes; ``statfs`` is never cached, so it fails there (ENOTCONN)."""
+    return f"mountpoint -q {p} && stat -f {p} >/dev/null 2>&1"
+
+
+def _detach(p: str) -> str:
+    """Shell text that lazily unmounts a dead FUSE mount at quoted path ``p``; nothing, and
+    no output, when none is there."""
+    return (f"{{ fusermount3 -uz {p} || fusermount -uz {p} || umount -l {p}; }} "
+            f">/dev/null 2>&1")
+
+
 def mount_command(hyper: str, url: str, path: str, cache: str, rw: bool = False) -> str:
-    """Shell text that mounts ``url`` at ``path`` on a node (idempotent: nothing when a FUSE
-    file system is already mounted there). A plain bucket is mounted read-only (goofys and
-    s3fs alike) unless ``rw``."""
+    """Shell text that mounts ``url`` at ``path`` on a node (idempotent: nothing when a file
+    system is mounted there and answers; a mount whose daemon died is detached and mounted
+    again). A plain bucket is mounted read-only (goofys and s3fs alike) unless ``rw``."""
     p = shlex.quote(path)
-    check = f"mountpoint -q {p}"
     if url.startswith("chunks+"):
         cmd = (f"{env_prefix()}{hyper} mount {shlex.quote(url[len('chunks+'):])} {p} "
                f"--cache-dir {shlex.quote(cache)}")
@@ -67,15 +80,16 @@ def mount_command(hyper: str, url: str, path: str, cache: str, rw: bool = False)
         cmd = (f"if command -v goofys >/dev/null; then {goofys}; elif command -v s3fs "
                f">/dev/null; then {s3fs}; else echo 'neither goofys nor s3fs is installed' >&2; "
                "exit 127; fi")
-    return f"{check} || {{ mkdir -p {p} && {cmd}; }}"
+    return f"{_serving(p)} || {{ {_detach(p)}; mkdir -p {p} && {cmd}; }}"
 
 
 def unmount_command(path: str) -> str:
-    """Shell text that unmounts a FUSE mount at ``path`` when one is there."""
+    """Shell text that unmounts a FUSE mount at ``path`` when one is there, a dead one
+    (its daemon gone: ``stat`` fails) lazily; always exits 0."""
     p = shlex.quote(path)
-    return (f"mountpoint -q {p} && "
+    return (f"if mountpoint -q {p}; then "
             f"{{ fusermount3 -u {p} 2>/dev/null || fusermount -u {p} 2>/dev/null || "
-            f"umount {p}; }} || true")
+            f"umount {p}; }}; elif ! stat {p} >/dev/null 2>&1; then {_detach(p)}; fi; true")
 
 
 class NodeRuntime:
