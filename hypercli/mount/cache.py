@@ -209,6 +209,21 @@ class ChunkCache:
             ChunkError: the store failed or the chunk's bytes are wrong (logged).
         """
         e = self._entry(seq)
+        if not self._hold(e, seq):
+            try:
+                self._ensure(e, seq)
+            except BaseException:
+                self._let_go(e)
+                raise
+        return self.dir / e.sha
+
+    def release(self, seq: int) -> None:
+        """Undo one :meth:`acquire` (or a read's hold); the chunk may be evicted after."""
+        self._let_go(self._entry(seq))
+
+    def _hold(self, e: _Entry, seq: int) -> bool:
+        """Take a ref on chunk e (``seq``), count a hit or a miss, start its read-ahead on
+        its first use; returns whether it is here and verified."""
         with self._lock:
             e.refs += 1
             e.used = time.monotonic()
@@ -221,17 +236,10 @@ class ChunkCache:
             first, e.opened = not e.opened, True
         if first:
             self._prefetch_after(seq)
-        if not ready:
-            try:
-                self._ensure(e, seq)
-            except BaseException:
-                self.release(seq)
-                raise
-        return self.dir / e.sha
+        return ready
 
-    def release(self, seq: int) -> None:
-        """Undo one :meth:`acquire` (or a read's hold); the chunk may be evicted after."""
-        e = self._entry(seq)
+    def _let_go(self, e: _Entry) -> None:
+        """Drop a ref taken by :meth:`_hold`; make room when the cache is over its cap."""
         with self._lock:
             self._unref(e)
             if e.refs == 0 and self._bytes > self.max_bytes:
@@ -256,24 +264,11 @@ class ChunkCache:
             ChunkError: as :meth:`pread`.
         """
         e = self._entry(seq)
-        with self._lock:
-            e.refs += 1
-            e.used = time.monotonic()
-            if e.state == _READY and e.verified:
-                self.hits += 1
-                self._lru.move_to_end(e.sha)
-            else:
-                self.misses += 1
-            first, e.opened = not e.opened, True
+        self._hold(e, seq)
         try:
-            if first:
-                self._prefetch_after(seq)
             return self._pread_held(e, seq, offset, length, into)
         finally:
-            with self._lock:
-                self._unref(e)
-                if e.refs == 0 and self._bytes > self.max_bytes:
-                    self._make_room(None)
+            self._let_go(e)
 
     def pread(self, seq: int, offset: int, length: int) -> bytes:
         """``length`` bytes at ``offset`` of chunk ``seq`` (fewer only past the chunk's end).

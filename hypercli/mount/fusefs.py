@@ -19,8 +19,8 @@ of the mount and keeps each file's page cache across opens (``no_open``, Linux 4
 Listings are answered with every entry's attributes (READDIRPLUS), and a new mount lists its
 first ``WARM_ENTRIES`` entries itself (:func:`warm`): the kernel then knows those names and
 sizes, and the first read of a file is one request (READ) instead of two (LOOKUP, READ). With
-a reader on one core and this daemon on the other, a request's round trip costs ~25-30 µs of
-wake-ups on this kind of VM (bench/RESULTS.md §4), more than the handlers' own work.
+a reader and this daemon on different cores, a request's round trip costs ~50 µs of wake-ups
+on this kind of VM (12.7 µs on one core; bench/RESULTS.md §4), more than the handlers' work.
 Reads find a file's layout by path, and each read holds the chunks it reads for its duration.
 The calls of every operation and the time spent in them are counted (:meth:`ChunkFS.stats`).
 (``opendir`` is not answered the same way: libfuse's high-level readdir needs the handle its
@@ -74,7 +74,7 @@ LISTING_FOLDERS = 64  # folders whose current READDIRPLUS page is kept
 #: entries a new mount lists at once (READDIRPLUS), so the kernel knows them before a program
 #: asks: a file first read then costs one request (READ), not two (LOOKUP, READ). ~1.2 KiB
 #: of reclaimable kernel memory (dentry, inode) and ~0.1 KiB of the daemon's (libfuse's node)
-#: each, and ~5 µs of mount time (bench/RESULTS.md §4, "First touch")
+#: each, and ~6 µs of mount time (bench/RESULTS.md §4, "First touch")
 WARM_ENTRIES = 100_000
 #: KiB the kernel reads ahead of a program reading a file in order, and so the size of a READ
 #: it sends (up to libfuse's 1 MiB): 8 times fewer requests than the kernel's 128 KiB default
@@ -268,9 +268,9 @@ class ChunkFS:
         """A page of a folder's listing for READDIRPLUS: (offset of its first entry,
         [(name as bytes, stat)]) holding the entry at ``offset`` (0 is ``.``, 1 ``..``, then
         the children by name), each child's stat as :meth:`_stat` (None for ``.`` and ``..``,
-        which are folders); empty past the end. The
-        kernel asks for a listing in pieces, by offset: the folder's last page is kept and
-        the next one is read after its last name (``LISTING_PAGE`` entries a page)."""
+        which are folders); empty past the end. The kernel asks for a listing in pieces, by
+        offset: the folder's last page is kept and the next one is read after its last name
+        (``LISTING_PAGE`` entries a page)."""
         with self._nodes_lock:
             page = self._pages.get(path)
         if page is not None:

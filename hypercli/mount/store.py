@@ -129,13 +129,9 @@ class FileStore:
             if digest is None:
                 shutil.copyfile(self._path(key), path)
                 return os.path.getsize(path)
-            n = 0
             with open(self._path(key), "rb") as src, open(path, "wb") as dst:
-                while block := src.read(1 << 20):
-                    digest.update(block)
-                    dst.write(block)
-                    n += len(block)
-            return n
+                shutil.copyfileobj(src, DigestWriter(dst, digest), 1 << 20)
+                return dst.tell()
         except FileNotFoundError:
             raise NotFound(f"{self.url}/{key}: no such object") from None
         except OSError as e:
@@ -249,14 +245,11 @@ class S3Store:
     def get_to_file(self, key: str, path: str | os.PathLike, digest=None) -> int:
         try:
             body = self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"]
-            n = 0
             with open(path, "wb") as f:
+                out = f if digest is None else DigestWriter(f, digest)
                 for block in body.iter_chunks(1 << 20):
-                    if digest is not None:
-                        digest.update(block)
-                    f.write(block)
-                    n += len(block)
-            return n
+                    out.write(block)
+                return f.tell()
         except OSError as e:
             raise StoreError(f"{self.url}/{key}: {e}") from None
         except Exception as e:
