@@ -210,3 +210,35 @@ def test_a_mount_whose_daemon_died_is_mounted_again_and_taken_down(hyper, hyper_
         for pid in daemon_pids(mnt):
             os.kill(pid, signal.SIGKILL)
         subprocess.run(["fusermount3", "-uz", str(mnt)], capture_output=True)
+
+
+def test_a_mount_that_fails_says_why_not_the_shell_text(hyper, hyper_home, tmp_path):
+    """A recipe mount of a dataset that is not there: the attempt fails with the mount's own
+    reason, not the shell text that ran it."""
+    mnt = tmp_path / "mnt"
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": "nodata", "cluster": {"workers": 1},
+        "mounts": {str(mnt): f"chunks+file://{tmp_path}/nothing"},
+        "experiments": {"read": {"command": f'ls "{mnt}"'}}}))
+    try:
+        r = hyper("run", path)
+        assert r.returncode == 1, r.stdout + r.stderr
+        assert (f"mounting chunks+file://{tmp_path}/nothing at {mnt} on nodata-0 failed: "
+                f"error: no dataset at file://{tmp_path}/nothing") in r.stdout + r.stderr
+        assert "fusermount" not in r.stdout + r.stderr
+    finally:
+        subprocess.run(["fusermount3", "-uz", str(mnt)], capture_output=True)
+
+
+def test_a_failed_node_command_is_told_by_its_stderr():
+    """Over SSH too: the reason is the last lines the command wrote on stderr; a command
+    that wrote none is told by the error, which names it."""
+    from hypercli.providers.runtime import NodeSetupError, _said
+    from hypercli.ssh.conn import CommandFailed, Result
+    said = "\n".join(f"line {i}" for i in range(8))
+    assert _said(CommandFailed("n1", Result("mount x", 1, b"", said.encode()))) == \
+        "\n".join(f"line {i}" for i in range(3, 8))
+    assert _said(CommandFailed("n1", Result("mount x", 7, b"", b""))) == \
+        "node n1: `mount x` exited 7"
+    assert _said(NodeSetupError("`mount y` exited 2: why", stderr="why\n")) == "why"

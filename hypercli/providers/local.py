@@ -117,7 +117,7 @@ class LocalSession:
         p = subprocess.run(["/bin/sh", "-c", command], capture_output=True, text=True)
         if p.returncode != 0:
             raise NodeSetupError(f"`{command[:200]}` exited {p.returncode}: "
-                                 f"{p.stderr.strip()[-500:]}")
+                                 f"{p.stderr.strip()[-500:]}", stderr=p.stderr)
 
     def before_launch(self, specs: list[dict]) -> None:
         with _MOUNT_LOCK:

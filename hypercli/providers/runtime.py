@@ -27,11 +27,24 @@ from hypercli.ssh.conn import CommandFailed
 
 class NodeSetupError(InfraError):
     """Preparing a node for a workflow failed (a mount, pulling inputs): the attempts that
-    needed it fail with this reason; the node itself is not lost."""
+    needed it fail with this reason; the node itself is not lost. ``stderr``: what the
+    failed command said, when one did."""
+
+    def __init__(self, message: str, hint: str | None = None, *, stderr: str = ""):
+        super().__init__(message, hint)
+        self.stderr = stderr
+
+
+def _said(e: Exception) -> str:
+    """The reason of a failed node command: the last lines of its stderr, else the error
+    (which names the command)."""
+    err = e.result.stderr.decode(errors="replace") if isinstance(e, CommandFailed) \
+        else getattr(e, "stderr", "")
+    return "\n".join(err.strip().splitlines()[-5:]) or str(e)
+
 
 #: environment passed to node-side hypercli commands when set here (an S3-compatible
 #: endpoint is not a secret; credentials come from the node's own configuration)
-#: settings (never credentials) that tell node-side store clients where the store is
 FORWARD_ENV = ("HYPER_S3_ENDPOINT_URL", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION",
                "HYPER_GCS_ENDPOINT_URL", "STORAGE_EMULATOR_HOST", "GOOGLE_CLOUD_PROJECT",
                "HYPER_AZURE_STORAGE_ENDPOINT_URL")
@@ -125,7 +138,7 @@ class NodeRuntime:
                                       rw=path in spec.get("rw_mounts", ())))
             except (CommandFailed, NodeSetupError) as e:
                 raise NodeSetupError(f"mounting {url} at {path} on {self.node} failed: "
-                                     f"{e}") from None
+                                     f"{_said(e)}") from None
         self.mounted = True
 
     def stage(self, experiments: set[str], outputs: str) -> None:
@@ -139,7 +152,7 @@ class NodeRuntime:
                     f"{shlex.quote(outputs)} " + " ".join(map(shlex.quote, todo)))
         except (CommandFailed, NodeSetupError) as e:
             raise NodeSetupError(f"pulling the outputs of {', '.join(todo)} onto {self.node} "
-                                 f"failed: {e}") from None
+                                 f"failed: {_said(e)}") from None
         self.staged.update(todo)
 
     def finish_command(self, output: str, task: str) -> str | None:
