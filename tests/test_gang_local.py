@@ -64,7 +64,11 @@ def test_a_failed_rank_stops_the_gang_which_is_retried_as_one(hyper_home, write_
             retries: 1
             command: |
               echo "$HYPER_ATTEMPT $RANK" >> {tmp_path}/starts
-              if [ "$RANK" = 1 ] && [ ! -e {marker} ]; then touch {marker}; exit 9; fi
+              if [ "$RANK" = 1 ] && [ ! -e {marker} ]; then
+                # fail once rank 0 runs (else the gang may stop it before its first line)
+                for i in $(seq 300); do grep -q '^1 0$' {tmp_path}/starts && break; sleep 0.1; done
+                touch {marker}; exit 9
+              fi
               if [ "$HYPER_ATTEMPT" = 1 ]; then sleep 60; fi
     """)
     state, summary = run_recipe(path)
