@@ -388,19 +388,9 @@ def test_errors_are_hyper_errors_with_clear_messages(s3, tmp_path):
 
 
 # -- the command line ---------------------------------------------------------------------
-SHIM = ("from hypercli.cli import cli, main\n"
-        "if 'data' not in cli.commands:\n"
-        "    from hypercli.cli_data import data; cli.add_command(data)\n"
-        "main()\n")
-
-
 def hyper_data(*args, env=None):
-    """`python -m hypercli data ...` (through a shim that registers the group while
-    hypercli/cli.py does not yet)."""
-    from hypercli.cli import cli
-    cmd = [sys.executable, "-m", "hypercli"] if "data" in cli.commands else \
-        [sys.executable, "-c", SHIM]
-    return subprocess.run([*cmd, "data", *map(str, args)], capture_output=True, text=True,
+    """`python -m hypercli data ...`"""
+    return subprocess.run([sys.executable, "-m", "hypercli", "data", *map(str, args)], capture_output=True, text=True,
                           timeout=120, cwd=ROOT, env=dict(env or os.environ, COLUMNS="200"))
 
 
@@ -447,8 +437,7 @@ def test_cli_push_ls_verify_and_exit_codes(s3, hyper_home, tmp_path):
 def test_help_does_not_import_boto3():
     code = ("import sys\n"
             "from hypercli.cli import cli\n"
-            "from hypercli.cli_data import data\n"
-            "cli.add_command(data)\n"
+
             "for argv in (['--help'], ['data', '--help'], ['data', 'push', '--help']):\n"
             "    try:\n"
             "        cli(argv, prog_name='hyper')\n"

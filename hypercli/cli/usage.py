@@ -12,15 +12,12 @@ import time
 
 import click
 
+from hypercli.cli.common import console, open_state
+
 from hypercli.errors import UsageError
 
 #: s a latest sample may be old and still be shown as "now"
 FRESH = 60.0
-
-
-def _state():
-    from hypercli.cli import _state as state
-    return state()
 
 
 def _size(n) -> str:
@@ -110,9 +107,8 @@ def top(cluster, once, every):
     memory used), disk free and network, from the samples the nodes' agents take while they
     have work (every HYPER_SAMPLE_EVERY seconds, default 5). Ctrl-C ends it.
     """
-    from hypercli.cli import _console
-    state = _state()
-    con = _console()
+    state = open_state()
+    con = console()
     if once:
         con.print(top_table(state, cluster))
         return
@@ -161,14 +157,13 @@ def stats(task, attempt, rank, as_json):
     resident memory of its processes, and the utilisation and memory of the GPUs it held.
     Samples older than an hour are 1-minute means, so their peaks are means too.
     """
-    from hypercli.cli import _console
-    state = _state()
-    err = _console(stderr=True)
+    state = open_state()
+    err = console(stderr=True)
     s = task_stats(state, task, attempt, rank, note=lambda line: err.print(line, soft_wrap=True))
     if as_json:
         click.echo(json.dumps(s, indent=2, sort_keys=True))
         return
-    con = _console()
+    con = console()
     con.print(f"{s['workflow']}/{s['task']} attempt {s['number']} on {s['node']} "
               f"({s['status']}): {s['samples']} samples", soft_wrap=True, highlight=False)
     if not s["samples"]:

@@ -16,8 +16,7 @@ import time
 
 import click
 
-from hypercli.console import console as _console
-from hypercli.console import plural
+from hypercli.cli.common import console, plural
 
 _ENDPOINT = click.option("--endpoint-url", metavar="URL",
                          help="S3-compatible endpoint (default $HYPER_S3_ENDPOINT_URL, "
@@ -48,7 +47,7 @@ def push(src, url, chunk_size, jobs, endpoint_url):
                                TimeElapsedColumn, TransferSpeedColumn)
 
     from hypercli.mount import pack
-    err = _console(stderr=True)
+    err = console(stderr=True)
     columns = (TextColumn("pushing"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                TextColumn("{task.fields[up]}"), TimeElapsedColumn())
     with Progress(*columns, console=err, transient=True,
@@ -100,7 +99,7 @@ def ls_(url, path, as_json, endpoint_url):
             name += f" -> {_show(e.target or '')}"
         table.add_row(stat.filemode(e.mode), f"{e.size:,}",
                       time.strftime("%Y-%m-%d %H:%M", time.localtime(e.mtime)), name)
-    _console().print(table, markup=False)
+    console().print(table, markup=False)
 
 
 @data.command()

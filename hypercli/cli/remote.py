@@ -13,10 +13,7 @@ import sys
 
 import click
 
-
-def _state():
-    from hypercli.cli import _state as state
-    return state()
+from hypercli.cli.common import open_state
 
 
 @click.command("exec")
@@ -51,7 +48,7 @@ def exec_(cluster, command, nodes):
         err.flush()
 
     try:
-        result = exec_on(_state(), cluster, command_line(command), nodes=nodes,
+        result = exec_on(open_state(), cluster, command_line(command), nodes=nodes,
                          on_line=on_line, on_note=on_note)
     except KeyboardInterrupt:
         sys.exit(130)
@@ -88,7 +85,7 @@ def ssh(ctx, cluster, node):
     """
     from hypercli.remote import command_line, ssh_argv
     rest = ctx.meta.get("remote_command")
-    argv = ssh_argv(_state(), cluster, node, command_line(rest) if rest else None)
+    argv = ssh_argv(open_state(), cluster, node, command_line(rest) if rest else None)
     sys.stdout.flush()
     sys.stderr.flush()
     try:
@@ -110,4 +107,4 @@ def ssh_config(cluster):
     at the top of ~/.ssh/config, or `ssh -F FILE`.
     """
     from hypercli.remote import ssh_config as config
-    click.echo(config(_state(), cluster), nl=False)
+    click.echo(config(open_state(), cluster), nl=False)

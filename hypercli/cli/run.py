@@ -1,0 +1,281 @@
+"""``hyper plan``, ``hyper run`` and ``hyper attach``: a recipe's workflow planned, run with
+live progress, and watched again from the state file.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import click
+
+from hypercli.cli.common import console, open_state, plural, print_json
+from hypercli.errors import HyperError
+
+
+# -- plan ---------------------------------------------------------------------------------
+@click.command()
+@click.argument("recipe", type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print the tasks as JSON.")
+def plan(recipe, as_json):
+    """Show the tasks RECIPE would run, without running anything."""
+    from hypercli.workflows import load
+    r, wf = load(recipe)
+    if as_json:
+        print_json([{"task": t.id, "experiment": t.experiment, "params": t.params,
+                      "command": t.command} for t in wf.tasks])
+        return
+    from rich.table import Table
+    con = console()
+    con.print(f"recipe [bold]{r.name}[/]: {plural(len(wf.tasks), 'task')} in "
+              f"{plural(len(wf.experiments), 'experiment')}, cluster {r.cluster.name} "
+              f"({r.cluster.provider})")
+    for e in wf.experiments:
+        after = f" after {', '.join(e.after)}" if e.after else ""
+        con.print(f"[bold]{e.name}[/]: {plural(e.tasks, 'task')}, retries {e.retries}{after}")
+    table = Table(box=None)
+    for col in ("task", "command"):
+        table.add_column(col, overflow="fold")
+    for t in wf.tasks[:200]:
+        table.add_row(t.id, t.command)
+    con.print(table)
+    if len(wf.tasks) > 200:
+        con.print(f"… and {len(wf.tasks) - 200} more (use --json for all)")
+
+
+# -- run ----------------------------------------------------------------------------------
+def _progress_table(sched):
+    from rich.table import Table
+    t = Table(title=f"workflow {sched.wid}  ·  {time.time() - sched.started:.0f}s",
+              title_justify="left")
+    snap = sched.snapshot()
+    # skipped and cancelled tasks did not fail: columns of their own, when there are any
+    extra = [s for s in ("skipped", "cancelled") if any(c.get(s) for c in snap.values())]
+    cols = ("running", "pending", "failed", *extra)
+    for col in ("experiment", "done", *cols, "total"):
+        t.add_column(col, justify="right" if col != "experiment" else "left")
+    for exp, c in snap.items():
+        t.add_row(exp, str(c.get("succeeded", 0)), *[str(c.get(col, 0)) for col in cols],
+                  str(sum(c.values())))
+    return t
+
+
+def _line(sched) -> str:
+    parts = []
+    for exp, c in sched.snapshot().items():
+        part = (f"{exp} {c.get('succeeded', 0)}/{sum(c.values())} done, "
+                f"{c.get('running', 0)} running, {c.get('failed', 0)} failed")
+        for s in ("skipped", "cancelled"):  # not failures: counted apart
+            if c.get(s):
+                part += f", {c[s]} {s}"
+        parts.append(part)
+    return f"[{time.time() - sched.started:5.0f}s] " + "; ".join(parts)
+
+
+class _LeaveNow(BaseException):
+    """A second Ctrl-C, SIGTERM or SIGHUP while the interrupt question is asked."""
+
+
+def _ask_leave_or_cancel() -> str:
+    """Ask, after Ctrl-C, whether to leave the tasks running or cancel them. A second Ctrl-C,
+    SIGTERM or SIGHUP (the terminal closing) answers "leave", the safe answer, at once; so
+    does the end of input."""
+    import signal
+
+    def restore():
+        for s, h in old.items():
+            signal.signal(s, h)
+
+    def leave_now(signum, frame):
+        restore()  # a third signal is only noted by the run loop
+        raise _LeaveNow()
+    old = {s: signal.signal(s, leave_now) for s in (signal.SIGINT, signal.SIGTERM,
+                                                      signal.SIGHUP)}
+    try:
+        return click.prompt("\ninterrupted: leave the tasks running or cancel them?",
+                            type=click.Choice(["leave", "cancel"]), default="leave")
+    except (_LeaveNow, click.Abort):
+        restore()
+        try:
+            click.echo("\nleaving the tasks running")
+        except OSError:  # the terminal is gone (SIGHUP)
+            pass
+        return "leave"
+    finally:
+        restore()
+
+
+@click.command()
+@click.argument("recipe", type=click.Path(dir_okay=False))
+@click.option("--new", is_flag=True, help="Start a new workflow even if one can be resumed.")
+@click.option("--on-interrupt", type=click.Choice(["ask", "leave", "cancel"]), default="ask",
+              show_default=True,
+              help="What Ctrl-C does: ask, leave the tasks running, or cancel them.")
+@click.option("--trust-new-hosts", is_flag=True,
+              help="Pin the host key of SSH hosts seen for the first time (check them first).")
+@click.option("--cluster", metavar="NAME",
+              help="Run on this cluster as it is (from `hyper up`), not the recipe's.")
+@click.option("-d", "--detach", is_flag=True,
+              help="Hand the workflow to the background driver and return at once.")
+@click.option("--wait", is_flag=True,
+              help="As --detach, then wait for the end and exit with its result (for CI).")
+def run(recipe, new, on_interrupt, trust_new_hosts, cluster, detach, wait):
+    """Run RECIPE's workflow to its end (resuming an unfinished one), with live progress.
+
+    Ctrl-C asks whether to leave the tasks running (the background driver goes on
+    scheduling them; `hyper attach` shows them again) or to cancel them.
+    """
+    from hypercli.scheduler import Scheduler
+    from hypercli.workflows import Driven, prepare_run
+    state = open_state()
+    con = console()
+    err = console(stderr=True)
+    try:
+        wid, resumed, provider, nodes, lock = prepare_run(
+            state, recipe, new=new, trust_new_hosts=trust_new_hosts, cluster=cluster,
+            log=con.print, report=lambda line: err.print(f"[yellow]not up:[/] {line}",
+                                                         soft_wrap=True))
+    except Driven as e:
+        from hypercli.driver import driver_pid
+        if str(driver_pid()) != e.pid:
+            raise
+        con.print(f"{e.workflow} is run by the background driver (pid {e.pid}): attaching")
+        sys.exit(_attach(state, e.workflow))
+    if detach or wait:
+        from hypercli.driver import detach as detach_
+        lock.release()
+        pid = detach_(state, wid)
+        if wait:
+            sys.exit(_attach(state, wid))
+        con.print(f"{wid} runs in the background (driver pid {pid}); `hyper attach {wid}` "
+                  f"shows it, `hyper cancel {wid}` stops it")
+        return
+    live = None
+    if con.is_terminal:
+        from rich.live import Live
+        live = Live(console=con, refresh_per_second=4, transient=False)
+        live.start()
+    last = [0.0, ""]
+    shown = [0]  # scheduler notices printed so far
+
+    def progress(sched):
+        from rich.markup import escape
+        for note in sched.notices[shown[0]:]:  # idle GPUs, full disks, OOM kills
+            con.print(f"[yellow]warning:[/] {escape(note)}", soft_wrap=True, highlight=False)
+        shown[0] = len(sched.notices)
+        if live is not None:
+            live.update(_progress_table(sched))
+            return
+        line = _line(sched)
+        if line.split("] ", 1)[1] != last[1] and time.time() - last[0] > 2 or sched._done():
+            last[:] = [time.time(), line.split("] ", 1)[1]]
+            con.print(line)
+
+    def ask() -> str:
+        if live is not None:
+            live.stop()
+        if on_interrupt != "ask":
+            return on_interrupt
+        if not sys.stdin.isatty():
+            return "leave"
+        return _ask_leave_or_cancel()
+
+    try:
+        summary = Scheduler(state, wid, provider, nodes, on_interrupt=ask).run(progress)
+    finally:
+        if live is not None:
+            live.stop()
+        lock.release()
+    counts = ", ".join(f"{n} {s}" for s, n in sorted(summary.counts.items()))
+    if summary.interrupted == "leave":
+        from hypercli.driver import detach as detach_
+        pid = detach_(state, wid)  # the background driver goes on scheduling its tasks
+        try:
+            con.print(f"left {wid} running ({counts}), handed to the background driver "
+                      f"(pid {pid}); `hyper attach {wid}` shows it, `hyper cancel {wid}` "
+                      "stops it")
+        except OSError:  # the terminal is gone (SIGHUP)
+            pass
+    else:
+        con.print(f"workflow {wid}: {counts}")
+        if summary.exit_code == 0:
+            con.print(f"`hyper results {wid}` shows the metrics")
+        else:
+            _show_failure(state, wid, con)
+            con.print(f"`hyper ps {wid}` and `hyper logs {wid}/TASK` show what failed")
+    sys.exit(summary.exit_code)
+
+
+def _show_failure(state, wid: str, con, lines: int = 10) -> None:
+    """After a failed run: the failed tasks, and the last ``lines`` lines of the first
+    failure's stderr."""
+    from rich.markup import escape
+
+    from hypercli.workflows import failure
+    try:
+        failed, attempt, tail = failure(state, wid, lines=lines)
+    except HyperError:  # its logs cannot be read: the names are enough
+        failed, attempt, tail = [t["id"] for t in state.tasks(wid, status=["failed"])], None, []
+    if not failed:
+        return
+    shown = ", ".join(failed[:20]) + (f", … ({len(failed)} in all)" if len(failed) > 20 else "")
+    con.print(f"[bold red]failed:[/] {escape(shown)}", soft_wrap=True)
+    if attempt is not None and tail:
+        con.print(f"last {plural(len(tail), 'line')} of {attempt['task']}'s stderr (attempt "
+                  f"{attempt['number']}, exit code {attempt['exit_code']}):")
+        for line in tail:
+            con.print(f"  {escape(line)}", soft_wrap=True, highlight=False)
+    elif attempt is not None:
+        why = attempt["error"] or f"exit code {attempt['exit_code']}"
+        con.print(f"{attempt['task']} wrote nothing on stderr (attempt {attempt['number']}: "
+                  f"{escape(str(why))})", soft_wrap=True)
+
+
+class _View:
+    """The progress displays' view of a workflow read from the state file (``hyper
+    attach``), shaped as the Scheduler they are given during ``hyper run``."""
+
+    def __init__(self, state, wid: str):
+        self.state, self.wid = state, wid
+        self.started = state.workflow(wid)["created_at"]
+
+    def snapshot(self) -> dict:
+        return self.state.counts(self.wid)
+
+    def _done(self) -> bool:
+        return self.state.workflow(self.wid)["status"] not in ("running", "cancelling")
+
+
+def _attach(state, wid: str, interval: float = 0.5) -> int:
+    """Show a workflow's progress from the state file until it ends; returns the exit code
+    (0 all succeeded, 1 not, 130 when Ctrl-C stops watching)."""
+    from hypercli.driver import ensure
+    view = _View(state, wid)
+    con = console()
+    last = ""
+    try:
+        while True:
+            ensure(state)  # a driver that died is started again
+            done = view._done()
+            line = _line(view)
+            if line.split("] ", 1)[1] != last or done:
+                last = line.split("] ", 1)[1]
+                con.print(line)
+            if done:
+                break
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        con.print(f"stopped watching; {wid} goes on (`hyper attach {wid}`)")
+        return 130
+    wf = state.workflow(wid)
+    con.print(f"workflow {wid}: {wf['status']}")
+    return 0 if wf["status"] == "succeeded" else 1
+
+
+@click.command()
+@click.argument("workflow")
+def attach(workflow):
+    """Show the live progress of WORKFLOW (run in the background or by another `hyper run`)
+    until it ends; exit 0 when every task succeeded. Ctrl-C stops watching only."""
+    state = open_state()
+    sys.exit(_attach(state, state.workflow(workflow)["id"]))
