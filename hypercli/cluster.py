@@ -204,3 +204,15 @@ def gc(state: State, provider: str, options: dict, dry_run: bool = False) -> lis
     removed = remove_all(api, None, keep=live)
     state.event("cluster", f"gc {provider}: removed {len(removed)} resources")
     return removed
+
+
+def provider_of(state: State, cluster_name: str):
+    """The provider of a recorded cluster, with the options it was brought up with.
+
+    Raises:
+        UsageError: no cluster of that name in the state file.
+    """
+    c = state.cluster(cluster_name)
+    if c is None:
+        raise UsageError(f"no cluster named {cluster_name!r}", "`hyper status` lists them")
+    return get_provider(c["provider"], options=(c.get("spec") or {}).get("options") or {})

@@ -31,32 +31,12 @@ import time
 
 from hypercli import state as S
 from hypercli.errors import HyperError
+from hypercli.locks import Lock, driver_lock_path, driver_pid
 
 IDLE_EXIT = 2.0  # s with nothing to drive before the driver exits
 LOOK_EVERY = 0.5  # s between looks for new detached workflows
 
 log = logging.getLogger("hypercli.driver")
-
-
-def _lock_path():
-    d = S.home() / "locks"
-    d.mkdir(exist_ok=True, mode=0o700)
-    return d / "driver.lock"
-
-
-def driver_pid() -> int | None:
-    """The pid of the live driver of this ``$HYPER_HOME``, or None (tested with its flock,
-    not by trusting the pid)."""
-    path = _lock_path()
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        text = os.pread(fd, 32, 0).decode(errors="replace").strip()
-        os.close(fd)
-        return int(text) if text.isdigit() else -1
-    os.close(fd)  # nobody holds it: no driver
-    return None
 
 
 def start() -> int:
@@ -99,8 +79,8 @@ class _Drive(threading.Thread):
             self.scheduler.stop()
 
     def run(self) -> None:
+        from hypercli.cluster import provider_of
         from hypercli.scheduler import Scheduler
-        from hypercli.workflows import provider_of
         state = S.State()
         try:
             wf = state.workflow(self.wid)
@@ -128,8 +108,7 @@ class _Drive(threading.Thread):
 
 def serve() -> int:
     """The driver's main loop (see the module docstring). Returns the exit status."""
-    from hypercli.workflows import Lock
-    fd = os.open(_lock_path(), os.O_RDWR | os.O_CREAT, 0o600)
+    fd = os.open(driver_lock_path(), os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:

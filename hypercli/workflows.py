@@ -13,7 +13,6 @@ that process dies, even by SIGKILL).
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import secrets
 import os
 import time
@@ -22,7 +21,9 @@ from typing import Callable, Iterator
 
 from hypercli import cluster as C
 from hypercli import state as S
+from hypercli.cluster import provider_of
 from hypercli.errors import HyperError, InfraError, UsageError
+from hypercli.locks import Driven, Lock, driver_pid  # noqa: F401  (Driven: raised here)
 from hypercli.plan import Workflow, build_plan
 from hypercli.providers import get_provider
 from hypercli.recipe import Recipe, load_recipe
@@ -39,52 +40,6 @@ def load(recipe_path: str) -> tuple[Recipe, Workflow]:
     from hypercli.shards import resolve
     recipe, shards = resolve(load_recipe(recipe_path))
     return recipe, build_plan(recipe, shards)
-
-
-class Driven(UsageError):
-    """A workflow is driven by another process (a ``hyper run``, or the background driver).
-
-    Attributes:
-        workflow: its id; pid: the driving process's pid (text, "?" when unknown).
-    """
-
-    def __init__(self, workflow: str, pid: str):
-        super().__init__(f"{workflow} is being run by another `hyper run` (pid {pid})",
-                         f"`hyper attach {workflow}` shows its progress; wait for it, or stop "
-                         "it first")
-        self.workflow, self.pid = workflow, pid
-
-
-class Lock:
-    """An exclusive flock on ``$HYPER_HOME/locks/<name>.lock``; the holder's pid is inside.
-
-    Raises (from acquire):
-        UsageError: another live process holds it (its pid is in the message).
-    """
-
-    def __init__(self, name: str):
-        d = S.home() / "locks"
-        d.mkdir(exist_ok=True, mode=0o700)
-        self.path = d / f"{name}.lock"
-        self.fd = None
-
-    def acquire(self) -> "Lock":
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            pid = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-            os.close(fd)
-            raise Driven(self.path.stem, pid) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
-        self.fd = fd
-        return self
-
-    def release(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
 
 
 def start_or_resume(state: S.State, recipe: Recipe, wf: Workflow, *, new: bool = False
@@ -116,13 +71,6 @@ def start_or_resume(state: S.State, recipe: Recipe, wf: Workflow, *, new: bool =
     for exp, plan in wf.shards.items():  # the file lists, kept beside the state file
         plan.save(wid, exp)
     return wid, False
-
-
-def provider_of(state: S.State, cluster_name: str):
-    c = state.cluster(cluster_name)
-    if c is None:
-        raise UsageError(f"no cluster named {cluster_name!r}", "`hyper status` lists them")
-    return get_provider(c["provider"], options=(c.get("spec") or {}).get("options") or {})
 
 
 def results(state: S.State, ref: str, sort: str | None = None, ascending: bool = False
@@ -181,7 +129,6 @@ def undriven(state: S.State, wid: str) -> float | None:
     if wf.get("driver_pid") and _pid_alive(wf["driver_pid"]):
         return None
     if wf.get("detached"):
-        from hypercli.driver import driver_pid
         if driver_pid():
             return None
     times = [wf["created_at"]]
