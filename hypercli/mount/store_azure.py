@@ -33,8 +33,8 @@ import re
 from typing import Iterator
 
 from hypercli.errors import UsageError
-from hypercli.mount.store import (DigestWriter, NotFound, PerThread, StoreError, network_reason,
-                                  sdk_missing)
+from hypercli.mount.store_base import (DigestWriter, NotFound, PerThread, StoreError,
+                                       network_reason, sdk_missing)
 
 MiB = 1 << 20
 #: bytes per request of a download or upload larger than one piece

@@ -24,8 +24,8 @@ from __future__ import annotations
 import os
 from typing import Iterator
 
-from hypercli.mount.store import (DigestWriter, NotFound, PerThread, StoreError, network_reason,
-                                  sdk_missing)
+from hypercli.mount.store_base import (DigestWriter, NotFound, PerThread, StoreError,
+                                       network_reason, sdk_missing)
 
 MiB = 1 << 20
 #: seconds an operation keeps retrying transient failures (google-api-core exponential
