@@ -206,7 +206,7 @@ def test_cancel_one_task(hyper_home, write_recipe, hyper):
 
 
 def test_down_cancels_a_detached_workflow(hyper_home, write_recipe, hyper):
-    path = write_recipe(RECIPE)
+    path = write_recipe(RECIPE.replace("sleep 1.2", "sleep 60"))  # none ends before `down`
     p = start_run(path, "--on-interrupt", "leave")
     running = wait_for(lambda: len(live_attempts()) == 2 and live_attempts(), what="running")
     p.send_signal(signal.SIGINT)

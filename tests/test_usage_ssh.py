@@ -23,6 +23,10 @@ pytestmark = pytest.mark.slow
 
 BURN = "timeout 5 sh -c 'while :; do :; done' || true"
 
+#: % of a core a busy loop is sure to show: a whole core on an idle machine, a share of one
+#: on a loaded one (2 cores at load 8: ~25%); a sampler that does not see it shows ~0
+BUSY = 15
+
 
 def _run(path, progress=None):
     state = State()
@@ -84,21 +88,21 @@ def test_samples_of_a_cpu_burning_task_reach_top_ps_and_stats(ssh_hosts, tmp_pat
     assert top.exit_code == 0, top.output
     assert a["node"] in top.output and "burn" in top.output and "37%" in top.output
     [task] = [r for r in json.loads(seen["ps"].output) if r["task"] == t["id"]]
-    assert task["usage"]["gpus"] == held and task["usage"]["cpu_pct"] > 50
+    assert task["usage"]["gpus"] == held and task["usage"]["cpu_pct"] > BUSY
     assert task["usage"]["gpu_util"] == {str(held[0]): 37.0 if held[0] == 0 else 0.0}
     header, row = [x.split() for x in seen["ps_text"].output.splitlines()
                    if x.split()[:1] in (["task"], [t["id"]])]
     assert header[:8] == ["task", "status", "attempts", "node", "started", "duration", "cpu",
                           "gpus"]
-    assert row[1] == "running" and row[6].endswith("%") and int(row[6][:-1]) > 50
+    assert row[1] == "running" and row[6].endswith("%") and int(row[6][:-1]) > BUSY
     assert row[7] == f"{held[0]}:{37 if held[0] == 0 else 0}%"
 
-    # `hyper stats`: the peak the burning task reached is more than 80% of one core
+    # `hyper stats`: the peak the burning task reached (a whole core on an idle machine)
     out = CliRunner().invoke(cli, ["stats", "burn", "--json"], catch_exceptions=False)
     assert out.exit_code == 0, out.output
     st = json.loads(out.output)
     assert st["task"] == t["id"] and st["samples"] == len(rows)
-    assert st["cpu_pct"]["peak"] > 80, st
+    assert st["cpu_pct"]["peak"] > BUSY, st
     assert 0 < st["cpu_pct"]["mean"] <= st["cpu_pct"]["peak"]
     gpu = st["gpus"][str(held[0])]
     assert gpu["util_pct"]["peak"] == (37.0 if held[0] == 0 else 0.0)
@@ -111,7 +115,7 @@ def test_samples_of_a_cpu_burning_task_reach_top_ps_and_stats(ssh_hosts, tmp_pat
     means = state.samples(attempt=a["id"])
     assert 1 <= len(means) <= 2 and all(m["span"] == 60 for m in means)
     again = CliRunner().invoke(cli, ["stats", "burn", "--json"], catch_exceptions=False)
-    assert json.loads(again.output)["cpu_pct"]["peak"] > 50
+    assert json.loads(again.output)["cpu_pct"]["peak"] > BUSY / 2
 
     # bad input: exit 2 and a message, no traceback
     bad = CliRunner().invoke(cli, ["stats", "no-such-task"])
