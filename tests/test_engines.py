@@ -78,13 +78,15 @@ def local_features(workdir, tmp_path_factory) -> bytes:
     return (out / "features" / "features.jsonl").read_bytes()
 
 
-def engine_recipe(tmp_path, pool, hosts, workdir, experiments: dict, name="feat",
+def engine_recipe(tmp_path, pool, hosts, workdir, experiments: dict, name="feat", hold=0,
                   **more) -> Path:
+    """``hold``: s each engine job's command sleeps after the job (its engine stays up)."""
     exps = {"train": {"command": f'{PY} inference/train.py "$HYPER_OUTPUT"', "env": ENV}}
     for exp, (engine, job) in experiments.items():
         exps[exp] = {"after": "train", "engine": engine, "nodes": 3, "retries": 1, "env": ENV,
                      "command": f'python featurize/{job} "$HYPER_OUTPUTS/train-0000/model.pkl" '
-                                f'images "$HYPER_OUTPUT" 6', **more}
+                                f'images "$HYPER_OUTPUT" 6' + (f" && sleep {hold}" if hold
+                                                               else ""), **more}
     return ssh_recipe(tmp_path, pool, hosts, exps, name=name, workdir=str(workdir))
 
 
@@ -206,7 +208,8 @@ def test_cancel_mid_job_leaves_no_engine_process(ssh_hosts, tmp_path, hyper_home
     hosts = ssh_hosts.start(3)
     path = engine_recipe(tmp_path, ssh_hosts, hosts, workdir,
                          {"spark": ("spark", "featurize_spark.py"),
-                          "ray": ("ray", "ray_map.py")})
+                          "ray": ("ray", "ray_map.py")},
+                         hold=600)  # both engines up at once, however slow the machine
     by_node = {f"feat-{i}": h for i, h in enumerate(hosts)}
     run = subprocess.Popen([*hyper_cmd(), "run", str(path), "--trust-new-hosts"],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
