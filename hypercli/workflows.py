@@ -83,7 +83,8 @@ def results(state: S.State, ref: str, sort: str | None = None, ascending: bool =
         ascending: smallest first (for losses); default largest first.
     Returns:
         (workflow id, the metric sorted by or None, rows) where each row has task, experiment,
-        status, params (dict), metrics (dict), attempts (int). Tasks without the metric last.
+        status, params (dict), metrics (dict), attempts (int). Tasks without the metric, or
+        whose value of it is not a number (NaN, a string), last; infinities are numbers.
     Raises:
         UsageError: unknown workflow; ``sort`` names a metric no task reported.
     """
@@ -102,7 +103,7 @@ def results(state: S.State, ref: str, sort: str | None = None, ascending: bool =
     if sort is not None:
         def key(r):
             v = r["metrics"].get(sort)
-            ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and v == v  # not NaN
             return (0, v if ascending else -v) if ok else (1, 0)
         rows.sort(key=key)
     return wid, sort, rows

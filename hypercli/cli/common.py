@@ -6,12 +6,11 @@ Nothing here knows a command; the command modules import from here, never from e
 
 from __future__ import annotations
 
-import json
 import time
 
 import click
 
-from hypercli.console import console, plural  # noqa: F401  (re-exported for the commands)
+from hypercli.console import console, dumps, plural, shown, text  # noqa: F401  (re-exported)
 
 
 def open_state():
@@ -24,9 +23,11 @@ def open_state():
     return state
 
 
-def print_json(obj) -> None:
-    """Print ``obj`` as indented JSON (anything JSON cannot hold as its ``str``)."""
-    click.echo(json.dumps(obj, indent=2, ensure_ascii=False, default=str))
+def print_json(obj, **kw) -> None:
+    """Print ``obj`` as indented, valid JSON: non-finite numbers as the strings ``"NaN"``,
+    ``"Infinity"``, ``"-Infinity"``, anything else JSON cannot hold as its ``str``
+    (:func:`hypercli.console.dumps`; ``kw`` such as ``sort_keys``)."""
+    click.echo(dumps(obj, indent=2, ensure_ascii=False, **kw))
 
 
 def fmt(v) -> str:
