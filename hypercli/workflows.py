@@ -13,8 +13,9 @@ that process dies, even by SIGKILL).
 from __future__ import annotations
 
 import dataclasses
-import secrets
 import os
+import secrets
+import stat
 import time
 from pathlib import Path
 from typing import Callable, Iterator
@@ -287,8 +288,12 @@ def log_chunks(state: S.State, attempt: dict, *, follow: bool = False,
     when the node cannot be reached (a local node's attempt folder, under
     ``$HYPER_HOME/local/tasks``, is such a copy: it stays when its cluster is forgotten).
 
+    A copy's log is read only when it is a regular file, opened without following a
+    symlink and without waiting (a task may have put a FIFO or a symlink in its place).
+
     Raises:
-        InfraError: the node is unreachable and no copy exists.
+        InfraError: the node is unreachable and no copy exists; a log of the copy is not a
+            regular file.
     """
     wf = state.workflow(attempt["workflow"])
     copies = [S.home() / "logs" / attempt["id"], S.home() / "local" / "tasks" / attempt["id"]]
@@ -296,9 +301,9 @@ def log_chunks(state: S.State, attempt: dict, *, follow: bool = False,
 
     def from_copy():
         for stream in ("stdout", "stderr"):
-            p = copy / stream
-            if p.exists():
-                yield stream, p.read_bytes()
+            data = _read_log(copy / stream)
+            if data is not None:
+                yield stream, data
 
     if attempt["status"] not in S.LIVE_ATTEMPT and copy.exists():
         yield from from_copy()  # ended and brought back: no need to reach the node
@@ -332,6 +337,31 @@ def log_chunks(state: S.State, attempt: dict, *, follow: bool = False,
             time.sleep(interval)
     finally:
         client.close()
+
+
+def _read_log(path: Path) -> bytes | None:
+    """The bytes of the log at ``path``; None when there is none.
+
+    Raises:
+        InfraError: it is not a regular file (a symlink, a FIFO, a folder), or cannot be read.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as e:  # ELOOP: a symlink
+        raise InfraError(f"log {path} is not a regular file ({e.strerror}): not read",
+                         "something other than the task's agent replaced it") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise InfraError(f"log {path} is not a regular file: not read",
+                             "something other than the task's agent replaced it")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read()
+    except OSError as e:
+        raise InfraError(f"cannot read log {path}: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
 
 
 def failure(state: S.State, wid: str, lines: int = 10) -> tuple[list[str], dict | None,
