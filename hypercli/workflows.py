@@ -32,7 +32,7 @@ from hypercli.recipe import Recipe, load_recipe
 
 def default_storage() -> str:
     """``file://$HYPER_HOME/storage``: where outputs go when the recipe names no storage."""
-    return "file://" + str(S.home() / "storage")
+    return "file://" + str(S.folder("storage"))
 
 
 def load(recipe_path: str) -> tuple[Recipe, Workflow]:

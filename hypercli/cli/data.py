@@ -157,8 +157,8 @@ def mount(url, mountpoint, cache_dir, cache_size, foreground, allow_other, endpo
           warm_entries):
     """Mount the dataset at URL read-only at MOUNTPOINT (an existing folder)."""
     from hypercli.mount.fusefs import mount as mount_
-    from hypercli.state import home
-    cache = cache_dir or str(home() / "cache")
+    from hypercli.state import folder
+    cache = cache_dir or str(folder("cache"))
     pid = mount_(url, mountpoint, cache_dir=cache, cache_bytes=cache_size << 20,
                  endpoint_url=endpoint_url, foreground=foreground, allow_other=allow_other,
                  warm_entries=warm_entries)

@@ -48,7 +48,7 @@ class LocalProvider:
     remote = False
 
     def root(self) -> Path:
-        return S.home() / "local"
+        return S.folder("local")
 
     def launch(self, spec: ClusterSpec) -> LaunchResult:
         n = spec.workers or os.cpu_count() or 1

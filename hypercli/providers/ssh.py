@@ -439,7 +439,7 @@ class SSHSession:
             return
         wid = self.wf["id"]
         tasks = {a: a[len(wid) + 1:].rsplit(".", 1)[0] for a in ids}  # <workflow>.<task>.<n>
-        logs = S.home() / "logs"
+        logs = S.folder("logs")
         fetch = []
         for a in ids:
             inline = states[a].get("inline") or {}
