@@ -160,7 +160,9 @@ def results(workflow, sort, ascending, show_all, as_json):
 def outputs(workflow, args, merge, jobs):
     """Pull the outputs of WORKFLOW's successful tasks (or EXPERIMENT's) into DIR/TASK/.
 
-    Every file is checked; a second run pulls only what changed.
+    Every file is checked; a second run pulls only what changed. Only what hypercli wrote
+    in DIR is ever replaced (DIR/.hyper-outputs.json keeps the list): anything else in the
+    way is named, and nothing is pulled.
     """
     from hypercli.errors import UsageError
     from hypercli.gather import gather
@@ -173,6 +175,9 @@ def outputs(workflow, args, merge, jobs):
                f"{len(r.kept)} already there, into {dest}")
     for rel in r.merged:
         click.echo(f"merged {rel}")
+    err = console(stderr=True)
+    for line in r.not_merged:
+        err.print(text(("not merged:", "yellow"), f" {line}"), soft_wrap=True)
 
 
 @click.command()
