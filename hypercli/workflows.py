@@ -500,6 +500,8 @@ def prepare_run(state: S.State, recipe_path: str, *, new: bool = False,
     else:
         nodes = C.up(state, recipe.cluster, provider, report=report or log)
     check_fits(wf, recipe.cluster.name, nodes)  # before a workflow is recorded
+    if recipe.mounts and hasattr(provider, "check_mounts"):  # this machine: known now
+        provider.check_mounts(recipe.mounts)
     wid, resumed = start_or_resume(state, recipe, wf, new=new)
     lock = Lock(wid).acquire()
     if resumed and state.workflow(wid)["cluster"] != recipe.cluster.name:
