@@ -456,7 +456,7 @@ def cluster_spec(name: str, provider: str, hosts: list[str], *, workers: int | N
 
     from hypercli.recipe import parse_recipe
     cluster: dict = {"provider": provider, "name": name}
-    if workers:
+    if workers is not None:
         cluster["workers"] = workers
     if hosts:
         cluster["hosts"] = list(hosts)
