@@ -88,3 +88,17 @@ class NodeError(InfraError):
     def __init__(self, node: str, message: str, hint: str | None = None):
         super().__init__(f"node {node}: {message}", hint)
         self.node = node
+
+
+def os_reason(e: OSError, where: str | None = None) -> str:
+    """A short reason for a failed file operation, naming the path: ``no space left on
+    /data`` (ENOSPC, EDQUOT), ``/data is on a read-only file system`` (EROFS), else
+    ``/data/x: Permission denied``. ``where`` names the path when the error has none (a
+    write's ENOSPC carries no file name)."""
+    import errno
+    path = e.filename if e.filename is not None else where
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"no space left on {path}" if path else "no space left on the device"
+    if e.errno == errno.EROFS:
+        return f"{path} is on a read-only file system" if path else "read-only file system"
+    return f"{path}: {e.strerror or e}" if path else str(e.strerror or e)

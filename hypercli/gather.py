@@ -8,14 +8,24 @@ Task ``t``'s output lands in ``DIR/<t>/``:
     (:func:`hypercli.mount.pack.pull`, which checks every chunk's SHA-256).
 
 Rules:
-  * Tasks are pulled in parallel (``jobs`` at a time), each into a temporary folder renamed
-    into place when complete, so ``DIR`` never holds half a task.
-  * Resumable: ``DIR/.hyper-outputs.json`` records each task pulled with the signature of
-    its source (the manifest's index hash, or the files' sizes and hashes); a task whose
-    source has not changed is not pulled again.
+  * Tasks are pulled in parallel (``jobs`` at a time), each into a new temporary folder of
+    its own, renamed into place when complete, so ``DIR`` never holds half a task.
+  * ``DIR/.hyper-outputs.json`` is hypercli's record of what it wrote there: each task
+    pulled, with the signature of its source (the manifest's index hash, or the files' sizes
+    and hashes) and every entry it wrote (kind, size, mtime, inode); the merged files and
+    the folders it made for them. A task whose source has not changed is not pulled again.
+  * hypercli replaces only what the record says it wrote, as it wrote it. ``DIR/<t>`` that
+    it has no record of, that holds anything it did not write (a file of the user's, a
+    changed file, a symlink), or that is not a folder, is refused with a UsageError naming
+    the path, before anything is pulled: nothing of the user's is ever deleted.
+  * Nothing in ``DIR`` is followed when it is a symlink (``DIR`` itself may be one: the user
+    chose it). A source output folder that is a symlink is refused too.
   * ``merge``: for each relative path found in more than one task (``predictions.jsonl`` of
     every shard), ``DIR/<path>`` is the files concatenated in task order (the plan's order),
-    byte for byte.
+    byte for byte. It is written only where nothing is or where the record says hypercli
+    wrote it, in ``DIR`` or folders hypercli made. A path that would land on a task's folder,
+    on the record (a task's own ``.hyper-outputs.json``) or on a temporary folder is not
+    merged, and said so.
 """
 
 from __future__ import annotations
@@ -24,58 +34,198 @@ import hashlib
 import json
 import os
 import shutil
-from concurrent.futures import ThreadPoolExecutor
+import stat
+import tempfile
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hypercli.errors import UsageError
+from hypercli.errors import InfraError, UsageError, os_reason
 from hypercli.state import State
 
 RECORD = ".hyper-outputs.json"
+_TMP = ".hyper-"  # prefix of hypercli's temporary names in DIR (never a task id: no dot)
 
 
 @dataclass
 class GatherReport:
     """What ``gather`` did: tasks pulled now, tasks already there, files merged (relative
-    paths), bytes pulled now."""
+    paths), files not merged with why (``"rel: reason"``), bytes pulled now."""
 
     pulled: list = field(default_factory=list)
     kept: list = field(default_factory=list)
     merged: list = field(default_factory=list)
+    not_merged: list = field(default_factory=list)
     bytes: int = 0
 
 
-def _sha256(path: Path) -> str:
+def _sha256_fd(fd: int) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
+    os.lseek(fd, 0, os.SEEK_SET)
+    for block in iter(lambda: os.read(fd, 1 << 20), b""):
+        h.update(block)
     return h.hexdigest()
 
 
-def _files(root: Path) -> list[Path]:
-    return sorted(p for p in root.rglob("*") if p.is_file() and not p.is_symlink())
+def _open_file(path: Path) -> int:
+    """An fd of the regular file at ``path``, opened without following a symlink.
+    Raises OSError (ELOOP for a symlink, EINVAL for anything but a regular file)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(22, "not a regular file", str(path))
+    return fd
+
+
+def _walk(root: Path) -> list[tuple[str, os.stat_result]]:
+    """Every entry under ``root`` as (relative path, lstat), sorted; symlinks are entries,
+    never followed."""
+    out = []
+    for folder, dirs, files in os.walk(root, followlinks=False):
+        for name in dirs + files:
+            p = Path(folder) / name
+            out.append((p.relative_to(root).as_posix(), os.lstat(p)))
+    return sorted(out)
+
+
+def _regular_files(root: Path) -> list[str]:
+    """Relative paths of the regular files under ``root`` (symlinks skipped), sorted."""
+    return [rel for rel, st in _walk(root) if stat.S_ISREG(st.st_mode)]
+
+
+def _entry(st: os.stat_result) -> list:
+    """What the record keeps of an entry hypercli wrote: [kind, size, mtime_ns, inode]
+    (a folder: [kind, 0, 0, 0], its times change with what is put in it)."""
+    if stat.S_ISDIR(st.st_mode):
+        return ["d", 0, 0, 0]
+    kind = "l" if stat.S_ISLNK(st.st_mode) else "f" if stat.S_ISREG(st.st_mode) else "?"
+    return [kind, st.st_size, st.st_mtime_ns, st.st_ino]
 
 
 def _folder_signature(src: Path) -> str:
     h = hashlib.sha256()
-    for p in _files(src):
-        h.update(f"{p.relative_to(src).as_posix()}\0{p.stat().st_size}\0{_sha256(p)}\n"
-                 .encode())
+    for rel in _regular_files(src):
+        fd = _open_file(src / rel)
+        try:
+            h.update(f"{rel}\0{os.fstat(fd).st_size}\0{_sha256_fd(fd)}\n".encode())
+        finally:
+            os.close(fd)
     return h.hexdigest()
 
 
 def _copy_checked(src: Path, dest: Path) -> int:
-    """Copy a folder's files, each checked by size and SHA-256 after the copy; bytes."""
+    """Copy a folder's regular files into the new folder ``dest``, each checked by size and
+    SHA-256 after the copy; bytes."""
     total = 0
-    for p in _files(src):
-        to = dest / p.relative_to(src)
+    for rel in _regular_files(src):
+        to = dest / rel
         to.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(p, to)
-        if to.stat().st_size != p.stat().st_size or _sha256(to) != _sha256(p):
-            raise OSError(f"{to}: the copy differs from {p}")
-        total += to.stat().st_size
+        fd = _open_file(src / rel)
+        try:
+            out = os.open(to, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                          | os.O_CLOEXEC, 0o666)  # less the umask, as any new file
+            try:
+                while block := os.read(fd, 1 << 20):
+                    _write_all(out, block)
+                if os.fstat(out).st_size != os.fstat(fd).st_size or \
+                        _sha256_fd(out) != _sha256_fd(fd):
+                    raise InfraError(f"{to}: the copy differs from {src / rel}")
+                total += os.fstat(out).st_size
+            finally:
+                os.close(out)
+        finally:
+            os.close(fd)
     return total
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _read_record(dest: Path) -> dict:
+    """``DIR/.hyper-outputs.json`` as a dict ({} when there is none).
+
+    Raises:
+        UsageError: it is not a regular file, or not a record hypercli wrote.
+    """
+    path = dest / RECORD
+    try:
+        fd = _open_file(path)
+    except FileNotFoundError:
+        return {}
+    except OSError:
+        raise UsageError(f"{path} is not a regular file: hypercli keeps its record of what "
+                         "it wrote in DIR there", "move it away, or gather into another "
+                         "folder") from None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            record = json.loads(f.read())
+    except ValueError:
+        record = None
+    ok = isinstance(record, dict) and isinstance(record.get("tasks", {}), dict) and \
+        isinstance(record.get("merged", {}), dict) and isinstance(record.get("folders", []),
+                                                                  list)
+    if not ok:
+        raise UsageError(f"{path} is not a record of `hyper outputs`",
+                         "move it away, or gather into another folder")
+    return record
+
+
+def _umask() -> int:
+    """This process's umask (read by setting it: call it before threads start)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _write_record(dest: Path, record: dict, mask: int) -> None:
+    """Replace the record atomically (a new file renamed over it; a symlink there is
+    replaced, not followed); its mode 0666 less the umask ``mask``."""
+    fd, tmp = tempfile.mkstemp(dir=dest, prefix=_TMP + "record-")
+    try:
+        os.fchmod(fd, 0o666 & ~mask)
+        with os.fdopen(fd, "w") as f:
+            json.dump(record, f, indent=1, sort_keys=True)
+        os.replace(tmp, dest / RECORD)
+    except BaseException:
+        _remove(Path(tmp))
+        raise
+
+
+def _remove(path: Path) -> None:
+    """Remove a file or a folder hypercli made (symlinks inside are removed, not
+    followed); nothing when it is gone."""
+    try:
+        if stat.S_ISDIR(os.lstat(path).st_mode):
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _unrecorded(target: Path, entry) -> str | None:
+    """Why ``DIR/<task>`` may not be replaced (module docstring), or None when it may: it
+    is missing, or a folder holding only what the record's ``entry`` says hypercli wrote."""
+    try:
+        st = os.lstat(target)
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        return f"{target} is a symlink"
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{target} is not a folder"
+    if entry is None:
+        return f"{target} exists and hypercli has no record of writing it"
+    wrote = entry.get("entries") if isinstance(entry, dict) else None
+    if not isinstance(wrote, dict):  # a record of an older hypercli: nothing to check with
+        return f"{target} was written by an older hypercli, which kept no list of its files"
+    for rel, est in _walk(target):
+        if wrote.get(rel) != _entry(est):
+            return f"{target / rel} was not written by hypercli (or was changed since)"
+    return None
 
 
 def gather(state: State, ref: str, dest: str | os.PathLike, *, experiment: str | None = None,
@@ -89,88 +239,211 @@ def gather(state: State, ref: str, dest: str | os.PathLike, *, experiment: str |
     Returns:
         (workflow id, GatherReport).
     Raises:
-        UsageError: unknown workflow or experiment, or no task succeeded.
+        UsageError: unknown workflow or experiment, no task succeeded, ``dest`` is not a
+            folder or holds what hypercli did not write where it would write (named).
+        InfraError: a file cannot be read or written (``no space left on DIR``...), a copy
+            differs from its source, a source output folder is a symlink.
         StoreError / DatasetError: the object store failed or a chunk did not verify.
     """
-    from hypercli.mount.outputs import output_url
-    from hypercli.mount.pack import load_manifest, pull
-    from hypercli.mount.store import open_store
     wf = state.workflow(ref)
     wid = wf["id"]
     exps = [e["name"] for e in state.experiments(wid)]
     if experiment is not None and experiment not in exps:
         raise UsageError(f"workflow {wid} has no experiment {experiment!r}",
                          f"its experiments: {', '.join(exps)}")
+    every = [t["id"] for t in state.tasks(wid)]
     tasks = [t["id"] for t in state.tasks(wid, status=["succeeded"])
              if experiment in (None, t["experiment"])]
     if not tasks:
         raise UsageError(f"no task of {wid}{' / ' + experiment if experiment else ''} has "
                          "succeeded: there is no output to gather", f"`hyper ps {wid}`")
     dest = Path(dest)
-    dest.mkdir(parents=True, exist_ok=True)
-    record_path = dest / RECORD
-    record = json.loads(record_path.read_text()) if record_path.exists() else {}
+    try:
+        dest.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"cannot use {dest} as the folder to gather into: "
+                         f"{os_reason(e, str(dest))}") from None
+    try:
+        return wid, _gather(wf, dest, tasks, every, merge, jobs, _umask())
+    except OSError as e:
+        raise InfraError(f"gathering the outputs of {wid} into {dest}: "
+                         f"{os_reason(e, str(dest))}") from None
+
+
+def _gather(wf: dict, dest: Path, tasks: list[str], every: list[str], merge: bool,
+            jobs: int, mask: int) -> GatherReport:
+    """The work of :func:`gather` once its arguments are checked; ``mask``: the umask,
+    which the folders and files made here get their modes from, as any new ones."""
+    from hypercli.mount.outputs import output_url
+    from hypercli.mount.pack import load_manifest, pull
+    from hypercli.mount.store import open_store
+    wid, storage = wf["id"], wf["storage"]
+    record = _read_record(dest)
     if record.get("workflow") not in (None, wid):
         raise UsageError(f"{dest} holds the outputs of {record['workflow']}",
                          "gather into another folder")
     done = record.setdefault("tasks", {})
     record["workflow"] = wid
-    storage = wf["storage"]
     report = GatherReport()
+
+    def source(task: str) -> Path:
+        src = Path(storage[7:]) / wid / task
+        if os.path.islink(src):
+            raise InfraError(f"the output folder {src} of {wid}/{task} is a symlink: not "
+                             "followed")
+        return src
 
     def signature(task: str) -> str:
         if storage.startswith("file://"):
-            return _folder_signature(Path(storage[7:]) / wid / task)
+            return _folder_signature(source(task))  # none there (wrote nothing): empty
         return load_manifest(open_store(output_url(storage, wid, task)))["index_sha256"]
 
-    def one(task: str) -> int:
-        tmp = dest / f".{task}.incoming"
-        shutil.rmtree(tmp, ignore_errors=True)
-        if storage.startswith("file://"):
-            n = _copy_checked(Path(storage[7:]) / wid / task, tmp)
+    def fetch(task: str) -> tuple[Path, int]:
+        """The task's output in a new temporary folder in DIR: (folder, bytes)."""
+        tmp = Path(tempfile.mkdtemp(dir=dest, prefix=f"{_TMP}{task}-"))
+        try:
+            if storage.startswith("file://"):
+                n = _copy_checked(source(task), tmp)
+            else:
+                n = pull(output_url(storage, wid, task), tmp, jobs=4).bytes
+            os.chmod(tmp, 0o777 & ~mask)  # mkdtemp's 0700 was for while it is filled
+            return tmp, n
+        except BaseException:
+            _remove(tmp)
+            raise
+
+    def install(task: str, tmp: Path) -> dict:
+        """Put the pulled folder in place of DIR/<task> (checked again: still only ours)."""
+        target = dest / task
+        why = _unrecorded(target, done.get(task))
+        if why:
+            raise UsageError(f"{why}: not replaced", "move it away, or gather into another "
+                             "folder")
+        entries = {rel: _entry(st) for rel, st in _walk(tmp)}
+        if os.path.lexists(target):
+            trash = Path(tempfile.mkdtemp(dir=dest, prefix=f"{_TMP}old-{task}-"))
+            os.replace(target, trash)  # onto an empty folder of ours: allowed
+            os.replace(tmp, target)
+            _remove(trash)
         else:
-            tmp.mkdir(parents=True)
-            n = pull(output_url(storage, wid, task), tmp, jobs=4).bytes
-        shutil.rmtree(dest / task, ignore_errors=True)
-        os.replace(tmp, dest / task)
-        return n
+            os.replace(tmp, target)
+        return {"source": sigs[task], "entries": entries}
 
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         sigs = dict(zip(tasks, pool.map(signature, tasks)))
-        todo = [t for t in tasks if done.get(t) != sigs[t] or not (dest / t).is_dir()]
+
+        def current(t: str) -> bool:
+            e = done.get(t)
+            src = e.get("source") if isinstance(e, dict) else e
+            try:
+                return src == sigs[t] and stat.S_ISDIR(os.lstat(dest / t).st_mode)
+            except FileNotFoundError:
+                return False
+        todo = [t for t in tasks if not current(t)]
         report.kept = [t for t in tasks if t not in todo]
-        for task, n in zip(todo, pool.map(one, todo)):
-            done[task] = sigs[task]
-            report.pulled.append(task)
+        for t in todo:  # before anything is pulled: nothing of the user's is in the way
+            why = _unrecorded(dest / t, done.get(t))
+            if why:
+                raise UsageError(f"{why}: not replaced", "move it away, or gather into "
+                                 "another folder")
+        futures = {pool.submit(fetch, t): t for t in todo}
+        error = None
+        for f in as_completed(futures):
+            t = futures[f]
+            try:
+                tmp, n = f.result()
+            except Exception as e:
+                error = error or e
+                continue
+            if error is not None:
+                _remove(tmp)
+                continue
+            try:
+                done[t] = install(t, tmp)
+            except BaseException as e:
+                _remove(tmp)
+                error = e
+                continue
+            report.pulled.append(t)
             report.bytes += n
-            tmp = record_path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(record, indent=1, sort_keys=True))
-            os.replace(tmp, record_path)
+            _write_record(dest, record, mask)
+        if error is not None:
+            raise error
+    report.pulled.sort(key=tasks.index)
     if merge:
-        report.merged = _merge(dest, tasks)
-    return wid, report
+        _merge(dest, tasks, set(every), record, report, mask)
+        _write_record(dest, record, mask)
+    return report
 
 
-def _merge(dest: Path, tasks: list[str]) -> list[str]:
-    """Concatenate same-named files of the task folders, in task order, into ``dest``."""
+def _merge(dest: Path, tasks: list[str], every: set[str], record: dict,
+           report: GatherReport, mask: int) -> None:
+    """Concatenate same-named files of the task folders, in task order, into ``dest``
+    (module docstring); fills ``report.merged`` and ``report.not_merged`` and the record's
+    ``merged`` and ``folders``.
+
+    Raises:
+        UsageError: a merged file would replace, or be written in, something hypercli did
+            not write (named); nothing is merged then.
+    """
     found: dict[str, list[Path]] = {}
     for task in tasks:
         root = dest / task
-        for p in _files(root):
-            found.setdefault(p.relative_to(root).as_posix(), []).append(p)
-    merged = []
+        for rel in _regular_files(root):
+            found.setdefault(rel, []).append(root / rel)
+    merged = record.setdefault("merged", {})
+    folders = record.setdefault("folders", [])
+    plan = []
     for rel, parts in sorted(found.items()):
         if len(parts) < 2:
             continue
+        first = rel.split("/", 1)[0]
+        if rel == RECORD or first in every or first.startswith(_TMP):
+            what = ("hypercli's record of DIR" if rel == RECORD else
+                    f"task {first}'s folder" if first in every else "a temporary folder")
+            report.not_merged.append(f"{rel}: its place is {what}")
+            continue
         out = dest / rel
-        if out.exists() and out.is_dir():
-            raise UsageError(f"cannot merge {rel}: {out} is a folder")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + ".merging")
-        with open(tmp, "wb") as w:
+        for part in Path(rel).parents[-2::-1]:  # its folders, outermost first
+            p = dest / part
+            try:
+                st = os.lstat(p)
+            except FileNotFoundError:
+                break  # made below, with the ones inside it
+            if not stat.S_ISDIR(st.st_mode) or stat.S_ISLNK(st.st_mode) or \
+                    part.as_posix() not in folders:
+                raise UsageError(f"cannot merge {rel}: {p} is not a folder hypercli made",
+                                 "move it away, or gather into another folder")
+        try:
+            st = os.lstat(out)
+        except FileNotFoundError:
+            st = None
+        if st is not None and merged.get(rel) != _entry(st):
+            raise UsageError(f"cannot merge {rel}: {out} was not written by hypercli (or was "
+                             "changed since)", "move it away, or gather into another folder")
+        plan.append((rel, out, parts))
+    for rel, out, parts in plan:
+        for part in Path(rel).parents[-2::-1]:
+            if not os.path.lexists(dest / part):
+                os.mkdir(dest / part)
+                folders.append(part.as_posix())
+        fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=_TMP + "merge-")
+        try:
             for p in parts:
-                with open(p, "rb") as r:
-                    shutil.copyfileobj(r, w, 1 << 20)
-        os.replace(tmp, out)
-        merged.append(rel)
-    return merged
+                src = _open_file(p)
+                try:
+                    while block := os.read(src, 1 << 20):
+                        _write_all(fd, block)
+                finally:
+                    os.close(src)
+            os.fchmod(fd, 0o666 & ~mask)
+            os.close(fd)
+            fd = None
+            os.replace(tmp, out)
+        except BaseException:
+            if fd is not None:
+                os.close(fd)
+            _remove(Path(tmp))
+            raise
+        merged[rel] = _entry(os.lstat(out))
+        report.merged.append(rel)

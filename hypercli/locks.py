@@ -74,8 +74,15 @@ def driver_lock_path() -> Path:
 
 def driver_pid() -> int | None:
     """The pid of the live background driver of this ``$HYPER_HOME``, or None (tested with
-    its flock, not by trusting the pid; -1 when it holds the lock but wrote no pid yet)."""
-    fd = os.open(driver_lock_path(), os.O_RDWR | os.O_CREAT, 0o600)
+    its flock, not by trusting the pid; -1 when it holds the lock but wrote no pid yet). A
+    lock folder that cannot be written is read as it is (a read-only ``$HYPER_HOME``)."""
+    try:
+        fd = os.open(driver_lock_path(), os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError:
+        try:  # an flock needs no write access
+            fd = os.open(S.home() / "locks" / "driver.lock", os.O_RDONLY)
+        except FileNotFoundError:
+            return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:

@@ -61,13 +61,14 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 from hypercli import usage
 from hypercli.capacity import ENGINE_PORTS, free_of, never_fits, place_gang, shortfall
-from hypercli.errors import HyperError, InfraError, NodeError
-from hypercli.node.client import NodeCutOff, engine_source
-from hypercli.state import LIVE_ATTEMPT, TERMINAL_TASK, State
+from hypercli.errors import HyperError, InfraError, NodeError, os_reason
+from hypercli.node.client import AgentFailed, NodeCutOff, engine_source
+from hypercli.state import LIVE_ATTEMPT, TERMINAL_TASK, State, unwritable
 
 POLL_WAIT = 1.0  # s a node's long poll waits for an attempt to end (cut short by new work)
 #: s a launch waits, as a poll, for an attempt of its node to end: a short task's launch and end
@@ -107,6 +108,9 @@ class NodeWorker(threading.Thread):
                  probe: Callable[[], str] | None = None):
         super().__init__(name=f"node-{node['name']}", daemon=True)
         self.node = node["name"]
+        #: the node's hypercli folder, where its agent keeps the attempt folders
+        self.root = (node.get("address") or {}).get("root") or \
+            (node.get("info") or {}).get("root")
         self.connect = connect
         self.probe = probe  # the cloud's word on the node: running|preempted|gone|unknown
         self.events = events
@@ -163,6 +167,9 @@ class NodeWorker(threading.Thread):
             except NodeError:
                 raise
             except (HyperError, OSError, tarfile.TarError) as e:  # node fine, results not
+                if isinstance(e, OSError):  # a full disk here: say where
+                    where = getattr(self.session, "storage", None)
+                    e = os_reason(e, str(where) if where is not None else None)
                 for k, v in ended.items():
                     if v["state"] == "exited" and v.get("code") == 0 and not v.get("cancelled"):
                         states[k] = {"state": "failed", "error": f"collecting its results: {e}"}
@@ -177,6 +184,8 @@ class NodeWorker(threading.Thread):
                 except NodeError:
                     raise
                 except (HyperError, OSError) as e:  # the node is fine; these attempts are not
+                    if isinstance(e, OSError):
+                        e = os_reason(e)
                     if len(payload) > 1:  # only the ones that need what failed (an image)
                         waited = False
                         for spec in payload:
@@ -192,8 +201,18 @@ class NodeWorker(threading.Thread):
             launched = {s["id"] for s in payload}
             every = min(s.get("checkpoint_every") or 60 for s in payload)
             self.mirror_every = min(self.mirror_every or every, every)
-            r = self.client.call("launch", attempts=payload, ids=sorted(self.watch), wait=wait,
-                                 **self._inline)
+            try:
+                r = self.client.call("launch", attempts=payload, ids=sorted(self.watch),
+                                     wait=wait, **self._inline)
+            except AgentFailed as e:  # it answered: it could not start them (a full disk)
+                if len(payload) > 1:  # one by one: those it started are found running
+                    waited = False
+                    for spec in payload:
+                        waited = self._handle("launch", [spec]) or waited
+                    return waited
+                self.events.put(("states", self.node, {payload[0]["id"]: {
+                    "state": "failed", "error": self._why_not_started(e.reason)}}))
+                return False
             self._check_preempted(r)
             self.watch.update(launched)
             self._report({k: v for k, v in r["states"].items()
@@ -261,6 +280,15 @@ class NodeWorker(threading.Thread):
             self.events.put(("crash", self.node, f"{type(e).__name__}: {e}"))
             if self.client is not None:
                 self.client.close()
+
+    def _why_not_started(self, reason: str) -> str:
+        """An attempt's error when its node's agent could not start it: ``no space left
+        on <the node's hypercli folder>`` for a full disk (the agent's ``OSError`` names no
+        path: its attempt folders are there), else the agent's words."""
+        if "[Errno 28]" in reason or "[Errno 122]" in reason:  # ENOSPC, EDQUOT
+            where = self.root or "the node's disk"
+            return f"node {self.node} could not start it: no space left on {where}"
+        return f"node {self.node} could not start it: {reason}"
 
     def _take_samples(self, r: dict) -> None:
         """Post the utilisation samples an answer carries (see hypercli/usage.py)."""
@@ -707,6 +735,8 @@ class Scheduler:
             status = "lost"
         if task["status"] == "succeeded" and status == "succeeded":
             status = "superseded"
+        if status == "lost" and not why:
+            why = self._lost_why(a["node"])
         key = (a["task"], a["number"])
         g = self.gangs.setdefault(key, self._new_gang([a["node"]], None))
         if status == "cancelled" and g["cause"] and task["status"] not in TERMINAL_TASK:
@@ -753,6 +783,17 @@ class Scheduler:
         self._set(task, "failed")
         return upd, {"id": task["id"], "status": "failed", "metrics": g["metrics"],
                      "ended_at": now}
+
+    def _lost_why(self, node: str) -> str:
+        """Why an attempt its node's agent reports lost (no exit status, and nothing runs
+        it) was lost: a full disk where a local node keeps its attempt folders (it could not
+        write the exit status), else that the agent that ran it stopped."""
+        root = (self.nodes.get(node) or {}).get("address", {}).get("root")
+        if getattr(self.provider, "name", None) == "local" and root:
+            why = unwritable(Path(root) / "tasks")
+            if why:
+                return f"lost: its exit status could not be written ({why})"
+        return "lost: its node has no exit status for it (the agent that ran it stopped)"
 
     # -- events --------------------------------------------------------------------------
     def _samples(self, node: str, samples: list) -> None:

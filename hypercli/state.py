@@ -8,6 +8,13 @@ Concurrency: WAL journal, so ``hyper ps`` reads while ``hyper run`` writes; a 10
 timeout for writers. The file is created with mode 0600 inside a 0700 folder: it names hosts,
 addresses and commands.
 
+A state file that cannot be written (its folder read-only, or its disk full) is opened
+read-only, so the commands that only read it work: read-only mode, or SQLite's ``immutable``
+open where a WAL file's shared memory cannot be made there either (sqlite.org, "Write-Ahead
+Logging", section 5, "Read-Only Databases"; "URI filenames", ``immutable``). A write then
+fails with a :class:`StateError` that says why (``no space left on /x``, ``/x is on a
+read-only file system``).
+
 Statuses:
     task:     pending → running → succeeded | failed ; or skipped / cancelled
     attempt:  launching → running → succeeded | failed | lost | cancelled | superseded;
@@ -26,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from hypercli.errors import StateError, UsageError
+from hypercli.errors import StateError, UsageError, os_reason
 
 TERMINAL_TASK = ("succeeded", "failed", "skipped", "cancelled")
 LIVE_ATTEMPT = ("launching", "running")
@@ -154,6 +161,48 @@ def home() -> Path:
     return p
 
 
+def folder(name: str) -> Path:
+    """``home() / name``, a folder of hypercli's own there (``local``, ``storage``,
+    ``logs``, ``cache``...), made 0700 when missing: it holds logs and outputs."""
+    p = home() / name
+    try:
+        p.mkdir(exist_ok=True, mode=0o700)
+    except OSError as e:
+        raise StateError(f"cannot make {p}: {os_reason(e, str(p))}",
+                         "set HYPER_HOME to a folder you can write") from None
+    return p
+
+
+def open_to_others(path: Path) -> int | None:
+    """The mode of folder ``path`` when users other than its owner may enter or read it
+    (any of 0o077 set), else None (also when it cannot be looked at)."""
+    try:
+        mode = os.stat(path).st_mode & 0o7777
+    except OSError:
+        return None
+    return mode if mode & 0o077 else None
+
+
+def unwritable(path: Path) -> str | None:
+    """Why the file at ``path`` or its folder cannot be written, as far as can be seen
+    from here: ``/x is on a read-only file system``, ``/x is read-only to this user``,
+    ``no space left on /x``; None when nothing is seen to stop a write."""
+    folder = path.parent
+    try:
+        vfs = os.statvfs(folder)
+    except OSError:
+        return None
+    if vfs.f_flag & os.ST_RDONLY:
+        return f"{folder} is on a read-only file system"
+    if not os.access(folder, os.W_OK):
+        return f"{folder} is read-only to this user"
+    if path.exists() and not os.access(path, os.W_OK):
+        return f"{path} is read-only to this user"
+    if (vfs.f_bavail if os.geteuid() else vfs.f_bfree) == 0:
+        return f"no space left on {folder}"
+    return None
+
+
 _ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)  # one, not one per call
 
 
@@ -173,17 +222,71 @@ class State:
 
     def __init__(self, path: str | os.PathLike | None = None):
         self.path = Path(path) if path else home() / "state.db"
+        #: why the file cannot be written (it was opened read-only), or None
+        self.readonly: str | None = None
+        self.db = None
         try:
             if not self.path.exists():
-                self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-                os.close(os.open(self.path, os.O_CREAT | os.O_WRONLY, 0o600))
+                try:
+                    self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+                    os.close(os.open(self.path, os.O_CREAT | os.O_WRONLY, 0o600))
+                except OSError as e:
+                    raise StateError(f"cannot create the state file {self.path}: "
+                                     f"{os_reason(e, str(self.path.parent))}",
+                                     "set HYPER_HOME to a folder you can write") from None
             self.db = sqlite3.connect(self.path, timeout=10.0, isolation_level=None,
                                       check_same_thread=False)
             self.db.row_factory = sqlite3.Row
             self._open()
         except sqlite3.DatabaseError as e:
-            raise StateError(f"state file {self.path}: {e}",
-                             "move it aside or set HYPER_HOME to another folder") from None
+            why = unwritable(self.path) if isinstance(e, sqlite3.OperationalError) else None
+            if why is None:
+                raise StateError(f"state file {self.path}: {e}",
+                                 "move it aside or set HYPER_HOME to another folder") from None
+            if self.db is not None:
+                self.db.close()
+            self._open_readonly(why)
+
+    def _open_readonly(self, why: str) -> None:
+        """Open the file for reading only (module docstring); ``why``: what stops writes."""
+        uri = self.path.absolute().as_uri()
+        error = None
+        for query in ("?mode=ro", "?mode=ro&immutable=1"):
+            db = sqlite3.connect(uri + query, uri=True, timeout=10.0, isolation_level=None,
+                                 check_same_thread=False)
+            try:
+                have = db.execute("SELECT MAX(version) FROM schema_migrations").fetchone()[0]
+                break
+            except sqlite3.DatabaseError as e:
+                db.close()
+                error = e
+        else:
+            raise StateError(f"state file {self.path} cannot be opened ({error}): {why}",
+                             "free space there, or set HYPER_HOME to another folder")
+        self.db, self.readonly = db, why
+        self.db.row_factory = sqlite3.Row
+        if have != len(MIGRATIONS):
+            db.close()
+            newer = (have or 0) > len(MIGRATIONS)
+            raise StateError(f"state file {self.path} is from a "
+                             f"{'newer' if newer else 'older'} hypercli "
+                             f"(schema {have}, this one knows {len(MIGRATIONS)})"
+                             + ("" if newer else f" and cannot be upgraded: {why}"),
+                             "upgrade hypercli" if newer else
+                             "make its folder writable once, or set HYPER_HOME to another")
+
+    def _write_error(self, e: Exception) -> StateError:
+        """The StateError of a write that failed with ``e``, saying why when the folder
+        cannot be written."""
+        why = self.readonly or unwritable(self.path)
+        if why is None and "disk is full" in str(e):  # SQLITE_FULL: less than a page free
+            why = f"no space left on {self.path.parent}"
+        if why is None:
+            return StateError(f"state file {self.path}: {e}")
+        return StateError(f"state file {self.path} cannot be written: {why}",
+                          "commands that only read it (ps, results, logs, status, stats) "
+                          "work; tasks already started go on, and `hyper run RECIPE` takes "
+                          "them up again once it can be written")
 
     def _open(self, tries: int = 50) -> None:
         """Pragmas and migrations. Switching a new file to WAL takes an exclusive lock that
@@ -230,22 +333,34 @@ class State:
         if self.db.in_transaction:
             yield self.db
             return
+        if self.readonly:
+            raise self._write_error(None)
         try:
             self.db.execute("BEGIN IMMEDIATE")
         except sqlite3.OperationalError as e:  # locked for 10 s, disk full, read-only file
-            raise StateError(f"state file {self.path}: {e}") from None
+            raise self._write_error(e) from None
         try:
             yield self.db
         except sqlite3.OperationalError as e:
-            self.db.execute("ROLLBACK")
-            raise StateError(f"state file {self.path}: {e}") from None
+            self._rollback()
+            raise self._write_error(e) from None
         except BaseException:
-            self.db.execute("ROLLBACK")
+            self._rollback()
             raise
         try:
             self.db.execute("COMMIT")
         except sqlite3.OperationalError as e:
-            raise StateError(f"state file {self.path}: {e}") from None
+            self._rollback()
+            raise self._write_error(e) from None
+
+    def _rollback(self) -> None:
+        """Roll back the open transaction (SQLite may have rolled it back itself after a
+        full disk or an I/O error: then there is none)."""
+        if self.db.in_transaction:
+            try:
+                self.db.execute("ROLLBACK")
+            except sqlite3.OperationalError:
+                pass
 
     def checkpoint_in_background(self, every: float = 1.0):
         """Move this connection's WAL checkpoints (the only writes SQLite syncs to disk here,

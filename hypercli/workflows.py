@@ -13,8 +13,9 @@ that process dies, even by SIGKILL).
 from __future__ import annotations
 
 import dataclasses
-import secrets
 import os
+import secrets
+import stat
 import time
 from pathlib import Path
 from typing import Callable, Iterator
@@ -31,7 +32,7 @@ from hypercli.recipe import Recipe, load_recipe
 
 def default_storage() -> str:
     """``file://$HYPER_HOME/storage``: where outputs go when the recipe names no storage."""
-    return "file://" + str(S.home() / "storage")
+    return "file://" + str(S.folder("storage"))
 
 
 def load(recipe_path: str) -> tuple[Recipe, Workflow]:
@@ -83,7 +84,8 @@ def results(state: S.State, ref: str, sort: str | None = None, ascending: bool =
         ascending: smallest first (for losses); default largest first.
     Returns:
         (workflow id, the metric sorted by or None, rows) where each row has task, experiment,
-        status, params (dict), metrics (dict), attempts (int). Tasks without the metric last.
+        status, params (dict), metrics (dict), attempts (int). Tasks without the metric, or
+        whose value of it is not a number (NaN, a string), last; infinities are numbers.
     Raises:
         UsageError: unknown workflow; ``sort`` names a metric no task reported.
     """
@@ -102,7 +104,7 @@ def results(state: S.State, ref: str, sort: str | None = None, ascending: bool =
     if sort is not None:
         def key(r):
             v = r["metrics"].get(sort)
-            ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and v == v  # not NaN
             return (0, v if ascending else -v) if ok else (1, 0)
         rows.sort(key=key)
     return wid, sort, rows
@@ -286,8 +288,12 @@ def log_chunks(state: S.State, attempt: dict, *, follow: bool = False,
     when the node cannot be reached (a local node's attempt folder, under
     ``$HYPER_HOME/local/tasks``, is such a copy: it stays when its cluster is forgotten).
 
+    A copy's log is read only when it is a regular file, opened without following a
+    symlink and without waiting (a task may have put a FIFO or a symlink in its place).
+
     Raises:
-        InfraError: the node is unreachable and no copy exists.
+        InfraError: the node is unreachable and no copy exists; a log of the copy is not a
+            regular file.
     """
     wf = state.workflow(attempt["workflow"])
     copies = [S.home() / "logs" / attempt["id"], S.home() / "local" / "tasks" / attempt["id"]]
@@ -295,9 +301,9 @@ def log_chunks(state: S.State, attempt: dict, *, follow: bool = False,
 
     def from_copy():
         for stream in ("stdout", "stderr"):
-            p = copy / stream
-            if p.exists():
-                yield stream, p.read_bytes()
+            data = _read_log(copy / stream)
+            if data is not None:
+                yield stream, data
 
     if attempt["status"] not in S.LIVE_ATTEMPT and copy.exists():
         yield from from_copy()  # ended and brought back: no need to reach the node
@@ -331,6 +337,31 @@ def log_chunks(state: S.State, attempt: dict, *, follow: bool = False,
             time.sleep(interval)
     finally:
         client.close()
+
+
+def _read_log(path: Path) -> bytes | None:
+    """The bytes of the log at ``path``; None when there is none.
+
+    Raises:
+        InfraError: it is not a regular file (a symlink, a FIFO, a folder), or cannot be read.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as e:  # ELOOP: a symlink
+        raise InfraError(f"log {path} is not a regular file ({e.strerror}): not read",
+                         "something other than the task's agent replaced it") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise InfraError(f"log {path} is not a regular file: not read",
+                             "something other than the task's agent replaced it")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read()
+    except OSError as e:
+        raise InfraError(f"cannot read log {path}: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
 
 
 def failure(state: S.State, wid: str, lines: int = 10) -> tuple[list[str], dict | None,
@@ -425,7 +456,7 @@ def cluster_spec(name: str, provider: str, hosts: list[str], *, workers: int | N
 
     from hypercli.recipe import parse_recipe
     cluster: dict = {"provider": provider, "name": name}
-    if workers:
+    if workers is not None:
         cluster["workers"] = workers
     if hosts:
         cluster["hosts"] = list(hosts)
@@ -469,6 +500,8 @@ def prepare_run(state: S.State, recipe_path: str, *, new: bool = False,
     else:
         nodes = C.up(state, recipe.cluster, provider, report=report or log)
     check_fits(wf, recipe.cluster.name, nodes)  # before a workflow is recorded
+    if recipe.mounts and hasattr(provider, "check_mounts"):  # this machine: known now
+        provider.check_mounts(recipe.mounts)
     wid, resumed = start_or_resume(state, recipe, wf, new=new)
     lock = Lock(wid).acquire()
     if resumed and state.workflow(wid)["cluster"] != recipe.cluster.name:

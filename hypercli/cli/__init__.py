@@ -17,7 +17,7 @@ import click
 
 from hypercli import __version__
 from hypercli.cli import cluster, data, image, remote, run, tasks, ui, usage
-from hypercli.cli.common import console
+from hypercli.cli.common import console, text
 from hypercli.errors import HyperError
 
 
@@ -28,11 +28,10 @@ class HyperGroup(click.Group):
         try:
             return super().invoke(ctx)
         except HyperError as e:
-            from rich.markup import escape
             err = console(stderr=True)  # the text may hold user values: never markup
-            err.print(f"[bold red]error:[/] {escape(str(e))}", soft_wrap=True)
+            err.print(text(("error:", "bold red"), f" {e}"), soft_wrap=True)
             if e.hint:
-                err.print(f"[dim]hint:[/] {escape(str(e.hint))}", soft_wrap=True)
+                err.print(text(("hint:", "dim"), f" {e.hint}"), soft_wrap=True)
             ctx.exit(e.exit_code)
 
 

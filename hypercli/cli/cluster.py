@@ -8,7 +8,7 @@ import sys
 
 import click
 
-from hypercli.cli.common import console, open_state, plural, print_json
+from hypercli.cli.common import console, open_state, plural, print_json, text
 
 
 # -- clusters -----------------------------------------------------------------------------
@@ -69,7 +69,8 @@ def up(recipe, provider, hosts, identity_file, user, workers, name, trust_new_ho
                          "--host root@10.0.0.5 --identity-file ~/.ssh/id_ed25519`")
     err = console(stderr=True)
     nodes = up_(open_state(), spec, trust_new_hosts=trust_new_hosts,
-                log=lambda line: err.print(f"[yellow]not up:[/] {line}", soft_wrap=True))
+                log=lambda line: err.print(text(("not up:", "yellow"), f" {line}"),
+                                          soft_wrap=True))
     click.echo(f"cluster {spec.name} is up: {plural(len(nodes), spec.provider + ' node')}")
     for n in nodes:
         click.echo(f"  {n['name']}  {n['provider_id']}  {_node_facts(n['info'], spec.provider)}")

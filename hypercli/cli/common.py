@@ -6,27 +6,50 @@ Nothing here knows a command; the command modules import from here, never from e
 
 from __future__ import annotations
 
-import json
 import time
 
 import click
 
-from hypercli.console import console, plural  # noqa: F401  (re-exported for the commands)
+from hypercli.console import console, dumps, plural, shown, text  # noqa: F401  (re-exported)
 
 
 def open_state():
     """The state file (``$HYPER_HOME/state.db``), with a background driver started for any
-    detached workflow whose driver died (:func:`hypercli.driver.ensure`)."""
+    detached workflow whose driver died (:func:`hypercli.driver.ensure`), unless the file
+    could only be opened read-only (then a note says why on stderr, once)."""
     from hypercli.driver import ensure
-    from hypercli.state import State
+    from hypercli.state import State, open_to_others
     state = State()
-    ensure(state)  # detached workflows with no driver alive: start one
+    mode = open_to_others(state.path.parent)
+    if mode is not None:
+        where = state.path.parent
+        _note_once(f"{where} (HYPER_HOME) has mode {mode:04o}: other users of this machine "
+                   f"can read the logs, outputs and state kept there; `chmod 700 {where}` "
+                   "makes it private", "warning:")
+    if state.readonly:
+        _note_once(f"the state file is read-only here ({state.readonly}): showing what it "
+                   "holds; nothing is changed or started")
+    else:
+        ensure(state)  # detached workflows with no driver alive: start one
     return state
 
 
-def print_json(obj) -> None:
-    """Print ``obj`` as indented JSON (anything JSON cannot hold as its ``str``)."""
-    click.echo(json.dumps(obj, indent=2, ensure_ascii=False, default=str))
+_noted: set = set()
+
+
+def _note_once(line: str, label: str = "note:") -> None:
+    """Print a note (or a warning) on stderr, once per process."""
+    if line not in _noted:
+        _noted.add(line)
+        style = "yellow" if label == "warning:" else "dim"
+        console(stderr=True).print(text((label, style), f" {line}"), soft_wrap=True)
+
+
+def print_json(obj, **kw) -> None:
+    """Print ``obj`` as indented, valid JSON: non-finite numbers as the strings ``"NaN"``,
+    ``"Infinity"``, ``"-Infinity"``, anything else JSON cannot hold as its ``str``
+    (:func:`hypercli.console.dumps`; ``kw`` such as ``sort_keys``)."""
+    click.echo(dumps(obj, indent=2, ensure_ascii=False, **kw))
 
 
 def fmt(v) -> str:

@@ -16,7 +16,7 @@ import time
 
 import click
 
-from hypercli.cli.common import console, plural
+from hypercli.cli.common import console, plural, print_json, text
 
 _ENDPOINT = click.option("--endpoint-url", metavar="URL",
                          help="S3-compatible endpoint (default $HYPER_S3_ENDPOINT_URL, "
@@ -61,7 +61,7 @@ def push(src, url, chunk_size, jobs, endpoint_url):
         r = pack.push(src, url, chunk_size=chunk_size * pack.MiB, jobs=jobs,
                       endpoint_url=endpoint_url, progress=progress)
     for w in r.warnings:
-        err.print(f"[yellow]warning:[/] {_show(w)}", soft_wrap=True)
+        err.print(text(("warning:", "yellow"), f" {_show(w)}"), soft_wrap=True)
     rate = r.bytes / 1e6 / r.seconds if r.seconds else 0.0
     what = (f"pushed {plural(r.files, 'file')}, {plural(r.dirs, 'folder')}, "
             f"{plural(r.symlinks, 'symlink')} ({r.bytes / 1e6:,.1f} MB) to {r.url}")
@@ -83,10 +83,9 @@ def ls_(url, path, as_json, endpoint_url):
     from hypercli.mount import pack
     entries = pack.ls(url, path, endpoint_url=endpoint_url)
     if as_json:
-        click.echo(json.dumps([{"path": e.path, "kind": e.kind, "size": e.size,
-                                "mode": e.mode, "mtime": e.mtime, "sha256": e.sha256,
-                                "target": e.target} for e in entries],
-                              indent=2, ensure_ascii=False))
+        print_json([{"path": e.path, "kind": e.kind, "size": e.size, "mode": e.mode,
+                     "mtime": e.mtime, "sha256": e.sha256, "target": e.target}
+                    for e in entries])
         return
     from rich.table import Table
     table = Table(box=None, show_header=False)
@@ -99,7 +98,7 @@ def ls_(url, path, as_json, endpoint_url):
             name += f" -> {_show(e.target or '')}"
         table.add_row(stat.filemode(e.mode), f"{e.size:,}",
                       time.strftime("%Y-%m-%d %H:%M", time.localtime(e.mtime)), name)
-    console().print(table, markup=False)
+    console().print(table)
 
 
 @data.command()
@@ -158,8 +157,8 @@ def mount(url, mountpoint, cache_dir, cache_size, foreground, allow_other, endpo
           warm_entries):
     """Mount the dataset at URL read-only at MOUNTPOINT (an existing folder)."""
     from hypercli.mount.fusefs import mount as mount_
-    from hypercli.state import home
-    cache = cache_dir or str(home() / "cache")
+    from hypercli.state import folder
+    cache = cache_dir or str(folder("cache"))
     pid = mount_(url, mountpoint, cache_dir=cache, cache_bytes=cache_size << 20,
                  endpoint_url=endpoint_url, foreground=foreground, allow_other=allow_other,
                  warm_entries=warm_entries)

@@ -7,7 +7,6 @@ exit code (2: no Packer, missing credentials, a bad ``--var``; 3: Packer failed)
 
 from __future__ import annotations
 
-import json
 
 import click
 
@@ -51,7 +50,8 @@ def ls(provider, as_json):
     from hypercli.images import list_images
     rows = list_images(provider)
     if as_json:
-        click.echo(json.dumps(rows, indent=2))
+        from hypercli.console import dumps
+        click.echo(dumps(rows, indent=2))
         return
     if not rows:
         click.echo("no images baked yet; `hyper image build --provider aws` bakes one")

@@ -9,7 +9,7 @@ import time
 
 import click
 
-from hypercli.cli.common import console, open_state, plural, print_json
+from hypercli.cli.common import console, open_state, plural, print_json, text
 from hypercli.errors import HyperError
 
 
@@ -27,17 +27,18 @@ def plan(recipe, as_json):
         return
     from rich.table import Table
     con = console()
-    con.print(f"recipe [bold]{r.name}[/]: {plural(len(wf.tasks), 'task')} in "
-              f"{plural(len(wf.experiments), 'experiment')}, cluster {r.cluster.name} "
-              f"({r.cluster.provider})")
+    con.print(text("recipe ", (r.name, "bold"), f": {plural(len(wf.tasks), 'task')} in "
+                   f"{plural(len(wf.experiments), 'experiment')}, cluster {r.cluster.name} "
+                   f"({r.cluster.provider})"))
     for e in wf.experiments:
         after = f" after {', '.join(e.after)}" if e.after else ""
-        con.print(f"[bold]{e.name}[/]: {plural(e.tasks, 'task')}, retries {e.retries}{after}")
+        con.print(text((e.name, "bold"), f": {plural(e.tasks, 'task')}, retries {e.retries}"
+                       f"{after}"))
     table = Table(box=None)
     for col in ("task", "command"):
         table.add_column(col, overflow="fold")
     for t in wf.tasks[:200]:
-        table.add_row(t.id, t.command)
+        table.add_row(text(t.id), text(t.command))
     con.print(table)
     if len(wf.tasks) > 200:
         con.print(f"… and {len(wf.tasks) - 200} more (use --json for all)")
@@ -133,13 +134,15 @@ def run(recipe, new, on_interrupt, trust_new_hosts, cluster, detach, wait):
     try:
         wid, resumed, provider, nodes, lock = prepare_run(
             state, recipe, new=new, trust_new_hosts=trust_new_hosts, cluster=cluster,
-            log=con.print, report=lambda line: err.print(f"[yellow]not up:[/] {line}",
-                                                         soft_wrap=True))
+            log=lambda line: con.print(text(line), soft_wrap=True),
+            report=lambda line: err.print(text(("not up:", "yellow"), f" {line}"),
+                                          soft_wrap=True))
     except Driven as e:
         from hypercli.driver import driver_pid
         if str(driver_pid()) != e.pid:
             raise
-        con.print(f"{e.workflow} is run by the background driver (pid {e.pid}): attaching")
+        con.print(text(f"{e.workflow} is run by the background driver (pid {e.pid}): "
+                       "attaching"))
         sys.exit(_attach(state, e.workflow))
     if detach or wait:
         from hypercli.driver import detach as detach_
@@ -159,9 +162,8 @@ def run(recipe, new, on_interrupt, trust_new_hosts, cluster, detach, wait):
     shown = [0]  # scheduler notices printed so far
 
     def progress(sched):
-        from rich.markup import escape
         for note in sched.notices[shown[0]:]:  # idle GPUs, full disks, OOM kills
-            con.print(f"[yellow]warning:[/] {escape(note)}", soft_wrap=True, highlight=False)
+            con.print(text(("warning:", "yellow"), f" {note}"), soft_wrap=True)
         shown[0] = len(sched.notices)
         if live is not None:
             live.update(_progress_table(sched))
@@ -209,8 +211,6 @@ def run(recipe, new, on_interrupt, trust_new_hosts, cluster, detach, wait):
 def _show_failure(state, wid: str, con, lines: int = 10) -> None:
     """After a failed run: the failed tasks, and the last ``lines`` lines of the first
     failure's stderr."""
-    from rich.markup import escape
-
     from hypercli.workflows import failure
     try:
         failed, attempt, tail = failure(state, wid, lines=lines)
@@ -219,16 +219,25 @@ def _show_failure(state, wid: str, con, lines: int = 10) -> None:
     if not failed:
         return
     shown = ", ".join(failed[:20]) + (f", … ({len(failed)} in all)" if len(failed) > 20 else "")
-    con.print(f"[bold red]failed:[/] {escape(shown)}", soft_wrap=True)
+    con.print(text(("failed:", "bold red"), f" {shown}"), soft_wrap=True)
     if attempt is not None and tail:
         con.print(f"last {plural(len(tail), 'line')} of {attempt['task']}'s stderr (attempt "
-                  f"{attempt['number']}, exit code {attempt['exit_code']}):")
+                  f"{attempt['number']}, {_ended_how(attempt)}):")
         for line in tail:
-            con.print(f"  {escape(line)}", soft_wrap=True, highlight=False)
+            con.print(text(f"  {line}"), soft_wrap=True)
     elif attempt is not None:
-        why = attempt["error"] or f"exit code {attempt['exit_code']}"
-        con.print(f"{attempt['task']} wrote nothing on stderr (attempt {attempt['number']}: "
-                  f"{escape(str(why))})", soft_wrap=True)
+        why = attempt["error"] or _ended_how(attempt)
+        con.print(text(f"{attempt['task']} wrote nothing on stderr (attempt "
+                       f"{attempt['number']}: {why})"), soft_wrap=True)
+
+
+def _ended_how(attempt: dict) -> str:
+    """``exit code 3``; for an attempt that has no exit code (lost, never started), its
+    status and the reason recorded."""
+    if attempt.get("exit_code") is not None:
+        return f"exit code {attempt['exit_code']}"
+    return f"{attempt['status']}: {attempt['error']}" if attempt.get("error") else \
+        f"{attempt['status']}, no exit code"
 
 
 class _View:
@@ -260,7 +269,7 @@ def _attach(state, wid: str, interval: float = 0.5) -> int:
             line = _line(view)
             if line.split("] ", 1)[1] != last or done:
                 last = line.split("] ", 1)[1]
-                con.print(line)
+                con.print(text(line))
             if done:
                 break
             time.sleep(interval)

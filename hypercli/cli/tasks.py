@@ -10,7 +10,7 @@ import time
 import click
 
 from hypercli.cli.common import (ago, console, duration, fmt, open_state, plural, print_json,
-                                  when)
+                                  text, when)
 
 
 # -- workflows and tasks ------------------------------------------------------------------
@@ -82,11 +82,10 @@ def ps(workflow, as_json):
         return
     if since is not None:
         wf = state.workflow(wid)
-        from rich.markup import escape
-        console().print(f"[yellow]stale:[/] no `hyper run` drives {wid}; its states are as "
-                         f"of the last update at {when(since)}. `hyper run "
-                         f"{escape(wf['recipe_path'] or wf['name'])}` re-attaches and "
-                         "collects what ended", soft_wrap=True)
+        console().print(text(("stale:", "yellow"), f" no `hyper run` drives {wid}; its states "
+                             f"are as of the last update at {when(since)}. `hyper run "
+                             f"{wf['recipe_path'] or wf['name']}` re-attaches and collects "
+                             "what ended"), soft_wrap=True)
     from rich.table import Table
     table = Table(title=f"workflow {wid}", title_justify="left", box=None)
     for col in ("task", "status", "attempts", "node", "started", "duration", "cpu", "gpus",
@@ -104,8 +103,8 @@ def ps(workflow, as_json):
         cpu = f"{u['cpu_pct']:.0f}%" if isinstance(u.get("cpu_pct"), (int, float)) else "-"
         gpus = " ".join(f"{g}:{v:.0f}%" if isinstance(v, (int, float)) else f"{g}:-"
                         for g, v in (u.get("gpu_util") or {}).items()) or "-"
-        table.add_row(r["task"], status, str(r["attempts"]), r["node"] or "-", started,
-                      duration(r["duration"]), cpu, gpus, params)
+        table.add_row(r["task"], text(status), str(r["attempts"]), r["node"] or "-", started,
+                      duration(r["duration"]), cpu, gpus, text(params))
     console().print(table)
 
 
@@ -138,15 +137,17 @@ def results(workflow, sort, ascending, show_all, as_json):
     table = Table(title=f"workflow {wid}" + (f", by {metric}" if metric else ""),
                   title_justify="left")
     for col in ["task", "status", *pnames, *mnames]:
-        table.add_column(col, justify="left" if col in ("task", "status") else "right",
+        table.add_column(text(col), justify="left" if col in ("task", "status") else "right",
                          style="bold" if col == metric else None)
     for r in rows:
-        table.add_row(r["task"], r["status"], *[fmt(r["params"].get(p, "")) for p in pnames],
-                      *[fmt(r["metrics"].get(m, "")) for m in mnames])
+        table.add_row(r["task"], r["status"],
+                      *[text(fmt(r["params"].get(p, ""))) for p in pnames],
+                      *[text(fmt(r["metrics"].get(m, ""))) for m in mnames])
     con = console()
     con.print(table)
     if hidden:
-        con.print(f"{plural(hidden, 'task')} without {metric} not shown (--all shows them)")
+        con.print(text(f"{plural(hidden, 'task')} without {metric} not shown (--all shows "
+                       "them)"))
 
 
 @click.command()
@@ -159,7 +160,9 @@ def results(workflow, sort, ascending, show_all, as_json):
 def outputs(workflow, args, merge, jobs):
     """Pull the outputs of WORKFLOW's successful tasks (or EXPERIMENT's) into DIR/TASK/.
 
-    Every file is checked; a second run pulls only what changed.
+    Every file is checked; a second run pulls only what changed. Only what hypercli wrote
+    in DIR is ever replaced (DIR/.hyper-outputs.json keeps the list): anything else in the
+    way is named, and nothing is pulled.
     """
     from hypercli.errors import UsageError
     from hypercli.gather import gather
@@ -172,6 +175,9 @@ def outputs(workflow, args, merge, jobs):
                f"{len(r.kept)} already there, into {dest}")
     for rel in r.merged:
         click.echo(f"merged {rel}")
+    err = console(stderr=True)
+    for line in r.not_merged:
+        err.print(text(("not merged:", "yellow"), f" {line}"), soft_wrap=True)
 
 
 @click.command()
@@ -183,13 +189,11 @@ def outputs(workflow, args, merge, jobs):
 def logs(task, follow, attempt, rank):
     """Print the output of TASK (search-0007, or WORKFLOW/search-0007 when several
     workflows have that task)."""
-    from rich.markup import escape
-
     from hypercli.workflows import log_chunks, pick_attempt
     state = open_state()
     err_con = console(stderr=True)
     a = pick_attempt(state, task, attempt, rank,
-                     note=lambda line: err_con.print(f"[dim]note:[/] {escape(line)}",
+                     note=lambda line: err_con.print(text(("note:", "dim"), f" {line}"),
                                                      soft_wrap=True))
     out, err = sys.stdout.buffer, sys.stderr.buffer
     try:

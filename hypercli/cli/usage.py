@@ -7,12 +7,11 @@ Thin click commands: parse, read, render. HyperErrors are left to the ``hyper`` 
 
 from __future__ import annotations
 
-import json
 import time
 
 import click
 
-from hypercli.cli.common import console, open_state
+from hypercli.cli.common import console, dumps, open_state, text
 
 from hypercli.errors import UsageError
 
@@ -82,7 +81,7 @@ def top_table(state, cluster: str | None):
             d = data or {}
             net = (f"{_size(d.get('net_rx'))}/s↓ {_size(d.get('net_tx'))}/s↑"
                    if "net_rx" in d else "-")
-            t.add_row(f"[bold]{n['name']}[/] ({n['status']})", _pct(d.get("cpu_pct")),
+            t.add_row(text((n["name"], "bold"), f" ({n['status']})"), _pct(d.get("cpu_pct")),
                       f"{d['load1']:.2f}" if isinstance(d.get("load1"), (int, float)) else "-",
                       f"{_size(d.get('mem_used'))} / {_size(d.get('mem_total'))}"
                       if d else "-", _gpu_text(d.get("gpus")), _size(d.get("disk_free")), net)
@@ -91,7 +90,7 @@ def top_table(state, cluster: str | None):
                 s = per.get(a["id"]) or {}
                 held = [util.get(i, {"index": i}) for i in s.get("gpus") or
                         (a.get("claim") or {}).get("gpus") or []]
-                t.add_row(f"  {a['workflow']}/{a['task']}", _pct(s.get("cpu_pct")), "",
+                t.add_row(text(f"  {a['workflow']}/{a['task']}"), _pct(s.get("cpu_pct")), "",
                           _size(s.get("rss")), _gpu_text(held), "", "")
     return t
 
@@ -161,7 +160,7 @@ def stats(task, attempt, rank, as_json):
     err = console(stderr=True)
     s = task_stats(state, task, attempt, rank, note=lambda line: err.print(line, soft_wrap=True))
     if as_json:
-        click.echo(json.dumps(s, indent=2, sort_keys=True))
+        click.echo(dumps(s, indent=2, sort_keys=True))
         return
     con = console()
     con.print(f"{s['workflow']}/{s['task']} attempt {s['number']} on {s['node']} "

@@ -36,6 +36,16 @@ from hypercli.errors import NodeError
 ANSWER_LATE = 0.5
 
 
+class AgentFailed(NodeError):
+    """The node's agent answered, with an error instead of a result (it could not do what
+    was asked: a full disk, a bad request). The node is reachable. ``reason``: the agent's
+    words (``OSError: [Errno 28] No space left on device``)."""
+
+    def __init__(self, node: str, reason: str):
+        super().__init__(node, f"agent: {reason}")
+        self.reason = reason
+
+
 class NodeCutOff(NodeError):
     """An answer from the node's agent was late and its host no longer answers TCP: the network
     path to it is cut (or the host is off)."""
@@ -185,7 +195,7 @@ class AgentClient:
                                 f"JSON: {line[:200]!r}", "does the node's shell print on "
                                 "login (~/.bashrc)?") from None
             if not resp.pop("ok", False):
-                raise NodeError(self.node, f"agent: {resp.get('error')}")
+                raise AgentFailed(self.node, str(resp.get("error")))
             resp.pop("id", None)
             return resp
 

@@ -26,7 +26,7 @@ from hypercli.errors import UsageError
 from hypercli.node.client import AgentClient, local_agent
 from hypercli.providers.base import Instance, LaunchResult
 from hypercli.providers.runtime import (NodeRuntime, NodeSetupError, forwarded_env,
-                                        unmount_command)
+                                        mount_guard, unmount_command)
 from hypercli.recipe import ClusterSpec
 
 
@@ -48,7 +48,7 @@ class LocalProvider:
     remote = False
 
     def root(self) -> Path:
-        return S.home() / "local"
+        return S.folder("local")
 
     def launch(self, spec: ClusterSpec) -> LaunchResult:
         n = spec.workers or os.cpu_count() or 1
@@ -76,12 +76,29 @@ class LocalProvider:
         return LocalSession(self, node, wf)
 
     def unmount(self, nodes: list[dict], paths: list[str]) -> list[str]:
-        """Unmount the workflows' mounts on this machine; returns what was unmounted."""
+        """Unmount the workflows' mounts on this machine that hypercli made (its record in
+        ``root()/mounts``); returns what was unmounted."""
         done = []
         for path in paths:
-            if subprocess.run(["/bin/sh", "-c", unmount_command(path)]).returncode == 0:
+            if subprocess.run(["/bin/sh", "-c", unmount_command(path, str(self.root()))]
+                              ).returncode == 0:
                 done.append(f"mount {path}")
         return done
+
+    def check_mounts(self, paths) -> None:
+        """Refuse, before anything starts, the recipe's mount paths that cannot be mounted
+        on this machine, the node of every local worker slot (:func:`mount_guard`).
+
+        Raises:
+            UsageError: a path is a mount point hypercli did not make, not a folder, or a
+                folder with files in it (the message says which).
+        """
+        for path in sorted(paths):
+            p = subprocess.run(["/bin/sh", "-c", mount_guard(path, str(self.root()))],
+                               capture_output=True, text=True)
+            if p.returncode == 2:
+                raise UsageError(f"mounts.{path}: {p.stderr.strip().removeprefix('hyper: ')}",
+                                 "mount it on a folder that does not exist or is empty")
 
 
 def machine_shares(n: int) -> list[dict]:

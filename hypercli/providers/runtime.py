@@ -12,10 +12,19 @@ Mount kinds (recipe ``mounts: {PATH: URL}``):
   (``hyper data mount``), its chunk cache in ``<node root>/cache``;
 * ``s3://bucket/prefix``: the bucket itself, with goofys, else s3fs, whichever the node has;
   read-only unless the recipe mounts it ``rw``.
+
+hypercli mounts over, and unmounts, only what it made (:func:`guarded`): before mounting, a
+path that is already a mount point hypercli did not make, that is not a folder, or that is a
+folder with something in it is refused (the node command exits 2 with the reason on stderr;
+the recipe's system paths are refused before, by :mod:`hypercli.recipe.cluster`). Each
+mount made is recorded on the node in ``<node root>/mounts/<hash of the path>`` as its line
+of ``/proc/self/mountinfo`` (mount id, device, type, source); ``hyper down`` unmounts a path
+only when the mount on top there is the one recorded.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shlex
 from typing import Callable
@@ -96,13 +105,71 @@ def mount_command(hyper: str, url: str, path: str, cache: str, rw: bool = False)
     return f"{_serving(p)} || {{ {_detach(p)}; mkdir -p {p} && {cmd}; }}"
 
 
-def unmount_command(path: str) -> str:
-    """Shell text that unmounts a FUSE mount at ``path`` when one is there, a dead one
-    (its daemon gone: ``stat`` fails) lazily; always exits 0."""
-    p = shlex.quote(path)
-    return (f"if mountpoint -q {p}; then "
-            f"{{ fusermount3 -u {p} 2>/dev/null || fusermount -u {p} 2>/dev/null || "
-            f"umount {p}; }}; elif ! stat {p} >/dev/null 2>&1; then {_detach(p)}; fi; true")
+def _record(path: str, root: str) -> str:
+    """The node file recording the mount hypercli made at ``path`` (module docstring)."""
+    return f"{root}/mounts/{hashlib.sha256(path.encode()).hexdigest()[:16]}"
+
+
+def _top_mount(path: str) -> str:
+    """Shell text printing ``ID MAJOR:MINOR TYPE SOURCE`` of the mount on top at ``path``
+    from /proc/self/mountinfo (the last line for it; proc(5) for the fields, whose mount
+    point has space, tab, newline and backslash written as octal escapes); nothing when
+    none is there."""
+    escaped = "".join({" ": "\\040", "\t": "\\011", "\n": "\\012", "\\": "\\134"}.get(c, c)
+                      for c in path)
+    return (f"HYPER_MP={shlex.quote(escaped)} awk '$5 == ENVIRON[\"HYPER_MP\"] {{ i = 7; "
+            "while (i < NF && $i != \"-\") i++; top = $1 \" \" $3 \" \" $(i + 1) \" \" $(i + 2) } "
+            "END { if (top != \"\") print top }' /proc/self/mountinfo")
+
+
+def _refuse(why: str, p: str, *args: str) -> str:
+    """Shell text: print ``hyper: <path> <why>`` on stderr (``%s`` in ``why`` filled by
+    ``args``, shell words) and exit 2."""
+    fmt = shlex.quote("hyper: %s " + why + "\\n")
+    return f"printf {fmt} {p} {' '.join(args)} >&2; exit 2"
+
+
+def mount_guard(path: str, root: str) -> str:
+    """Shell text that exits 2, the reason on stderr, when nothing may be mounted at
+    ``path`` (module docstring): a mount point other than the one hypercli recorded there,
+    not a folder, or a folder with something in it. Nothing is changed."""
+    p, rec = shlex.quote(path), shlex.quote(_record(path, root))
+    mounted = _refuse("is already a mount point that hypercli did not make (%s): not mounted "
+                      "over (the task would read it, and hyper down must not take it away)",
+                      p, "\"$(echo \"$m\" | cut -d' ' -f3-)\"")
+    not_dir = _refuse("is not a folder: nothing is mounted over it", p)
+    full = _refuse("is a folder with files in it: nothing is mounted over it (they would be "
+                   "hidden from the task)", p)
+    return (f"m=$({_top_mount(path)}); "
+            f"if [ -n \"$m\" ] && [ \"$m\" != \"$(cat {rec} 2>/dev/null)\" ]; then {mounted}; fi; "
+            f"if [ -z \"$m\" ]; then "
+            f"if [ -L {p} ] || {{ [ -e {p} ] && [ ! -d {p} ]; }}; then {not_dir}; fi; "
+            f"if [ -d {p} ] && [ -n \"$(ls -A {p} 2>/dev/null | head -c 1)\" ]; then {full}; fi; "
+            "fi")
+
+
+def guarded(path: str, root: str, command: str) -> str:
+    """Shell text that runs a mount ``command`` for ``path`` only when :func:`mount_guard`
+    lets it, then records the mount it made (waiting up to 5 s for it to show in
+    /proc/self/mountinfo, as a daemonising FUSE tool mounts after it returns)."""
+    rec = shlex.quote(_record(path, root))
+    return (f"{{ {mount_guard(path, root)}; }} && {{ {command}; }} && "
+            f"{{ n=0; while m=$({_top_mount(path)}); [ -z \"$m\" ] && [ $n -lt 50 ]; do "
+            f"sleep 0.1; n=$((n + 1)); done; [ -n \"$m\" ] && "
+            f"mkdir -p {shlex.quote(root + '/mounts')} && "
+            f"printf '%s\\n' \"$m\" > {rec}.tmp && mv {rec}.tmp {rec}; }}")
+
+
+def unmount_command(path: str, root: str) -> str:
+    """Shell text that unmounts the mount at ``path`` when it is the one hypercli recorded
+    there (module docstring), a dead FUSE mount (its daemon gone) lazily if need be; exits
+    0 when it unmounted, 1 when nothing of hypercli's was there (anything else mounted
+    there is left as it is)."""
+    p, rec = shlex.quote(path), shlex.quote(_record(path, root))
+    return (f"m=$({_top_mount(path)}); "
+            f"if [ -n \"$m\" ] && [ \"$m\" = \"$(cat {rec} 2>/dev/null)\" ]; then "
+            f"{{ fusermount3 -u {p} || fusermount -u {p} || umount {p}; }} >/dev/null 2>&1 || "
+            f"{_detach(p)}; rm -f {rec}; exit 0; fi; rm -f {rec}; exit 1")
 
 
 class NodeRuntime:
@@ -134,8 +201,9 @@ class NodeRuntime:
         spec = self.wf.get("spec") or {}
         for path, url in sorted(spec.get("mounts", {}).items()):
             try:
-                self.sh(mount_command(self.hyper, url, path, f"{self.root}/cache",
-                                      rw=path in spec.get("rw_mounts", ())))
+                self.sh(guarded(path, self.root, mount_command(
+                    self.hyper, url, path, f"{self.root}/cache",
+                    rw=path in spec.get("rw_mounts", ()))))
             except (CommandFailed, NodeSetupError) as e:
                 raise NodeSetupError(f"mounting {url} at {path} on {self.node} failed: "
                                      f"{_said(e)}") from None

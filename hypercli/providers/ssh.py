@@ -265,9 +265,9 @@ class SSHProvider:
         """Unmount the workflows' mounts on the nodes it can reach; returns what it did."""
         def one(node: dict) -> list[str]:
             conn = self.connection(node["name"], _target_of(node), node["cluster"])
-            for path in paths:
-                conn.run(unmount_command(path), check=False)
-            return [f"mount {p} on {node['name']}" for p in paths]
+            root = node["info"].get("root") or "/root/.hyper"
+            return [f"mount {p} on {node['name']}" for p in paths  # only hypercli's own
+                    if conn.run(unmount_command(p, root), check=False).exit_code == 0]
         res = fan_out([n["name"] for n in nodes],
                       lambda name: one(next(n for n in nodes if n["name"] == name)))
         return [line for lines in res.ok.values() for line in lines]
@@ -439,7 +439,7 @@ class SSHSession:
             return
         wid = self.wf["id"]
         tasks = {a: a[len(wid) + 1:].rsplit(".", 1)[0] for a in ids}  # <workflow>.<task>.<n>
-        logs = S.home() / "logs"
+        logs = S.folder("logs")
         fetch = []
         for a in ids:
             inline = states[a].get("inline") or {}

@@ -141,6 +141,36 @@ def _url(ctx: _Ctx, item: _Item, field: str, schemes: tuple, base_dir: str) -> s
     return v
 
 
+#: folders of a node's system: nothing is mounted on them or inside them
+SYSTEM_TREES = ("/etc", "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32",
+                "/boot", "/proc", "/sys", "/dev", "/var", "/run", "/snap")
+#: folders that hold others' folders: nothing is mounted on them (inside is fine)
+SYSTEM_FOLDERS = ("/", "/tmp", "/home", "/root", "/opt", "/srv", "/mnt", "/media")
+
+
+def _mount_path(ctx: _Ctx, path: str, line: int | None, field: str) -> None:
+    """Refuse a mount path (absolute, normalised) on a system folder, inside one of the
+    system trees, on the user's home or one of its parents, or with characters a mount
+    table cannot show plainly (whitespace, backslash, control characters). Whether the
+    path is free on a node (not a mount point, empty) is known only there
+    (:func:`hypercli.providers.runtime.mount_guard`)."""
+    home = os.path.normpath(os.path.expanduser("~"))
+    under = next((t for t in SYSTEM_TREES if path == t or path.startswith(t + "/")), None)
+    if re.search(r"[\s\\\x00-\x1f\x7f]", path):
+        ctx.fail(f"mount path {_show(path)} must not contain whitespace, backslashes or "
+                 "control characters", line, field, "for example /data")
+    if under or path in SYSTEM_FOLDERS or re.fullmatch(r"/home/[^/]+", path):
+        what = (f"inside the system folder {under}" if under and under != path else
+                "a user's home folder" if path == "/root" or path.startswith("/home/") else
+                "a system folder")
+        ctx.fail(f"cannot mount over {path}: it is {what}", line, field,
+                 "mount on a folder of its own, such as /data or /mnt/dataset")
+    if path == home or home.startswith(path.rstrip("/") + "/"):
+        ctx.fail(f"cannot mount over {path}: it is your home folder"
+                 + (" or holds it" if path != home else ""), line, field,
+                 "mount on a folder of its own, such as ~/data or /data")
+
+
 def _mounts(ctx: _Ctx, item: _Item, base_dir: str) -> tuple[dict, frozenset]:
     """(mount path → URL, the paths mounted read-write). A mount is ``PATH: URL`` or
     ``PATH: {url: URL, mode: ro|rw}``; only a plain ``s3://`` bucket mount may be ``rw``
@@ -153,8 +183,7 @@ def _mounts(ctx: _Ctx, item: _Item, base_dir: str) -> tuple[dict, frozenset]:
             ctx.fail(f"mount path {_show(target)} must be absolute, without '..'", it.line,
                      field, "for example /data")
         norm = "/" + os.path.normpath(target).lstrip("/")
-        if norm == "/":
-            ctx.fail("cannot mount over /", it.line, field)
+        _mount_path(ctx, norm, it.line, field)
         if norm in out:
             ctx.fail(f"mount path {norm} is given twice", it.line, field)
         mode = "ro"

@@ -6,13 +6,24 @@ logs (live while it runs) and CPU/memory/GPU charts; ``/w/{workflow}/r/{experime
 results: a table sortable by any column, a parallel-coordinates plot of the parameters and
 the metric, and the metric against each parameter (the views of Optuna's and W&B's
 dashboards). Each page is static HTML + JS that polls its ``/api`` twin.
+
+Rules:
+  * Handlers that read the state file or a log are plain functions, which Starlette runs in
+    its thread pool: a slow disk, a locked state file or a log that does not answer holds
+    one request, never the event loop that serves every other route. Each request opens the
+    state file and closes it when done.
+  * A log is read only when it is a regular file, opened without following a symlink
+    (:func:`hypercli.workflows.log_chunks`): a FIFO or a symlink planted in an attempt
+    folder is refused, with the reason in the page.
+  * JSON answers are valid JSON: a non-finite metric (a diverged loss) is sent as the string
+    ``"NaN"``, ``"Infinity"`` or ``"-Infinity"`` (:func:`hypercli.console.jsonable`), which
+    the pages show as nan, inf and -inf.
 """
 
 from __future__ import annotations
 
 import hmac
 import html
-import json
 import secrets
 import socket
 import time
@@ -21,11 +32,12 @@ from pathlib import Path
 from starlette.applications import Starlette
 from starlette.middleware.base import BaseHTTPMiddleware
 from starlette.requests import Request
-from starlette.responses import (FileResponse, HTMLResponse, JSONResponse, PlainTextResponse,
+from starlette.responses import (FileResponse, HTMLResponse, PlainTextResponse,
                                  RedirectResponse, Response)
 from starlette.routing import Route
 
 from hypercli import state as S
+from hypercli.console import dumps
 from hypercli.errors import HyperError
 
 COOKIE = "hyper_ui_token"
@@ -154,11 +166,18 @@ def results_data(state: S.State, wid: str, exp: str) -> dict:
                       "metrics": r["metrics"]} for r in rows]}
 
 
+def _json(data, status: int = 200) -> Response:
+    """A JSON answer that is valid JSON whatever the numbers in ``data`` (module
+    docstring)."""
+    return Response(dumps(data, ensure_ascii=False), status_code=status,
+                    media_type="application/json")
+
+
 # -- pages -------------------------------------------------------------------------------------
 def _page(title: str, script: str, data: dict) -> HTMLResponse:
     """A page: the shared frame, its ``data`` as JSON (escaped for a script element) and
     its script from ``static/``."""
-    blob = json.dumps(data).replace("<", "\\u003c").replace(">", "\\u003e")
+    blob = dumps(data).replace("<", "\\u003c").replace(">", "\\u003e")
     return HTMLResponse(f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)} · hyper</title>
 <link rel="stylesheet" href="/static/ui.css">
@@ -173,9 +192,6 @@ def _page(title: str, script: str, data: dict) -> HTMLResponse:
 
 def make_app(token: str) -> Starlette:
     """The dashboard (module docstring) answering only requests with ``token``."""
-    def st() -> S.State:
-        return S.State()
-
     async def index(request):
         return _page("workflows", "index.js", {"api": "/api/workflows"})
 
@@ -194,17 +210,23 @@ def make_app(token: str) -> Starlette:
                      {"api": f"/api/w/{wid}/r/{exp}", "workflow": wid, "experiment": exp})
 
     def api(fn):
-        async def handler(request):
+        def handler(request):  # not async: run in the thread pool (module docstring)
             try:
-                return JSONResponse(fn(st(), **request.path_params))
+                state = S.State()
             except HyperError as e:
-                return JSONResponse({"error": e.message}, status_code=404)
+                return _json({"error": e.message}, 503)
+            try:
+                return _json(fn(state, **request.path_params))
+            except HyperError as e:
+                return _json({"error": e.message}, 404)
+            finally:
+                state.close()
         return handler
 
-    async def plotly(request):
+    def plotly(request):
         return FileResponse(plotly_js(), media_type="application/javascript")
 
-    async def static(request):
+    def static(request):
         name = request.path_params["name"]
         p = STATIC / name
         if "/" in name or not p.is_file():

@@ -14,10 +14,10 @@ function numeric(vals) { return vals.every((v) => typeof v === "number"); }
 
 function dims(rows, key, get) {
   const vals = rows.map(get);
-  if (numeric(vals)) return {label: key, values: vals};
+  if (numeric(vals)) return {label: plain(key), values: vals};
   const cats = [...new Set(vals.map(String))];
-  return {label: key, values: vals.map((v) => cats.indexOf(String(v))),
-          tickvals: cats.map((_, i) => i), ticktext: cats};
+  return {label: plain(key), values: vals.map((v) => cats.indexOf(String(v))),
+          tickvals: cats.map((_, i) => i), ticktext: cats.map(plain)};
 }
 
 function render(d) {
@@ -47,16 +47,17 @@ function render(d) {
   Plotly.react(par, [{type: "parcoords",
     line: {color: done.map((r) => r.metrics[m]), showscale: true},
     dimensions: [...d.params.map((p) => dims(done, p, (r) => r.params[p])),
-                 {label: m, values: done.map((r) => r.metrics[m])}]}],
+                 {label: plain(m), values: done.map((r) => r.metrics[m])}]}],
     {margin: {t: 40, l: 60, r: 60}});
   performance.mark("parcoords");
   const traces = d.params.map((p, i) => ({
-    type: "scatter", mode: "markers", name: p, x: done.map((r) => r.params[p]),
-    y: done.map((r) => r.metrics[m]), text: done.map((r) => r.task),
+    type: "scatter", mode: "markers", name: plain(p),
+    x: done.map((r) => typeof r.params[p] === "string" ? plain(r.params[p]) : r.params[p]),
+    y: done.map((r) => r.metrics[m]), text: done.map((r) => plain(r.task)),
     xaxis: "x" + (i ? i + 1 : ""), yaxis: "y" + (i ? i + 1 : "")}));
   const layout = {grid: {rows: 1, columns: Math.max(1, d.params.length), pattern: "independent"},
-                  yaxis: {title: {text: m}}, showlegend: false, margin: {t: 30}};
-  d.params.forEach((p, i) => { layout["xaxis" + (i ? i + 1 : "")] = {title: {text: p}}; });
+                  yaxis: {title: {text: plain(m)}}, showlegend: false, margin: {t: 30}};
+  d.params.forEach((p, i) => { layout["xaxis" + (i ? i + 1 : "")] = {title: {text: plain(p)}}; });
   Plotly.react(sc, traces, layout);
   performance.mark("scatter");
 }

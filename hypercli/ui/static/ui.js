@@ -14,6 +14,11 @@ function el(tag, attrs, ...children) {
 
 function link(href, text) { return el("a", {href: href, text: text}); }
 
+// Text for plotly, which reads a few HTML tags (<a href>, <b>) in its labels: entities only.
+function plain(s) {
+  return String(s).replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;");
+}
+
 function fmtTime(ts) { return ts ? new Date(ts * 1000).toLocaleTimeString() : ""; }
 
 function fmtDur(s) {
@@ -31,8 +36,12 @@ function fmtBytes(b) {
   return b.toFixed(i ? 1 : 0) + " " + u[i];
 }
 
+// Non-finite numbers come as the strings "NaN", "Infinity", "-Infinity" (JSON has none).
+const NONFINITE = {"NaN": "nan", "Infinity": "inf", "-Infinity": "-inf"};
+
 function fmtVal(v) {
   if (typeof v === "number") return Number.isInteger(v) ? String(v) : v.toPrecision(5);
+  if (typeof v === "string" && Object.hasOwn(NONFINITE, v)) return NONFINITE[v];
   return v === undefined || v === null ? "" : String(v);
 }
 
