@@ -170,6 +170,23 @@ def test_recipe_cluster_becomes_a_cloud_spec():
     assert cloud_spec(r.cluster, count=1).count == 1
 
 
+def test_adopt_group_is_an_azure_key_that_reaches_the_cloud_spec():
+    from hypercli.recipe import RecipeError
+    import pytest
+    r = parse_recipe(yaml.safe_dump({"name": "n", "cluster": {
+        "provider": "azure", "region": "eastus", "resource_group": "team-rg",
+        "adopt_group": True}, "experiments": {"a": {"command": "true"}}}), path="r.yaml")
+    cs = cloud_spec(r.cluster)
+    assert (cs.resource_group, cs.adopt_group) == ("team-rg", True)
+    assert cloud_spec(parse_recipe(yaml.safe_dump({"name": "n", "cluster": {
+        "provider": "azure"}, "experiments": {"a": {"command": "true"}}}),
+        path="r.yaml").cluster).adopt_group is False
+    with pytest.raises(RecipeError, match="adopt_group.*azure"):
+        parse_recipe(yaml.safe_dump({"name": "n", "cluster": {
+            "provider": "aws", "adopt_group": True},
+            "experiments": {"a": {"command": "true"}}}), path="r.yaml")
+
+
 def test_tags_and_owner_fit_every_cloud():
     assert label_key("hyper:cluster") == "hyper-cluster"
     o = owner()
