@@ -119,6 +119,17 @@ def test_no_bucket_no_role_and_a_named_profile_is_used_as_is(ec2, image):
     assert iam_names(iam) == ([], ["mine"])  # nothing made
 
 
+def test_instances_up_before_the_role_existed_are_given_its_profile(ec2, image):
+    """A cluster brought up by a recipe with no s3:// bucket, then run with one
+    (``hyper run --cluster``): its running instances get the new instance profile."""
+    api = AWSAPI(REGION)
+    vms, _ = launch(api, spec(image))
+    assert all("IamInstanceProfile" not in instance(ec2, v.id) for v in vms)
+    assert api.identity(spec(image, grants=GRANTS)) == {"instance_profile": ROLE}
+    assert all(instance(ec2, v.id)["IamInstanceProfile"]["Arn"].endswith(f"/{ROLE}")
+               for v in vms)
+
+
 def test_down_and_gc_remove_roles_profiles_and_policies(ec2, image):
     api = AWSAPI(REGION)
     iam = boto3.client("iam", region_name=REGION)

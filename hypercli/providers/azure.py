@@ -730,7 +730,11 @@ class AzureAPI:
         kind that cannot be defined is left out (with a warning), or, when ``required``,
         raises CredentialsError naming ``roleDefinitions/write``."""
         out = {}
+        cache = self.__dict__.setdefault("_defined", {})
         for kind in kinds:
+            if kind in cache:
+                out[kind] = cache[kind]
+                continue
             actions, data = ROLES[kind]
             guid = str(uuid.uuid5(uuid.NAMESPACE_URL, f"hypercli|{self.subscription}|{kind}"))
             path = (f"/subscriptions/{self.subscription}/providers/Microsoft.Authorization/"
@@ -754,7 +758,7 @@ class AzureAPI:
                                                 for p in want["permissions"]]:
                     self._arm("PUT", path, f"defining the role {want['roleName']}",
                               {"properties": want})
-                out[kind] = guid
+                out[kind] = cache[kind] = guid
             except CloudError as e:
                 if required:
                     self._refused(e, "Microsoft.Authorization/roleDefinitions/write",

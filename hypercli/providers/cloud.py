@@ -200,9 +200,12 @@ class Boot:
         user_data: node name → its boot document: a ``#cloud-config`` YAML document
             (:func:`hypercli.providers.cloud_provider.boot_document`) that cloud-init applies
             at first boot — AWS user data, GCP ``user-data`` metadata, Azure custom data. The
-            same on every cloud: it installs the node's own host key (generated here, so the
-            client pins it without trusting a first contact) before sshd starts and the
-            cluster's SSH key, and starts the preemption watcher and the idle watchdog.
+            same on every cloud: it installs the node's own host key before sshd starts
+            (generated here, so the client pins it without trusting a first contact; on GCP,
+            whose metadata is readable with ``compute.instances.get``, made on the node and
+            its public half published, :attr:`CloudAPI.node_host_keys`) and the cluster's
+            SSH key, keeps containers away from the metadata service, and starts the
+            preemption watcher and the idle watchdog.
         ssh_user: the login user the script sets up.
         ssh_public_key: the cluster's public key, OpenSSH one-line form.
     """
@@ -219,6 +222,10 @@ class CloudAPI(Protocol):
 
     #: provider name: "aws", "gcp" or "azure"
     name: str
+    #: True when nodes make their own SSH host key and publish its public half, which
+    #: ``host_key(vm) -> str | None`` (``ssh-ed25519 AAAA...``, None until published) reads
+    #: for the caller to pin (GCP); False or absent: the caller makes the key (Boot)
+    node_host_keys: bool
 
     def check(self) -> str:
         """Whether the credentials work: a one-line description of the account (``account
@@ -233,15 +240,20 @@ class CloudAPI(Protocol):
 
     def identity(self, spec: CloudSpec) -> dict:
         """Create or update, idempotently, the cluster's storage identity scoped to exactly
-        ``spec.grants`` (read on datasets, read/write on the storage prefix); nothing is
-        made when ``spec.identity`` names an existing one. Called by :meth:`prepare`, and
-        again when a later recipe on the same cluster needs more. Returns what the instances
-        are launched with (opaque to the caller).
+        ``spec.grants`` (read on datasets, read/write on each live workflow's prefix; a
+        per-workflow template gives nothing, it says the cloud's storage is used): what it
+        allowed beyond them is taken away. Nothing is made for storage when
+        ``spec.identity`` names an existing one. Called by :meth:`prepare`, and again when a
+        workflow starts on the cluster (``hypercli.cluster.grant``). Identities are named
+        with :func:`identity_tag`. Returns what the instances are launched with (opaque to
+        the caller).
 
         Raises:
             CredentialsError: the caller may not create or bind identities (the message
                 names the missing permission and the recipe key that names an existing
                 identity instead).
+            IdentityConflict: an identity of the computed name exists and is not the
+                cluster's own.
         """
 
     def create(self, spec: CloudSpec, nodes: list[str], boot: Boot,
