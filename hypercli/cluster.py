@@ -3,6 +3,8 @@
 ``up`` is idempotent: it asks the provider for the cluster's nodes and reconciles the state
 file with the answer (new nodes added, vanished ones marked down). ``down`` cancels the attempts
 still running on the nodes, asks the provider to remove them and marks everything down.
+``grant`` sets a cloud cluster's storage identity when a workflow starts on it: the recipes'
+datasets and the own prefix of each workflow that has not ended (:mod:`hypercli.recipe.access`).
 """
 
 from __future__ import annotations

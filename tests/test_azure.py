@@ -561,7 +561,6 @@ def test_a_group_hypercli_did_not_make_is_refused_unless_adopted_and_never_delet
     assert fake.resources_in("team-rg") == [] and fake.groups["team-rg"]["tags"] == {
         "owner": "ml-team"}
     # someone's own network security group, and a group made for another cluster
-    theirs = fake.identity_handle  # noqa: F841 (the group's own resources, below)
     fake.res[("/subscriptions/sub-1/resourceGroups/team-rg/providers/Microsoft.Network/"
               "networkSecurityGroups/keep-me").lower()] = {
         "id": "/subscriptions/sub-1/resourceGroups/team-rg/providers/Microsoft.Network/"

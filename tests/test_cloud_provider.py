@@ -225,3 +225,20 @@ def test_cloud_cluster_without_instance_type_is_a_clear_error(hyper, write_recip
     r = hyper("up", path)
     assert r.returncode == 2
     assert "needs cluster.instance_type" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_each_cluster_has_a_random_id_that_names_its_identities(hyper_home):
+    """State migration 8: an id per cluster name, made once, gone when the cluster is
+    forgotten; the identity tag of names that differ only in case or after 30 characters
+    differs because their ids do."""
+    from hypercli.providers.cloud import identity_tag
+    from hypercli.state import State
+    state = State()
+    long = "ml-team-experiments-2026-"
+    ids = {n: state.cluster_uid(n) for n in ("Team", "team", long + "gpu", long + "cpu")}
+    assert len(set(ids.values())) == 4 and all(len(i) == 32 for i in ids.values())
+    assert state.cluster_uid("Team") == ids["Team"]  # stable
+    assert len({identity_tag(n, i) for n, i in ids.items()}) == 4
+    state.put_cluster("Team", "aws", {}, "down")
+    state.forget_cluster("Team")
+    assert state.cluster_uid("Team") != ids["Team"]  # a new cluster of that name
