@@ -3,19 +3,24 @@
 ``up`` is idempotent: it asks the provider for the cluster's nodes and reconciles the state
 file with the answer (new nodes added, vanished ones marked down). ``down`` cancels the attempts
 still running on the nodes, asks the provider to remove them and marks everything down.
+``grant`` sets a cloud cluster's storage identity when a workflow starts on it: the recipes'
+datasets and the own prefix of each workflow that has not ended (:mod:`hypercli.recipe.access`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
+import os
 from typing import Callable
 
 from hypercli.console import plural
 from hypercli.errors import HyperError, InfraError, UsageError
 from hypercli.providers import get_provider
 from hypercli.recipe import ClusterSpec
-from hypercli.recipe.access import grants_from, merge
-from hypercli.state import State
+from hypercli.recipe.access import for_workflows, grants_from, merge
+from hypercli.state import State, home
 from hypercli.stop import cancel_workflow
 
 
@@ -35,7 +40,7 @@ def up(state: State, spec: ClusterSpec, provider=None,
         raise UsageError(f"cluster {spec.name} is up with provider {old['provider']}, "
                          f"not {spec.provider}",
                          f"`hyper down {spec.name}` first, or name another cluster")
-    spec = with_granted(spec, old)
+    base, spec = with_granted(state, spec, old)
     provider = provider or get_provider(spec.provider, options=spec.options)
     result = provider.launch(spec)
     instances = result.instances
@@ -48,7 +53,8 @@ def up(state: State, spec: ClusterSpec, provider=None,
                          getattr(next(iter(result.errors.values()), None), "hint", None))
     state.put_cluster(spec.name, spec.provider,
                       {"workers": spec.workers, "options": spec.options,
-                       "grants": [g.as_dict() for g in spec.grants]}, "up")
+                       "grants": [g.as_dict() for g in base],
+                       "given": [g.as_dict() for g in spec.grants]}, "up")
     names = set()
     for inst in instances:
         names.add(inst.name)
@@ -61,33 +67,61 @@ def up(state: State, spec: ClusterSpec, provider=None,
     return state.nodes(spec.name, status="up")
 
 
-def with_granted(spec: ClusterSpec, row: dict | None) -> ClusterSpec:
-    """``spec`` whose storage grants also hold those the cluster (its ``clusters`` row, or
-    None) was given before: the nodes of a cluster shared by several recipes keep what
-    each one needs (:mod:`hypercli.recipe.access`)."""
-    if not row or row.get("status") != "up":
-        return spec
-    before = grants_from((row.get("spec") or {}).get("grants"))
-    return dataclasses.replace(spec, grants=merge(tuple(spec.grants) + before))
+def with_granted(state: State, spec: ClusterSpec, row: dict | None
+                 ) -> tuple[tuple, ClusterSpec]:
+    """What the cluster's nodes may use of object storage now (:mod:`hypercli.recipe.access`):
+    ``(base, spec)`` where ``base`` is ``spec``'s grants with those the cluster (its
+    ``clusters`` row, or None) was given before, so that a cluster shared by several recipes
+    keeps what each one reads, and ``spec``'s grants are ``base`` with read and write on
+    ``<storage>/<workflow>/`` of each workflow of the cluster that has not ended."""
+    before = grants_from((row.get("spec") or {}).get("grants")) \
+        if row and row.get("status") == "up" else ()
+    base = merge(tuple(spec.grants) + before)
+    return base, dataclasses.replace(
+        spec, grants=for_workflows(base, state.live_workflows(spec.name)))
+
+
+@contextlib.contextmanager
+def _grants_lock(name: str):
+    """One process at a time changes a cluster's grants (two ``hyper run`` starting on one
+    cluster would otherwise each set the identity to what it saw, the later one losing the
+    other's workflow)."""
+    d = home() / "locks"
+    d.mkdir(exist_ok=True, mode=0o700)
+    fd = os.open(d / f"cluster-{name}.grants", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def grant(state: State, spec: ClusterSpec, provider) -> None:
-    """Give an up cluster's nodes the storage ``spec`` needs, when its provider scopes
-    storage to the cluster (the clouds) and the cluster does not have it yet.
+    """Set an up cluster's storage identity to what its nodes may use now
+    (:func:`with_granted`: ``spec``'s grants, those of earlier recipes on it, and each of its
+    live workflows' own prefix), when its provider scopes storage to the cluster (the clouds)
+    and that differs from what it was given. Called when a workflow starts or resumes on the
+    cluster, after it is recorded: from then on its nodes may write under
+    ``<storage>/<workflow>/``, and no longer under the prefixes of workflows that have ended.
 
     Raises:
         CredentialsError, CloudError: from the provider.
     """
-    row = state.cluster(spec.name)
-    have = grants_from(((row or {}).get("spec") or {}).get("grants"))
-    if not hasattr(provider, "grant") or all(any(h.covers(g) for h in have)
-                                             for g in spec.grants):
+    if not hasattr(provider, "grant"):
         return
-    spec = with_granted(spec, row)
-    provider.grant(spec)
-    state.put_cluster(spec.name, row["provider"],
-                      dict(row.get("spec") or {}, grants=[g.as_dict() for g in spec.grants]),
-                      "up")
+    with _grants_lock(spec.name):
+        row = state.cluster(spec.name)
+        if row is None:
+            return
+        base, spec = with_granted(state, spec, row)
+        given = grants_from((row.get("spec") or {}).get("given",
+                                                     (row.get("spec") or {}).get("grants")))
+        if set(spec.grants) == set(given):
+            return
+        provider.grant(spec)
+        state.put_cluster(spec.name, row["provider"],
+                          dict(row.get("spec") or {}, grants=[g.as_dict() for g in base],
+                               given=[g.as_dict() for g in spec.grants]), "up")
 
 
 def replace(state: State, provider, node: dict) -> list[dict]:

@@ -142,6 +142,17 @@ def m007_engine(db: sqlite3.Connection) -> None:
     db.execute("ALTER TABLE experiments ADD COLUMN engine TEXT")
 
 
+@migration
+def m008_cluster_ids(db: sqlite3.Connection) -> None:
+    """``cluster_ids``: a random id per cluster name (``uid``, 32 hex digits), made before the
+    cluster's first launch and kept until it is forgotten. Cloud identities carry a short hash
+    of it in their names (:func:`hypercli.providers.cloud.identity_tag`), so that clusters
+    whose names differ only in case or after a cloud's length limit never share one, and a
+    name made in advance by someone else is not guessed."""
+    db.execute("CREATE TABLE cluster_ids (name TEXT PRIMARY KEY, uid TEXT NOT NULL, "
+               "created_at REAL NOT NULL)")
+
+
 def _script(db: sqlite3.Connection, sql: str) -> None:
     """Run ``;``-separated statements inside the caller's transaction (``executescript``
     would commit it)."""
@@ -411,6 +422,14 @@ class State:
                        "status=excluded.status, updated_at=excluded.updated_at",
                        (name, provider, _dumps(spec), status, now, now))
 
+    def cluster_uid(self, name: str) -> str:
+        """The random id of cluster ``name`` (migration 8), made on first use."""
+        import secrets
+        with self.tx() as db:
+            db.execute("INSERT OR IGNORE INTO cluster_ids VALUES (?,?,?)",
+                       (name, secrets.token_hex(16), time.time()))
+            return db.execute("SELECT uid FROM cluster_ids WHERE name=?", (name,)).fetchone()[0]
+
     def cluster(self, name: str) -> dict | None:
         r = self.db.execute("SELECT * FROM clusters WHERE name=?", (name,)).fetchone()
         return _row(r, "spec")
@@ -498,6 +517,13 @@ class State:
     def workflows(self, limit: int = 50) -> list[dict]:
         rows = self.db.execute("SELECT * FROM workflows ORDER BY created_at DESC LIMIT ?",
                                (limit,)).fetchall()
+        return [_row(r, "spec") for r in rows]
+
+    def live_workflows(self, cluster: str) -> list[dict]:
+        """The workflows of ``cluster`` that have not ended (running or cancelling)."""
+        rows = self.db.execute("SELECT * FROM workflows WHERE cluster=? AND status IN "
+                               "('running', 'cancelling') ORDER BY created_at",
+                               (cluster,)).fetchall()
         return [_row(r, "spec") for r in rows]
 
     def detached_workflows(self) -> list[str]:
@@ -753,6 +779,7 @@ class State:
         with self.tx() as db:
             n = db.execute("DELETE FROM nodes WHERE cluster=?", (name,)).rowcount
             db.execute("DELETE FROM clusters WHERE name=?", (name,))
+            db.execute("DELETE FROM cluster_ids WHERE name=?", (name,))
             self._event(db, "cluster", f"{name} forgotten ({n} node rows deleted)")
         return n
 

@@ -495,7 +495,6 @@ def prepare_run(state: S.State, recipe_path: str, *, new: bool = False,
     provider = get_provider(recipe.cluster.provider, trust_new_hosts=trust_new_hosts,
                             options=recipe.cluster.options)
     if cluster is not None:
-        C.grant(state, recipe.cluster, provider)  # this recipe's storage, on that cluster
         nodes = state.nodes(cluster, status="up")
     else:
         nodes = C.up(state, recipe.cluster, provider, report=report or log)
@@ -504,8 +503,13 @@ def prepare_run(state: S.State, recipe_path: str, *, new: bool = False,
         provider.check_mounts(recipe.mounts)
     wid, resumed = start_or_resume(state, recipe, wf, new=new)
     lock = Lock(wid).acquire()
-    if resumed and state.workflow(wid)["cluster"] != recipe.cluster.name:
-        state.set_workflow(wid, cluster=recipe.cluster.name)  # resumed on another cluster
+    try:  # the workflow's own storage prefix (and this recipe's mounts) on its cluster
+        if resumed and state.workflow(wid)["cluster"] != recipe.cluster.name:
+            state.set_workflow(wid, cluster=recipe.cluster.name)
+        C.grant(state, recipe.cluster, provider)
+    except BaseException:
+        lock.release()
+        raise
     from hypercli.console import plural
     log(f"{'resuming' if resumed else 'starting'} workflow {wid}: {plural(len(wf.tasks), 'task')}"
         f" on {plural(len(nodes), recipe.cluster.provider + ' node')}")

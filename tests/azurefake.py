@@ -20,6 +20,11 @@ header (resource group deletes: a ``Location`` header, as ARM does) that reads `
 on the first read and until ``lro_seconds`` have passed, then ``Succeeded`` (or ``Failed``
 with the error); the change is made when the operation ends, whether anyone polls or not.
 
+A request with a node's token (tests/azureiamfake.py, ``principal_tokens``) may only read or
+delete a VM, change it, run a command on it, or list a storage account's keys where that
+principal's role assignments allow it (403 ``AuthorizationFailed`` otherwise, with ARM's
+text). ``/subscriptions/S/resources`` lists resources of every group (``$filter`` on a tag).
+
 Faults: ``no_sku_in(zone)`` (409 ``SkuNotAvailable`` at once, ``"*"``: every zone),
 ``no_capacity_in(zone)`` (the VM's operation fails with ``ZonalAllocationFailed``, or
 ``AllocationFailed`` without a zone, and the VM stays in state Failed, as ARM leaves it),
@@ -323,7 +328,10 @@ class ArmFake(IdentityFake):
         q = {k: v[0] for k, v in parse_qs(url.query).items()}
         if self.auth_fail or not (auth or "").startswith("Bearer "):
             raise ArmError(401, "InvalidAuthenticationToken", "The access token is invalid.")
-        self.tokens.add(auth.split(" ", 1)[1])
+        token = auth.split(" ", 1)[1]
+        self.tokens.add(token)
+        if token in self.principal_tokens:
+            self._node_request(self.principal_tokens[token], method, url.path.rstrip("/"))
         if "api-version" not in q:
             raise ArmError(400, "MissingApiVersionParameter",
                            "The api-version query parameter (?api-version=) is required for "
@@ -343,6 +351,11 @@ class ArmFake(IdentityFake):
             return self._page(self.images, base, p, q)
         if rest == "/resourcegroups":
             return self._page(self._filter_groups(q.get("$filter")), base, p, q)
+        if rest == "/resources":
+            return self._page([{k: r[k] for k in ("id", "name", "type", "location", "tags")}
+                               for r in self._filter_groups(q.get("$filter"),
+                                                            list(self.res.values()))],
+                              base, p, q)
         parts = p.split("/")  # '', subscriptions, S, resourcegroups, G, ...
         if len(parts) < 5 or parts[3].lower() != "resourcegroups":
             raise ArmError(404, "InvalidResourceType", f"no route for {p}")
@@ -383,15 +396,39 @@ class ArmFake(IdentityFake):
                 {**q, "$skiptoken": start + self.page_size})
         return 200, page, {}
 
-    def _filter_groups(self, flt: str | None) -> list[dict]:
-        groups = list(self.groups.values())
+    def _node_request(self, principal: str, method: str, path: str) -> None:
+        """Raise 403 unless a node's ``principal`` may make this request (module
+        docstring)."""
+        m = re.fullmatch(r"(/subscriptions/[^/]+/resourceGroups/[^/]+/providers/"
+                         r"Microsoft\.Compute/virtualMachines/[^/]+)(?:/([A-Za-z]+))?", path,
+                         re.I)
+        action = None
+        if m and m[2] is None:
+            action = {"GET": "read", "DELETE": "delete", "PUT": "write",
+                      "PATCH": "write"}.get(method)
+            action = action and f"Microsoft.Compute/virtualMachines/{action}"
+        elif m and m[2].lower() == "runcommand" and method == "POST":
+            action = "Microsoft.Compute/virtualMachines/runCommand/action"
+        elif re.search(r"/providers/Microsoft\.Storage/storageAccounts/[^/]+/listKeys$", path,
+                       re.I) and method == "POST":
+            action = "Microsoft.Storage/storageAccounts/listKeys/action"
+        target = m[1] if m else re.sub(r"/listKeys$", "", path, flags=re.I)
+        if action and self.may(principal, action, target):
+            return
+        raise ArmError(403, "AuthorizationFailed",
+                       f"The client '{principal}' with object id '{principal}' does not have "
+                       f"authorization to perform action '{action or method + ' ' + path}' "
+                       f"over scope '{target}' or the scope is invalid.")
+
+    def _filter_groups(self, flt: str | None, items: list[dict] | None = None) -> list[dict]:
+        groups = list(self.groups.values()) if items is None else items
         if not flt:
             return groups
         m = re.fullmatch(r"tagName eq '([^']*)'(?: and tagValue eq '([^']*)')?", flt.strip())
         if not m:
             raise ArmError(400, "InvalidFilterInQueryString", f"Invalid $filter '{flt}'.")
         name, value = m.groups()
-        return [g for g in groups if name in g["tags"]
+        return [g for g in groups if name in (g.get("tags") or {})
                 and (value is None or g["tags"][name] == value)]
 
     def _get(self, rid: str) -> dict:
@@ -582,13 +619,21 @@ class ArmFake(IdentityFake):
                 if iid.lower() not in self.res:
                     raise ArmError(400, "FailedIdentityOperation",
                                    f"Identity '{iid}' could not be found.")
-            if (body.get("identity") or {}).get("userAssignedIdentities"):
-                obj["identity"] = {"type": "UserAssigned",
-                                   "userAssignedIdentities": body["identity"][
-                                       "userAssignedIdentities"]}
-            if (body.get("identity") or {}).get("type") == "SystemAssigned":
-                obj["identity"] = {"type": "SystemAssigned", "principalId": f"principal-{n}",
-                                   "tenantId": "tenant-1"}
+            ident = body.get("identity") or {}
+            kinds = {k.strip() for k in (ident.get("type") or "").split(",")}
+            if ident.get("userAssignedIdentities") and "UserAssigned" not in kinds:
+                raise ArmError(400, "InvalidIdentityType", "userAssignedIdentities need type "
+                               "UserAssigned")
+            if kinds - {"", "SystemAssigned", "UserAssigned"}:
+                raise ArmError(400, "InvalidIdentityType", f"bad type {ident.get('type')}")
+            if kinds & {"SystemAssigned", "UserAssigned"}:
+                obj["identity"] = {"type": ident["type"]}
+                if "UserAssigned" in kinds:
+                    obj["identity"]["userAssignedIdentities"] = ident["userAssignedIdentities"]
+                if "SystemAssigned" in kinds:
+                    old_id = (old or {}).get("identity") or {}
+                    obj["identity"].update(principalId=old_id.get("principalId") or
+                                           f"principal-{n}", tenantId="tenant-1")
         props["provisioningState"] = "Updating" if old else "Creating"
         self.res[rid.lower()] = obj
 

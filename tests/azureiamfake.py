@@ -8,11 +8,22 @@ Manager stand-in (:class:`azurefake.ArmFake` serves them), with ARM's paths and 
   (``*`` but ``deny``);
 * ``/subscriptions/S/providers/Microsoft.Storage/storageAccounts``: the accounts added with
   :meth:`IdentityFake.add_account`;
+* ``/subscriptions/S/providers/Microsoft.Authorization/roleDefinitions/{uuid}``: custom
+  roles, PUT (a role name unique in the tenant, assignable scopes under the subscription) and
+  GET (kept in ``role_defs``);
 * ``{scope}/providers/Microsoft.Authorization/roleAssignments/{uuid}``: PUT (the role must be
-  a known built-in one and the principal must exist; a ``condition`` needs
-  ``conditionVersion`` 2.0; the same name again: 409 ``RoleAssignmentExists``), DELETE; and
-  ``/subscriptions/S/providers/Microsoft.Authorization/roleAssignments?$filter=principalId eq
-  'P'``.
+  a known built-in one or a custom one defined here, and the principal must exist; a
+  ``condition`` needs ``conditionVersion`` 2.0; the same name again: 409
+  ``RoleAssignmentExists``), DELETE; and ``/subscriptions/S/providers/Microsoft.Authorization/
+  roleAssignments?$filter=principalId eq 'P'``;
+* ``.../userAssignedIdentities/N/federatedIdentityCredentials``: the list kept in ``fics``.
+
+Principals: a request whose bearer token is in ``principal_tokens`` (token → principal id: a
+node's token, as IMDS hands it out) may do exactly what that principal's role assignments
+allow (:meth:`IdentityFake.may`: the scope holds the resource, the role's actions match, ``*``
+wildcards) and nothing else; any other request is the caller's, who may do everything but
+``deny``. :func:`blob_request` names the data or container action of a Blob Storage REST
+request, for a proxy that enforces the assignments in front of Azurite.
 
 Faults: ``deny`` holds the actions the caller lacks (``Microsoft.Authorization/
 roleAssignments/write``, ``Microsoft.ManagedIdentity/userAssignedIdentities/write``): 403
@@ -24,15 +35,22 @@ included: ``ActionMatches``, ``SubOperationMatches``, ``@Resource[...:path]`` an
 
 from __future__ import annotations
 
+import json
 import re
 
 BLOB = "Microsoft.Storage/storageAccounts/blobServices/containers/blobs"
-#: built-in role id → its data actions (blob roles) or None (a control-plane role)
+CONTAINERS = "Microsoft.Storage/storageAccounts/blobServices/containers"
+#: built-in role id → (its control-plane actions, its data actions) (a part of each, from
+#: learn.microsoft.com/azure/role-based-access-control/built-in-roles)
 ROLES = {
-    "2a2b9908-6ea1-4ae2-8e65-a410df84e7d1": {f"{BLOB}/read"},           # Blob Data Reader
-    "ba92f5b4-2d11-453d-a403-e96b0029c9fe": {f"{BLOB}/{a}" for a in (   # Blob Data Contributor
-        "read", "write", "add/action", "delete", "move/action")},
-    "9980e02c-c2be-4d73-94e8-173b1dc7cf3c": set(),                       # VM Contributor
+    "2a2b9908-6ea1-4ae2-8e65-a410df84e7d1": (                            # Blob Data Reader
+        {f"{CONTAINERS}/read"}, {f"{BLOB}/read"}),
+    "ba92f5b4-2d11-453d-a403-e96b0029c9fe": (                            # Blob Data Contributor
+        {f"{CONTAINERS}/{a}" for a in ("read", "write", "delete")},
+        {f"{BLOB}/{a}" for a in ("read", "write", "add/action", "delete", "move/action")}),
+    "9980e02c-c2be-4d73-94e8-173b1dc7cf3c": (                            # VM Contributor
+        {"Microsoft.Compute/virtualMachines/*", "Microsoft.Network/networkInterfaces/*",
+         "Microsoft.Storage/storageAccounts/listKeys/action"}, set()),
 }
 MSI = "microsoft.managedidentity/userassignedidentities"
 
@@ -60,12 +78,42 @@ class IdentityFake:
         self.accounts: dict[str, str] = {}        # name → id
         self.assignments: dict[str, dict] = {}    # lower id → assignment
         self.deny: set[str] = set()
+        self.role_defs: dict[str, dict] = {}      # guid → properties of a custom role
+        self.fics: dict[str, list] = {}           # lower identity id → federated credentials
+        self.principal_tokens: dict[str, str] = {}  # bearer token → principal id
 
     def add_account(self, name: str, group: str = "data-rg") -> str:
         """A storage account (in another group than any cluster's); returns its id."""
         self.accounts[name] = (f"/subscriptions/{self.sub}/resourceGroups/{group}/providers/"
                                f"Microsoft.Storage/storageAccounts/{name}")
         return self.accounts[name]
+
+    def role(self, guid: str) -> tuple[set, set] | None:
+        """(actions, data actions) of a built-in or custom role, None for an unknown one."""
+        if guid in ROLES:
+            return ROLES[guid]
+        d = self.role_defs.get(guid)
+        if d is None:
+            return None
+        perms = d.get("permissions") or [{}]
+        return (set().union(*(p.get("actions") or [] for p in perms)),
+                set().union(*(p.get("dataActions") or [] for p in perms)))
+
+    def may(self, principal: str, action: str, resource: str) -> bool:
+        """Whether ``principal`` holds the control-plane ``action`` on ``resource`` (an ARM
+        id): an assignment whose scope holds the resource and whose role's actions match."""
+        import fnmatch
+        target = resource.lower()
+        for a in self.assignments.values():
+            pr = a["properties"]
+            scope = pr["scope"].lower()
+            if pr["principalId"] != principal or not (target == scope or
+                                                      target.startswith(scope + "/")):
+                continue
+            actions = (self.role(pr["roleDefinitionId"].rsplit("/", 1)[1]) or (set(),))[0]
+            if any(fnmatch.fnmatchcase(action.lower(), x.lower()) for x in actions):
+                return True
+        return False
 
     def principals(self) -> set[str]:
         out = set()
@@ -103,9 +151,17 @@ class IdentityFake:
                 raise ArmError(400, "InvalidFilter", "unsupported $filter")
             return 200, {"value": [a for a in self.assignments.values()
                                    if a["properties"]["principalId"] == m[1]]}, {}
+        m = re.fullmatch(rf"{re.escape(sub)}/providers/microsoft\.authorization/"
+                         r"roledefinitions/([^/]+)", low)
+        if m:
+            return self._definition(method, p.rsplit("/", 1)[1], body)
         m = re.fullmatch(r"(.*)/providers/microsoft\.authorization/roleassignments/([^/]+)", low)
         if m:
             return self._assignment(method, p, p[:len(m[1])], body)
+        m = re.fullmatch(rf"{re.escape(sub)}/resourcegroups/[^/]+/providers/{MSI}/[^/]+/"
+                         r"federatedidentitycredentials", low)
+        if m:
+            return 200, {"value": list(self.fics.get(low.rsplit("/", 1)[0], []))}, {}
         m = re.fullmatch(rf"{re.escape(sub)}/resourcegroups/([^/]+)/providers/{MSI}(?:/([^/]+))?",
                          low)
         if m:
@@ -121,6 +177,9 @@ class IdentityFake:
                 if low not in self.res:
                     raise ArmError(404, "ResourceNotFound", f"{rid} was not found.")
                 return 200, self.res[low], {}
+            if method == "DELETE":
+                self.fics.pop(low, None)
+                return (200 if self.res.pop(low, None) else 204), None, {}
             if method == "PUT":
                 if "Microsoft.ManagedIdentity/userAssignedIdentities/write" in self.deny:
                     self._forbidden("Microsoft.ManagedIdentity/userAssignedIdentities/write",
@@ -137,6 +196,34 @@ class IdentityFake:
                 return (200 if old else 201), self.res[low], {}
         return None
 
+    def _definition(self, method, guid, body):
+        from azurefake import ArmError
+        if method == "GET":
+            if guid not in self.role_defs:
+                raise ArmError(404, "RoleDefinitionDoesNotExist",
+                               f"The specified role definition with ID '{guid}' does not "
+                               "exist.")
+            return 200, {"id": f"/subscriptions/{self.sub}/providers/Microsoft.Authorization/"
+                         f"roleDefinitions/{guid}", "name": guid,
+                         "type": "Microsoft.Authorization/roleDefinitions",
+                         "properties": self.role_defs[guid]}, {}
+        if method != "PUT":
+            raise ArmError(405, "MethodNotAllowed", method)
+        if "Microsoft.Authorization/roleDefinitions/write" in self.deny:
+            self._forbidden("Microsoft.Authorization/roleDefinitions/write",
+                            f"/subscriptions/{self.sub}")
+        props = body["properties"]
+        if any(d["roleName"] == props["roleName"] for g, d in self.role_defs.items()
+               if g != guid):
+            raise ArmError(409, "RoleDefinitionWithSameNameExists",
+                           "A custom role with the same name already exists in this directory.")
+        if not props.get("assignableScopes") or not all(
+                sc.lower().startswith(f"/subscriptions/{self.sub}".lower())
+                for sc in props["assignableScopes"]):
+            raise ArmError(400, "InvalidAssignableScopes", "bad assignableScopes")
+        self.role_defs[guid] = json.loads(json.dumps(props))
+        return 201, {"name": guid, "properties": props}, {}
+
     def _assignment(self, method, path, scope, body):
         from azurefake import ArmError
         if method == "DELETE":
@@ -149,7 +236,7 @@ class IdentityFake:
         self.role_assignments.append(body)
         props = dict(body["properties"])
         role = props["roleDefinitionId"].rsplit("/", 1)[1]
-        if role not in ROLES:
+        if self.role(role) is None:
             raise ArmError(400, "RoleDefinitionDoesNotExist",
                            f"The specified role definition with ID '{role}' does not exist.")
         if props["principalId"] not in self.principals():
@@ -182,7 +269,8 @@ class IdentityFake:
             if pr["principalId"] != principal or not (target == scope or
                                                       target.startswith(scope + "/")):
                 continue
-            if act not in ROLES[pr["roleDefinitionId"].rsplit("/", 1)[1]]:
+            if act not in (self.role(pr["roleDefinitionId"].rsplit("/", 1)[1]) or
+                           (set(), set()))[1]:
                 continue
             cond = pr.get("condition")
             if not cond or eval(abac_to_python(cond), {"__builtins__": {}}, {  # noqa: S307
@@ -191,3 +279,28 @@ class IdentityFake:
                     "prefix": list_prefix or ""}):
                 return True
         return False
+
+
+def blob_request(method: str, path: str, query: dict) -> tuple | None:
+    """(account, container, kind, action, blob path, list prefix or None) of a Blob Storage
+    REST request in path style (``/account/container[/blob]``, as Azurite and an emulator
+    endpoint take it): ``kind`` ``data`` with a blob data action (``read``, ``write``,
+    ``delete``; a listing is ``read`` with its prefix), or ``control`` with a container
+    action (``containers/delete``, ``containers/write`` for a container's creation or its
+    access policy, ``containers/read``); None for what this does not know (refused)."""
+    parts = path.lstrip("/").split("/", 2)
+    if len(parts) < 2 or not parts[1]:
+        return None
+    account, container = parts[0], parts[1]
+    blob = parts[2] if len(parts) == 3 else ""
+    comp, restype = query.get("comp"), query.get("restype")
+    if blob:
+        action = {"GET": "read", "HEAD": "read", "DELETE": "delete", "PUT": "write"}.get(method)
+        return (account, container, "data", action, blob, None) if action else None
+    if restype == "container" and comp == "list" and method == "GET":
+        return account, container, "data", "read", "", query.get("prefix", "")
+    if restype == "container":
+        action = {"DELETE": "delete", "PUT": "write", "GET": "read", "HEAD": "read"}.get(method)
+        return (account, container, "control", f"{CONTAINERS}/{action}", "", None) \
+            if action else None
+    return None

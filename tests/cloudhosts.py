@@ -3,8 +3,9 @@
 The test seam (documented in hypercli/providers/cloud_provider.py): ``HYPER_CLOUD_ADDRESSES``
 names a JSON file {instance id: "host:port"}. A :class:`Booter` thread plays the part of the
 cloud booting a VM: for each new instance of a cluster it takes a free test host, applies the
-instance's cloud-config the way cloud-init would (host key, root's authorized key), restarts the
-host's sshd, and writes the instance's address into that file.
+instance's cloud-config the way cloud-init would (the host key it carries, or, with none, a
+new one made on the host and published as its ``runcmd`` does: GCP guest attributes; root's
+authorized key), restarts the host's sshd, and writes the instance's address into that file.
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ class Booter(threading.Thread):
             :func:`gcp_source`, :func:`azure_source`).
     """
 
-    def __init__(self, source, hosts, seam: Path):
+    def __init__(self, source, hosts, seam: Path, publish=None):
         super().__init__(daemon=True)
+        self.publish = publish  # (instance id, public key line): a node's own host key
         self.source = source if callable(source) else _ec2_source(source)
         self.ec2 = None if callable(source) else source
         self.free, self.seam = list(hosts), seam
@@ -63,13 +65,21 @@ class Booter(threading.Thread):
         doc = yaml.safe_load(text)
         etc = host.root / "etc-ssh"
         key = etc / "ssh_host_ed25519_key"
-        key.write_text(doc["ssh_keys"]["ed25519_private"])
+        if "ssh_keys" in doc:
+            private, public = (doc["ssh_keys"]["ed25519_private"],
+                               doc["ssh_keys"]["ed25519_public"])
+        else:  # cloud-init makes one (ssh_genkeytypes); runcmd publishes its public half
+            from hypercli.providers.cloud_provider import new_keypair
+            private, public = new_keypair(f"root@{iid}")
+        key.write_text(private)
         key.chmod(0o600)
-        (etc / "ssh_host_ed25519_key.pub").write_text(doc["ssh_keys"]["ed25519_public"] + "\n")
+        (etc / "ssh_host_ed25519_key.pub").write_text(public + "\n")
         auth = next(f for f in doc["write_files"] if f["path"] == "/root/.ssh/authorized_keys")
         with open(etc / "authorized_keys", "a") as f:
             f.write(auth["content"])
         host.restart()
+        if "ssh_keys" not in doc:
+            self.publish(iid, " ".join(public.split()[:2]))
         self.booted[iid] = host
         seam = json.loads(self.seam.read_text())
         seam[iid] = f"{host.ip}:{host.port}"
@@ -103,6 +113,15 @@ def gcp_source(fake):
                 out[name] = items["user-data"]
         return out
     return source
+
+
+def gcp_publisher(fake):
+    """The guest side of tests/gcpfake.py's ComputeFake: an instance publishes its host key
+    in its guest attributes (``hostkeys/ssh-ed25519``), as the boot document's runcmd does."""
+    def publish(name: str, public: str) -> None:
+        zone = next(z for z, insts in fake.instances.items() if name in insts)
+        fake.publish(zone, name, "hostkeys", "ssh-ed25519", public)
+    return publish
 
 
 def azure_source(fake):

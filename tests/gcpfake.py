@@ -21,6 +21,16 @@ and SCTP, ranges, tags, sources allowed by direction; an INGRESS rule with no so
 0.0.0.0/0), inserted, patched (merged) or updated (replaced); ``firewall_verdict`` says which
 rule, if any, lets a packet from an address or another instance into an instance.
 
+Guest attributes: ``publish(zone, name, namespace, key, value)`` is the guest writing one
+(``PUT .../computeMetadata/v1/instance/guest-attributes/...`` on the VM);
+``getGuestAttributes?queryPath=ns/`` answers them, 404 while there are none. ``setLabels`` and
+``setMetadata`` change an instance's labels or metadata.
+
+Principals (tests/gcpiamfake.py): a request with a node's token (``tokens``) may only read,
+delete, relabel, change the metadata of, stop or reset an instance whose instance-level policy
+gives its member that permission; anything else it asks is refused (HTTP 403 ``forbidden``,
+``Required 'compute.instances.delete' permission for ...``, as Compute Engine answers).
+
 Faults: ``fail(zone, fault)`` with ``exhausted`` / ``exhausted-details`` (the insert operation
 ends in ZONE_RESOURCE_POOL_EXHAUSTED[_WITH_DETAILS], HTTP 503), ``quota`` (it ends in
 QUOTA_EXCEEDED, 403) or ``quota-http`` (the insert itself is refused: 403 ``quotaExceeded``);
@@ -116,6 +126,7 @@ class ComputeFake(IAMFake):
         self.disks: dict[str, dict[str, dict]] = {z: {} for z in self.zones}
         self.firewalls: dict[str, dict] = {}
         self.images: dict[str, dict] = {}
+        self.guest: dict[tuple[str, str], dict] = {}  # (zone, name) → {"ns/key": value}
         self.operations: dict[str, dict] = {}  # name → {"op", "zone", "asked", "t0", ...}
         self.faults: dict[str, str] = {}
         self.auth_fail = False
@@ -146,11 +157,14 @@ class ComputeFake(IAMFake):
                 n = int(self.headers.get("Content-Length") or 0)
                 body = json.loads(self.rfile.read(n) or b"null") if n else None
                 query = {k: v[0] for k, v in parse_qs(url.query).items()}
+                auth = (self.headers.get("Authorization") or "").removeprefix("Bearer ")
                 with fake._lock:
                     fake.requests.append((self.command, url.path, body))
                     try:
-                        code, obj = fake.iam_route(self.command, unquote(url.path), query,
-                                                   body) or \
+                        member = fake.tokens.get(auth)
+                        code, obj = (member and fake.node_request(
+                            member, self.command, url.path, query)) or \
+                            fake.iam_route(self.command, unquote(url.path), query, body) or \
                             fake.route(self.command, url.path, query, body)
                     except ValueError as e:
                         code, obj = fake._error(400, "invalid", f"Invalid list filter "
@@ -212,6 +226,28 @@ class ComputeFake(IAMFake):
             op = self._op(PREEMPTED, inst, zone)
             op.update(status="DONE", progress=100, endTime=_now(), user="system",
                       statusMessage="Instance was preempted.")
+
+    def publish(self, zone: str, name: str, namespace: str, key: str, value: str) -> None:
+        """The guest writes a guest attribute (module docstring)."""
+        with self._lock:
+            self.guest[(zone, name)][f"{namespace}/{key}"] = value
+
+    def node_request(self, member: str, method: str, path: str, query: dict):
+        """None when a node's ``member`` may make this request (module docstring), else the
+        403 answer."""
+        rest = path[len(BASE + self.project) + 1:] if path.startswith(BASE) else path
+        m = re.fullmatch(r"zones/([^/]+)/instances/([^/]+)(?:/([A-Za-z]+))?", rest)
+        perm = None
+        if m:
+            perm = {("GET", None): "get", ("DELETE", None): "delete",
+                    ("POST", "setLabels"): "setLabels", ("POST", "setMetadata"): "setMetadata",
+                    ("POST", "stop"): "stop", ("POST", "reset"): "reset",
+                    ("GET", "getGuestAttributes"): "getGuestAttributes"}.get((method, m[3]))
+        if perm and self.may_on_instance(member, m[1], m[2], f"compute.instances.{perm}"):
+            return None
+        what = f"compute.instances.{perm}" if perm else "the permission"
+        return self._error(403, "forbidden", f"Required '{what}' permission for "
+                           f"'projects/{self.project}/{rest}'")
 
     def power_off(self, zone: str, name: str) -> None:
         """The guest shut itself down (the idle watchdog's fallback): TERMINATED."""
@@ -331,6 +367,10 @@ class ComputeFake(IAMFake):
             return 200, {"kind": f"compute#{kind[:-1]}AggregatedList",
                          "id": f"projects/{self.project}/aggregated/{kind}", "items": items,
                          "selfLink": self.link(rest)}
+        m = re.fullmatch(r"zones/([^/]+)/instances/([^/]+)/(getGuestAttributes|setLabels|"
+                         r"setMetadata)", rest)
+        if m:
+            return self._instance_call(m[1], m[2], m[3], query, body)
         m = re.fullmatch(r"zones/([^/]+)/instances(?:/([^/]+))?", rest)
         if m:
             if m[1] not in self.instances:
@@ -357,6 +397,34 @@ class ComputeFake(IAMFake):
         if m:
             return self._images(m[1], m[2], flt, rest)
         return self._error(404, "notFound", f"no route for {method} {path}")
+
+    def _instance_call(self, zone, name, call, query, body):
+        inst = self.instances.get(zone, {}).get(name)
+        if inst is None:
+            return self._not_found(f"zones/{zone}/instances/{name}")
+        if call == "getGuestAttributes":
+            q = query.get("queryPath", "")
+            items = [{"namespace": k.split("/")[0], "key": k.split("/", 1)[1], "value": v}
+                     for k, v in sorted(self.guest.get((zone, name), {}).items())
+                     if k.startswith(q)]
+            if not items:
+                return self._not_found(f"zones/{zone}/instances/{name}/guestAttributes/{q}")
+            return 200, {"kind": "compute#guestAttributes", "queryPath": q,
+                         "queryValue": {"items": items},
+                         "selfLink": inst["selfLink"] + f"/guestAttributes/{q}"}
+        if call == "setLabels":
+            if body.get("labelFingerprint") != inst["labelFingerprint"]:
+                return self._error(412, "conditionNotMet", "Labels fingerprint either "
+                                   "invalid or resource labels have changed")
+
+            def relabel():
+                inst["labels"] = dict(body.get("labels") or {})
+                inst["labelFingerprint"] = f"{next(self._ids):x}="
+            return 200, self._op("setLabels", inst, zone, relabel)
+        if call == "setMetadata":
+            def meta():
+                inst["metadata"] = dict(body, kind="compute#metadata")
+            return 200, self._op("setMetadata", inst, zone, meta)
 
     def _images(self, family, name, flt, rest):
         if name:
@@ -446,6 +514,7 @@ class ComputeFake(IAMFake):
                 return 200, self._op("insert", target, zone, error=error)
             inst = self._new_instance(zone, body, link, target["id"])
             zi[iname] = inst
+            self.guest[(zone, iname)] = {}
 
             def running():
                 inst["status"] = "RUNNING"

@@ -4,15 +4,28 @@ shapes:
 
 * ``/v1/projects/{p}/serviceAccounts[/{email}]``: create (``accountId`` 6-30 characters,
   ``[a-z]([-a-z0-9]*[a-z0-9])``; 409 when it exists), get, list, patch (``updateMask``),
-  delete;
+  delete; ``.../{email}/keys`` (``sa_keys``) and ``.../{email}:getIamPolicy``
+  (``sa_policies``: who may act as the account);
+* ``/v1/projects/{p}/roles[/{id}][:undelete]``: custom roles (create, get, patch
+  ``includedPermissions``, undelete), kept in ``roles``;
 * ``/compute/v1/projects/{p}/zones/{z}/instances/{name}/setIamPolicy`` (kept in
-  ``instance_policies``);
-* ``/v1/projects/{p}:testIamPermissions`` (Resource Manager): the asked permissions that
-  are not in ``deny``;
+  ``instance_policies``; a role must be a predefined one known here or a custom role of the
+  project that is not deleted);
+* ``/v1/projects/{p}:testIamPermissions`` (Resource Manager) and
+  ``/storage/v1/b/{bucket}/iam/testPermissions``: the asked permissions that are not in
+  ``deny``;
 * ``/storage/v1/b/{bucket}/iam``: getIamPolicy (``optionsRequestedPolicyVersion``; a policy
   with conditions asked below version 3 is refused, HTTP 400) and setIamPolicy (the etag
   must match, else 412; a binding with a condition needs ``version: 3``; conditional
   bindings need uniform bucket-level access).
+
+Principals: a request whose bearer token is in ``tokens`` (token → member, e.g.
+``serviceAccount:hyper-c1-...-0@proj.iam.gserviceaccount.com``: a node's token, as its
+metadata server hands it out) may do exactly what that member's bindings allow
+(:meth:`IAMFake.may_on_instance`, :meth:`IAMFake.allowed`) and nothing project-wide; any
+other request is the caller's, who may do everything but ``deny``.
+:func:`storage_request` names the permission, bucket and object of a Cloud Storage JSON API
+request, for a proxy that enforces the bucket policies in front of a storage emulator.
 
 Faults: ``races[bucket] = n``: the next n policy reads are each followed by another writer's
 change (the etag read is stale: 412); ``deny`` holds the permissions the caller lacks
@@ -29,6 +42,10 @@ import json
 import re
 
 ACCOUNT_ID_RE = r"[a-z](?:[-a-z0-9]{4,28}[a-z0-9])"
+#: a predefined role hypercli once bound per instance, for the tests that show what it allowed
+INSTANCE_ADMIN = {f"compute.instances.{p}" for p in (
+    "get", "delete", "setLabels", "setMetadata", "stop", "reset", "start", "setTags",
+    "setServiceAccount", "attachDisk", "detachDisk", "getSerialPortOutput", "setMachineType")}
 ROLE_PERMISSIONS = {
     "roles/storage.objectViewer": {"storage.objects.get", "storage.objects.list"},
     "roles/storage.objectUser": {"storage.objects.get", "storage.objects.list",
@@ -63,6 +80,29 @@ class IAMFake:
         self._etag = 0
         self.instance_policies: dict[tuple[str, str], dict] = {}  # (zone, name) → policy
         self.races: dict[str, int] = {}  # bucket → policy reads followed by another writer
+        self.roles: dict[str, dict] = {}  # custom role id → role
+        self.sa_keys: dict[str, list] = {}  # e-mail → user-managed keys
+        self.sa_policies: dict[str, dict] = {}  # e-mail → its own IAM policy
+        self.tokens: dict[str, str] = {}  # bearer token → member (a node's identity)
+
+    def role_permissions(self, role: str) -> set:
+        """The permissions of a predefined role known here or a custom role of the project
+        (none for a deleted or unknown one)."""
+        if role == "roles/compute.instanceAdmin.v1":
+            return INSTANCE_ADMIN
+        if role in ROLE_PERMISSIONS:
+            return ROLE_PERMISSIONS[role]
+        m = re.fullmatch(rf"projects/{re.escape(self.project)}/roles/([^/]+)", role)
+        r = self.roles.get(m[1]) if m else None
+        return set(r["includedPermissions"]) if r and not r.get("deleted") else set()
+
+    def may_on_instance(self, member: str, zone: str, name: str, permission: str) -> bool:
+        """Whether ``member`` holds ``permission`` on instance ``zone/name`` (its
+        instance-level policy: the only place hypercli binds a node's account in Compute)."""
+        policy = self.instance_policies.get((zone, name)) or {}
+        return any(member in b.get("members", []) and
+                   permission in self.role_permissions(b.get("role", ""))
+                   for b in policy.get("bindings", []))
 
     def add_bucket(self, name: str, uniform: bool = True) -> None:
         """A bucket with an empty policy (``uniform``: uniform bucket-level access)."""
@@ -100,10 +140,30 @@ class IAMFake:
 
     def iam_route(self, method: str, path: str, query: dict, body):
         """The answer to an IAM or storage policy call, or None for another path."""
+        m = re.fullmatch(rf"/v1/projects/{re.escape(self.project)}/serviceAccounts/([^/:]+)"
+                         r"(/keys|:getIamPolicy)", path)
+        if m:
+            if m[1] not in self.service_accounts:
+                return self._status_error(404, "NOT_FOUND", "Unknown service account")
+            if m[2] == "/keys":
+                return 200, {"keys": list(self.sa_keys.get(m[1], []))}
+            return 200, dict(self.sa_policies.get(m[1]) or {}, etag="ACAB")
         m = re.fullmatch(rf"/v1/projects/{re.escape(self.project)}/serviceAccounts"
                          r"(?:/([^/]+))?", path)
         if m:
             return self._accounts(method, m[1], query, body)
+        m = re.fullmatch(rf"/v1/projects/{re.escape(self.project)}/roles(?:/([^/:]+))?"
+                         r"(:undelete)?", path)
+        if m:
+            return self._roles(method, m[1], m[2], query, body)
+        m = re.fullmatch(r"/storage/v1/b/([^/]+)/iam/testPermissions", path)
+        if m:
+            if m[1] not in self.buckets:
+                return self._status_error(404, "NOT_FOUND", "The specified bucket does not "
+                                          "exist.")
+            asked = query.get("permissions", "").split(",")
+            return 200, {"kind": "storage#testIamPermissionsResponse",
+                         "permissions": [x for x in asked if x and x not in self.deny]}
         m = re.fullmatch(rf"/compute/v1/projects/{re.escape(self.project)}/zones/([^/]+)/"
                          r"instances/([^/]+)/setIamPolicy", path)
         if m and method == "POST":
@@ -111,6 +171,10 @@ class IAMFake:
                 return self._denied("compute.instances.setIamPolicy", path)
             if m[2] not in self.instances.get(m[1], {}):
                 return self._status_error(404, "NOT_FOUND", f"instance {m[2]} not found")
+            for b in body["policy"].get("bindings", []):
+                if not self.role_permissions(b.get("role", "")):
+                    return self._status_error(400, "INVALID_ARGUMENT",
+                                              f"Role {b.get('role')} is not supported")
             self.instance_policies[(m[1], m[2])] = dict(body["policy"], etag="BwX=")
             return 200, self.instance_policies[(m[1], m[2])]
         m = re.fullmatch(r"/storage/v1/b/([^/]+)/iam", path)
@@ -120,6 +184,38 @@ class IAMFake:
             return 200, {"permissions": [x for x in body.get("permissions", [])
                                          if x not in self.deny]}
         return None
+
+    def _roles(self, method, rid, undelete, query, body):
+        base = f"projects/{self.project}/roles"
+        if rid is None and method == "POST":
+            if "iam.roles.create" in self.deny:
+                return self._denied("iam.roles.create", f"projects/{self.project}")
+            rid = body["roleId"]
+            if rid in self.roles:
+                return self._status_error(409, "ALREADY_EXISTS", f"Role {rid} already exists")
+            bad = [p for p in body["role"].get("includedPermissions", [])
+                   if not re.fullmatch(r"[a-z]+\.[a-zA-Z]+\.[a-zA-Z]+", p)]
+            if bad:
+                return self._status_error(400, "INVALID_ARGUMENT", f"bad permission {bad[0]}")
+            self.roles[rid] = dict(body["role"], name=f"{base}/{rid}", etag="BwA=",
+                                   deleted=False)
+            return 200, self.roles[rid]
+        if rid not in self.roles:
+            return self._status_error(404, "NOT_FOUND", f"Role {base}/{rid} not found")
+        role = self.roles[rid]
+        if method == "GET":
+            return 200, role
+        if "iam.roles.update" in self.deny:
+            return self._denied("iam.roles.update", f"{base}/{rid}")
+        if undelete and method == "POST":
+            role["deleted"] = False
+            return 200, role
+        if method == "PATCH":
+            for f in (query.get("updateMask") or "").split(","):
+                if f:
+                    role[f] = body[f]
+            return 200, role
+        return self._status_error(405, "METHOD_NOT_ALLOWED", method)
 
     def _accounts(self, method, email, query, body):
         res = f"projects/{self.project}/serviceAccounts/{email or ''}"
@@ -161,6 +257,8 @@ class IAMFake:
             if "iam.serviceAccounts.delete" in self.deny:
                 return self._denied("iam.serviceAccounts.delete", res)
             del self.service_accounts[email]
+            self.sa_keys.pop(email, None)
+            self.sa_policies.pop(email, None)
             for b in self.buckets.values():  # what IAM does to the bindings of a deleted one
                 for bd in b["policy"]["bindings"]:
                     bd["members"] = [f"deleted:{m}?uid=1" if m == f"serviceAccount:{email}"
@@ -225,3 +323,36 @@ class IAMFake:
                                     {"__builtins__": {}}, {"name": name, "lp": list_prefix}):
                 return True
         return False
+
+
+def storage_request(method: str, path: str, query: dict, body: bytes | None):
+    """(bucket, permission, object or None, list prefix or None) of a Cloud Storage JSON API
+    request as google-cloud-storage sends it (cloud.google.com/storage/docs/json_api: objects
+    get, list, insert (multipart or resumable: the name in the query or the body's metadata
+    part), delete, and bucket calls), or None for a path this does not know (refused)."""
+    import json as _json
+    from urllib.parse import unquote
+    m = re.fullmatch(r"/upload/storage/v1/b/([^/]+)/o", path)
+    if m and method == "POST":
+        name = query.get("name")
+        if not name and body:
+            found = re.search(rb'\{[^{}]*"name"[^{}]*\}', body)
+            name = _json.loads(found[0])["name"] if found else None
+        return (m[1], "storage.objects.create", name, None) if name else None
+    m = re.fullmatch(r"/(?:download/)?storage/v1/b/([^/]+)/o/(.+)", path)
+    if m:
+        perm = {"GET": "storage.objects.get", "DELETE": "storage.objects.delete",
+                "PATCH": "storage.objects.update", "PUT": "storage.objects.update"}.get(method)
+        return (m[1], perm, unquote(m[2]), None) if perm else None
+    m = re.fullmatch(r"/storage/v1/b/([^/]+)/o", path)
+    if m and method == "GET":
+        return m[1], "storage.objects.list", None, query.get("prefix", "")
+    m = re.fullmatch(r"/storage/v1/b/([^/]+)(/iam)?", path)
+    if m:
+        perm = {("DELETE", None): "storage.buckets.delete",
+                ("PATCH", None): "storage.buckets.update",
+                ("GET", None): "storage.buckets.get",
+                ("PUT", "/iam"): "storage.buckets.setIamPolicy",
+                ("GET", "/iam"): "storage.buckets.getIamPolicy"}.get((method, m[2]))
+        return (m[1], perm, None, None) if perm else None
+    return None

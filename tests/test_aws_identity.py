@@ -1,11 +1,15 @@
 """The storage identity of an aws cluster (hypercli/providers/aws.py, "Storage identity"):
-an IAM role and instance profile scoped to the recipe's buckets, IMDSv2 with one hop, and
-the node's boto3 reaching the role's credentials through the metadata service.
+an IAM role and instance profile scoped to the recipe's buckets and the cluster's live
+workflows, named with the cluster's identity tag, IMDSv2 with one hop, and the node's boto3
+reaching the role's credentials through the metadata service.
 
 moto enforces IAM policies when its authorisation checks are on, for an assumed role's
 credentials too; it cannot evaluate a trust policy whose principal is a service
 (``ec2.amazonaws.com``: moto fails on it), so the test that assumes the role first lets the
-test's admin user assume it. Everything else is the role as hypercli made it."""
+test's admin user assume it. Its S3 checks do not evaluate conditions (``s3:prefix``,
+``s3:ResourceAccount``): tests/awsiam.py completes them with AWS's evaluation rules, and the
+attacks below are made with the role's credentials against that. Everything else is the role
+as hypercli made it."""
 
 from __future__ import annotations
 
@@ -17,15 +21,18 @@ moto = pytest.importorskip("moto")
 
 from moto.core import set_initial_no_auth_action_count  # noqa: E402
 
+from awsiam import enforced  # noqa: E402
 from imds import IMDS  # noqa: E402
 from test_aws import REGION, fake_credentials, instance, launch, spec  # noqa: E402,F401
 
-from hypercli.providers.aws import AWSAPI, storage_policy  # noqa: E402
-from hypercli.providers.cloud import CredentialsError  # noqa: E402
+from hypercli.providers.aws import AWSAPI, role_name, storage_policy  # noqa: E402
+from hypercli.providers.cloud import CloudSpec, CredentialsError, IdentityConflict  # noqa: E402,E501
 from hypercli.providers.cloud_provider import remove_all  # noqa: E402
 from hypercli.recipe.access import Grant  # noqa: E402
 
 GRANTS = (Grant("s3", "dsets", "imagenet"), Grant("s3", "outs", "runs", True))
+ACCOUNT = "123456789012"  # moto's
+ROLE = role_name(spec("ami-x"))  # cluster c1 of an API used on its own: tag of its name
 ADMIN = {"Version": "2012-10-17",
          "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}
 
@@ -53,36 +60,50 @@ def test_role_policy_profile_and_locked_metadata(ec2, image):
     vms, errors = launch(api, spec(image, grants=GRANTS))
     assert errors == {} and len(vms) == 2
     iam = boto3.client("iam", region_name=REGION)
-    role = iam.get_role(RoleName="hyper-c1")["Role"]
+    assert ROLE.startswith("hyper-c1-") and len(ROLE) == len("hyper-c1-") + 8
+    role = iam.get_role(RoleName=ROLE)["Role"]
     assert role["Path"] == "/hyper/c1/"
     trust = role["AssumeRolePolicyDocument"]
     trust = json.loads(trust) if isinstance(trust, str) else trust
     assert trust["Statement"][0]["Principal"] == {"Service": "ec2.amazonaws.com"}
-    policy = iam.get_role_policy(RoleName="hyper-c1", PolicyName="hyper-storage")
+    policy = iam.get_role_policy(RoleName=ROLE, PolicyName="hyper-storage")
     doc = policy["PolicyDocument"]
     doc = json.loads(doc) if isinstance(doc, str) else doc
-    assert doc == storage_policy(GRANTS)
+    assert doc == storage_policy(GRANTS, ACCOUNT)
     by_sid = {s["Sid"]: s for s in doc["Statement"]}
     assert by_sid["Read0"]["Resource"] == "arn:aws:s3:::dsets/imagenet/*"
-    assert by_sid["Read0"]["Action"] == ["s3:GetObject"]
+    assert by_sid["Read0"]["Action"] == ["s3:GetObject"] and "Condition" not in by_sid["Read0"]
     assert by_sid["ReadWrite1"]["Resource"] == "arn:aws:s3:::outs/runs/*"
     assert "s3:PutObject" in by_sid["ReadWrite1"]["Action"]
-    assert by_sid["List"]["Resource"] == ["arn:aws:s3:::dsets", "arn:aws:s3:::outs"]
-    [prof] = iam.get_instance_profile(InstanceProfileName="hyper-c1")["InstanceProfile"][
-        "Roles"]
-    assert prof["RoleName"] == "hyper-c1"
+    assert by_sid["ReadWrite1"]["Condition"] == {
+        "StringEquals": {"s3:ResourceAccount": ACCOUNT}}  # outputs go to our buckets only
+    assert by_sid["List0"] == {"Sid": "List0", "Effect": "Allow", "Action": "s3:ListBucket",
+                               "Resource": "arn:aws:s3:::dsets", "Condition": {
+                                   "StringLike": {"s3:prefix": ["imagenet/*"]}}}
+    assert by_sid["List1"]["Condition"] == {"StringLike": {"s3:prefix": ["runs/*"]},
+                                            "StringEquals": {"s3:ResourceAccount": ACCOUNT}}
+    tags = {t["Key"]: t["Value"] for t in iam.list_role_tags(RoleName=ROLE)["Tags"]}
+    assert tags["hyper:cluster"] == "c1" and tags["hyper:cluster-id"] == ROLE[-8:]
+    assert iam.list_attached_role_policies(RoleName=ROLE)["AttachedPolicies"] == []
+    [prof] = iam.get_instance_profile(InstanceProfileName=ROLE)["InstanceProfile"]["Roles"]
+    assert prof["RoleName"] == ROLE
     for vm in vms:
         inst = instance(ec2, vm.id)
-        assert inst["IamInstanceProfile"]["Arn"].endswith("/hyper-c1")
+        assert inst["IamInstanceProfile"]["Arn"].endswith(f"/{ROLE}")
         opts = inst["MetadataOptions"]
         assert (opts["HttpTokens"], opts["HttpPutResponseHopLimit"]) == ("required", 1)
     # a later recipe on the cluster needs more: the policy grows, nothing is duplicated
     more = GRANTS + (Grant("s3", "dsets", "coco"),)
-    assert api.identity(spec(image, grants=more)) == {"instance_profile": "hyper-c1"}
-    doc = iam.get_role_policy(RoleName="hyper-c1", PolicyName="hyper-storage")["PolicyDocument"]
+    assert api.identity(spec(image, grants=more)) == {"instance_profile": ROLE}
+    doc = iam.get_role_policy(RoleName=ROLE, PolicyName="hyper-storage")["PolicyDocument"]
     doc = json.loads(doc) if isinstance(doc, str) else doc
     assert "arn:aws:s3:::dsets/coco/*" in [s["Resource"] for s in doc["Statement"]]
-    assert iam_names(iam) == (["hyper-c1"], ["hyper-c1"])
+    assert iam_names(iam) == ([ROLE], [ROLE])
+    # exactly what is asked: a grant left out is taken away
+    api.identity(spec(image, grants=GRANTS[:1]))
+    doc = iam.get_role_policy(RoleName=ROLE, PolicyName="hyper-storage")["PolicyDocument"]
+    doc = json.loads(doc) if isinstance(doc, str) else doc
+    assert doc == storage_policy(GRANTS[:1], ACCOUNT)
 
 
 def test_no_bucket_no_role_and_a_named_profile_is_used_as_is(ec2, image):
@@ -98,6 +119,17 @@ def test_no_bucket_no_role_and_a_named_profile_is_used_as_is(ec2, image):
     assert iam_names(iam) == ([], ["mine"])  # nothing made
 
 
+def test_instances_up_before_the_role_existed_are_given_its_profile(ec2, image):
+    """A cluster brought up by a recipe with no s3:// bucket, then run with one
+    (``hyper run --cluster``): its running instances get the new instance profile."""
+    api = AWSAPI(REGION)
+    vms, _ = launch(api, spec(image))
+    assert all("IamInstanceProfile" not in instance(ec2, v.id) for v in vms)
+    assert api.identity(spec(image, grants=GRANTS)) == {"instance_profile": ROLE}
+    assert all(instance(ec2, v.id)["IamInstanceProfile"]["Arn"].endswith(f"/{ROLE}")
+               for v in vms)
+
+
 def test_down_and_gc_remove_roles_profiles_and_policies(ec2, image):
     api = AWSAPI(REGION)
     iam = boto3.client("iam", region_name=REGION)
@@ -105,8 +137,9 @@ def test_down_and_gc_remove_roles_profiles_and_policies(ec2, image):
     launch(api, spec(image, cluster="c2", grants=GRANTS), nodes=("c2-0",))
     iam.create_role(RoleName="users-own", AssumeRolePolicyDocument=json.dumps(ADMIN))
     removed = remove_all(api, "c1", timeout=60)
-    assert {"instance_profile hyper-c1", "role hyper-c1"} <= set(removed)
-    assert iam_names(iam) == (["hyper-c2", "users-own"], ["hyper-c2"])
+    assert {f"instance_profile {ROLE}", f"role {ROLE}"} <= set(removed)
+    c2 = role_name(spec(image, cluster="c2"))
+    assert iam_names(iam) == ([c2, "users-own"], [c2])
     remove_all(api, None, keep=set(), timeout=60)  # gc: no live cluster
     assert iam_names(iam) == (["users-own"], [])  # never what hypercli did not make
 
@@ -146,11 +179,19 @@ def _node(argv: list[str], capsys) -> tuple[int, str]:
     return code, capsys.readouterr().err
 
 
+#: a cluster whose storage is s3://outs/runs running workflow wf-1 and mounting the outputs of
+#: an earlier run, wf-0's task t-3 (what hypercli.cluster.with_granted gives it)
+NODE_GRANTS = (Grant("s3", "dsets", "imagenet"), Grant("s3", "outs", "runs", True, True),
+               Grant("s3", "outs", "runs/wf-1", True), Grant("s3", "outs", "runs/wf-0/t-3"))
+
+
 def test_a_node_reads_its_dataset_and_writes_its_outputs_with_the_roles_credentials(
         tmp_path, monkeypatch, capsys):
-    """moto with authorisation on after the first requests; the role hypercli made, assumed
-    (its trust widened to the test's admin, module docstring); its credentials served by an
-    IMDSv2 stand-in on loopback, the only credentials the node-side commands have.
+    """moto with authorisation on after the first requests (conditions evaluated as AWS
+    does, tests/awsiam.py); the role hypercli made, assumed (its trust widened to the test's
+    admin, module docstring); its credentials served by an IMDSv2 stand-in on loopback, the
+    only credentials the node-side commands have. What a task on the node could try with
+    them: each refused, the node's own work allowed.
 
     In process: moto's server checks the signatures of S3 requests whose query holds a
     ``/`` (a listing prefix) wrongly, so the node-side commands run here, against moto's
@@ -171,38 +212,77 @@ def test_a_node_reads_its_dataset_and_writes_its_outputs_with_the_roles_credenti
             s3.create_bucket(Bucket=b)
         for k in ("imagenet/train/a.jpg", "other/b.jpg"):
             s3.put_object(Bucket="dsets", Key=k, Body=k.encode())
+        for k in ("runs/wf-0/t-3/manifest.json", "runs/wf-0/.checkpoints/t-3/gen-1",
+                  "runs/wf-2/t-0/manifest.json"):
+            s3.put_object(Bucket="outs", Key=k, Body=b"theirs")
         api = AWSAPI(REGION, session=admin)
-        assert api.identity(spec("ami-x", grants=GRANTS)) == {"instance_profile": "hyper-c1"}
+        assert api.identity(spec("ami-x", grants=NODE_GRANTS)) == {"instance_profile": ROLE}
         iam, sts = admin.client("iam"), admin.client("sts")
-        iam.update_assume_role_policy(RoleName="hyper-c1", PolicyDocument=json.dumps({
+        iam.update_assume_role_policy(RoleName=ROLE, PolicyDocument=json.dumps({
             "Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Principal": {
                 "AWS": sts.get_caller_identity()["Arn"]}, "Action": "sts:AssumeRole"}]}))
-        creds = sts.assume_role(RoleArn=iam.get_role(RoleName="hyper-c1")["Role"]["Arn"],
+        creds = sts.assume_role(RoleArn=iam.get_role(RoleName=ROLE)["Role"]["Arn"],
                                 RoleSessionName="node-0")["Credentials"]
         out = tmp_path / "out"
         out.mkdir()
         (out / "result.txt").write_text("42\n")
-        with IMDS("hyper-c1", creds) as imds:
+        with IMDS(ROLE, creds) as imds, enforced():
             for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
                       "AWS_EC2_METADATA_DISABLED"):
                 monkeypatch.delenv(k, raising=False)
             monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", imds.endpoint)
             assert boto3.Session().get_credentials().method == "iam-role"
+            # its own workflow's prefix: a push (which asks whether objects exist first)
             code, err = _node(["push-output", str(out), "s3://outs/runs/wf-1/t-0"], capsys)
             assert code == 0, err
             assert s3.get_object(Bucket="outs", Key="runs/wf-1/t-0/manifest.json")
-            code, err = _node(["push-output", str(out), "s3://outs/elsewhere/t-0"], capsys)
-            assert code != 0 and "AccessDenied" in err
             from hypercli.mount.store import StoreError, open_store
+            mine = open_store("s3://outs/runs/wf-1")
+            assert mine.exists("t-0/manifest.json")
+            assert not mine.exists("t-9/manifest.json")  # 403 without a bucket listing
+            assert [k for k, _ in mine.list("t-0/")] and not list(mine.list("t-9/"))
+            # another workflow's prefix, or anywhere else: refused
+            for url in ("s3://outs/runs/wf-2/t-0", "s3://outs/elsewhere/t-0"):
+                code, err = _node(["push-output", str(out), url], capsys)
+                assert code != 0 and "AccessDenied" in err, url
+            # the earlier run's outputs it mounts: read, never written or deleted
+            assert open_store("s3://outs/runs/wf-0/t-3").get("manifest.json") == b"theirs"
+            node = boto3.Session().client("s3", region_name=REGION)  # the role's (stand-in)
+            attacks = {
+                "overwrite an earlier run's output": lambda: node.put_object(
+                    Bucket="outs", Key="runs/wf-0/t-3/manifest.json", Body=b"mine"),
+                "delete an earlier run's checkpoint": lambda: node.delete_object(
+                    Bucket="outs", Key="runs/wf-0/.checkpoints/t-3/gen-1"),
+                "read another workflow's output": lambda: node.get_object(
+                    Bucket="outs", Key="runs/wf-2/t-0/manifest.json"),
+                "list the storage prefix": lambda: node.list_objects_v2(
+                    Bucket="outs", Prefix="runs/"),
+                "list the whole bucket": lambda: node.list_objects_v2(Bucket="outs"),
+                "list a dataset's bucket": lambda: node.list_objects_v2(
+                    Bucket="dsets", Prefix="other/"),
+                "read outside the dataset": lambda: node.get_object(
+                    Bucket="dsets", Key="other/b.jpg"),
+                "write into the dataset": lambda: node.put_object(
+                    Bucket="dsets", Key="imagenet/x", Body=b""),
+                "delete the bucket": lambda: node.delete_bucket(Bucket="outs"),
+            }
+            for what, call in attacks.items():
+                with pytest.raises(Exception, match="AccessDenied"):
+                    call()
+                    pytest.fail(what)
             assert open_store("s3://dsets/imagenet").get("train/a.jpg") == \
                 b"imagenet/train/a.jpg"  # the node-side store reads the dataset
             with pytest.raises(StoreError, match="AccessDenied"):
                 open_store("s3://dsets/other").get("b.jpg")
-            node = boto3.Session().client("s3", region_name=REGION)  # the role's (stand-in)
-            for call in (lambda: node.get_object(Bucket="dsets", Key="other/b.jpg"),
-                         lambda: node.put_object(Bucket="dsets", Key="imagenet/x", Body=b"")):
-                with pytest.raises(Exception, match="AccessDenied"):
-                    call()
+            assert [k for k, _ in open_store("s3://dsets/imagenet").list()] == ["train/a.jpg"]
+            # a bucket of that name in another account would receive nothing
+            iam.put_role_policy(RoleName=ROLE, PolicyName="hyper-storage", PolicyDocument=(
+                json.dumps(storage_policy(NODE_GRANTS, "999999999999"))))
+            with pytest.raises(Exception, match="AccessDenied"):
+                node.put_object(Bucket="outs", Key="runs/wf-1/t-0/x", Body=b"")
+            assert node.get_object(Bucket="dsets", Key="imagenet/train/a.jpg")  # reads still
+        for k in ("runs/wf-0/t-3/manifest.json", "runs/wf-0/.checkpoints/t-3/gen-1"):
+            assert s3.get_object(Bucket="outs", Key=k)["Body"].read() == b"theirs"
         return imds
     with moto.mock_aws():
         imds = run()
@@ -210,8 +290,13 @@ def test_a_node_reads_its_dataset_and_writes_its_outputs_with_the_roles_credenti
     assert imds.requests[0][:2] == ("PUT", "/latest/api/token")
     gets = [r for r in imds.requests if r[0] == "GET"]
     assert gets and all(valid for _, _, valid, _ in gets)
-    assert ("GET", "/latest/meta-data/iam/security-credentials/hyper-c1", True, "127.0.0.1") \
+    assert ("GET", f"/latest/meta-data/iam/security-credentials/{ROLE}", True, "127.0.0.1") \
         in gets
+
+
+def _policy(iam, name) -> dict:
+    doc = iam.get_role_policy(RoleName=name, PolicyName="hyper-storage")["PolicyDocument"]
+    return json.loads(doc) if isinstance(doc, str) else doc
 
 
 def test_a_later_recipe_on_an_up_cluster_widens_its_role(ec2, hyper_home):
@@ -228,16 +313,92 @@ def test_a_later_recipe_on_an_up_cluster_widens_its_role(ec2, hyper_home):
                                     "grants": [g.as_dict() for g in GRANTS]})
     provider = CloudProvider("aws", options=first.options, api=AWSAPI(REGION))
     provider.grant(first)
+    name = role_name(CloudSpec(cluster="c1", cluster_id=state.cluster_uid("c1")))
     later = ClusterSpec("c1", "aws", 1, {"region": REGION},
                         grants=(Grant("s3", "dsets", "coco"),))
     C.grant(state, later, provider)
     iam = boto3.client("iam", region_name=REGION)
-    doc = iam.get_role_policy(RoleName="hyper-c1", PolicyName="hyper-storage")["PolicyDocument"]
-    doc = json.loads(doc) if isinstance(doc, str) else doc
-    assert doc == storage_policy(GRANTS + later.grants)
+    assert _policy(iam, name) == storage_policy(GRANTS + later.grants, ACCOUNT)
     assert set(grants_from(state.cluster("c1")["spec"]["grants"])) == set(GRANTS + later.grants)
     calls = []
     provider.grant = lambda spec: calls.append(spec)  # covered already: nothing asked
     C.grant(state, ClusterSpec("c1", "aws", 1, {}, grants=(Grant("s3", "dsets", "imagenet"),)),
             provider)
     assert calls == []
+
+
+def test_each_workflow_writes_only_its_own_prefix_from_its_start(ec2, hyper_home, tmp_path):
+    """Two workflows, one after the other, on one cluster whose storage is s3://outs/runs:
+    each start sets the role to the live workflows' prefixes, so the second may write
+    runs/<its id>/ and no longer the first's; both live at once: both."""
+    from hypercli import cluster as C
+    from hypercli import workflows as W
+    from hypercli.providers.cloud_provider import CloudProvider
+    from hypercli.state import State
+    path = tmp_path / "r.yaml"
+    path.write_text("name: r\nstorage: s3://outs/runs\ncluster: {provider: aws, "
+                    "region: us-east-1}\nmounts: {/d: chunks+s3://dsets/imagenet}\n"
+                    "experiments: {a: {command: 'true'}}\n")
+    recipe, wf = W.load(str(path))
+    state = State()
+    provider = CloudProvider("aws", options=recipe.cluster.options, api=AWSAPI(REGION))
+    base, spec0 = C.with_granted(state, recipe.cluster, None)
+    provider.grant(spec0)  # as `hyper up` leaves it: the dataset only, no workflow yet
+    state.put_cluster("r", "aws", {"options": recipe.cluster.options,
+                                   "grants": [g.as_dict() for g in base],
+                                   "given": [g.as_dict() for g in spec0.grants]})
+    name = role_name(CloudSpec(cluster="r", cluster_id=state.cluster_uid("r")))
+    iam = boto3.client("iam", region_name=REGION)
+    written = lambda: sorted(s["Resource"] for s in _policy(iam, name)["Statement"]  # noqa
+                             if "s3:PutObject" in s["Action"])
+    assert written() == []
+    one, _ = W.start_or_resume(state, recipe, wf, new=True)
+    C.grant(state, recipe.cluster, provider)
+    assert written() == [f"arn:aws:s3:::outs/runs/{one}/*"]
+    two, _ = W.start_or_resume(state, recipe, wf, new=True)
+    C.grant(state, recipe.cluster, provider)
+    assert written() == [f"arn:aws:s3:::outs/runs/{one}/*", f"arn:aws:s3:::outs/runs/{two}/*"]
+    state.set_workflow(one, status="succeeded")
+    three, _ = W.start_or_resume(state, recipe, wf, new=True)
+    C.grant(state, recipe.cluster, provider)
+    assert written() == [f"arn:aws:s3:::outs/runs/{two}/*", f"arn:aws:s3:::outs/runs/{three}/*"]
+    reads = [s["Resource"] for s in _policy(iam, name)["Statement"]
+             if s["Action"] == ["s3:GetObject"]]
+    assert reads == ["arn:aws:s3:::dsets/imagenet/*"]  # never the storage prefix as a whole
+
+
+def test_names_carry_the_cluster_id_and_a_squatted_role_is_refused(ec2, image):
+    """Cluster names equal after IAM's limit or but for case get roles of their own; a role
+    made in advance under the computed name (another trust policy, a managed policy) is
+    refused, exit 2, and nothing is launched."""
+    api = AWSAPI(REGION)
+    long = "ml-team-experiments-2026-" + "x" * 30
+    names = {role_name(spec(image, cluster=c, cluster_id=i)) for c, i in
+             ((long + "-gpu", "id-a"), (long + "-cpu", "id-b"), ("Team", "id-c"),
+              ("team", "id-d"))}
+    assert len({n.lower() for n in names}) == 4 and all(len(n) <= 64 for n in names)
+    for c, i in ((long + "-gpu", "id-a"), (long + "-cpu", "id-b"), ("Team", "id-c"),
+                 ("team", "id-d")):
+        api.identity(spec(image, cluster=c, cluster_id=i, grants=GRANTS))
+    iam = boto3.client("iam", region_name=REGION)
+    assert {n.lower() for n in iam_names(iam)[0]} == {n.lower() for n in names}
+    s = spec(image, cluster="c9", cluster_id="id-9", grants=GRANTS)
+    squat = role_name(s)
+    iam.create_role(RoleName=squat, Path="/hyper/c9/", AssumeRolePolicyDocument=json.dumps({
+        "Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Principal": {
+            "AWS": "arn:aws:iam::210987654321:root"}, "Action": "sts:AssumeRole"}]}),
+        Tags=[{"Key": "hyper:cluster", "Value": "c9"},
+              {"Key": "hyper:cluster-id", "Value": s.tag}])
+    with pytest.raises(IdentityConflict, match="trust policy") as e:
+        launch(api, s, nodes=("c9-0",))
+    assert e.value.exit_code == 2 and "cluster.iam_role" in e.value.hint
+    assert ec2.describe_instances()["Reservations"] == []
+    from hypercli.providers.aws import EC2_TRUST
+    iam.update_assume_role_policy(RoleName=squat, PolicyDocument=json.dumps(EC2_TRUST))
+    arn = iam.create_policy(PolicyName="everything",
+                            PolicyDocument=json.dumps(ADMIN))["Policy"]["Arn"]
+    iam.attach_role_policy(RoleName=squat, PolicyArn=arn)
+    with pytest.raises(IdentityConflict, match="everything"):
+        api.identity(s)
+    iam.detach_role_policy(RoleName=squat, PolicyArn=arn)
+    assert api.identity(s) == {"instance_profile": squat}  # as hypercli leaves it: its own

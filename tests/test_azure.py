@@ -76,8 +76,8 @@ def launch(a, s, nodes=("c1-0", "c1-1")):
 
 
 def vm_puts(fake) -> list[tuple[str, dict]]:
-    return [(p, b) for m, p, b in fake.requests
-            if m == "PUT" and "/virtualMachines/" in p]
+    return [(p, b) for m, p, b in fake.requests if m == "PUT" and "/virtualMachines/" in p
+            and "/Microsoft.Authorization/" not in p]
 
 
 def kinds_in(fake, group: str) -> list[str]:
@@ -113,10 +113,17 @@ def test_spot_vms_in_their_resource_group(fake):
     assert body["tags"]["hyper:cluster"] == "c1" and body["tags"]["hyper:node"] == "c1-0"
     assert body["tags"]["hyper:owner"]
     assert body["identity"] == {"type": "SystemAssigned"}
-    # the idle watchdog may delete its own VM: role on the group for each VM's identity
+    # the idle watchdog may delete its own VM: a custom role of read and delete, on that VM
+    # only, for that VM's own identity
     assert len(fake.role_assignments) == 2
-    ra = fake.role_assignments[0]["properties"]
-    assert ra["roleDefinitionId"].endswith("9980e02c-c2be-4d73-94e8-173b1dc7cf3c")
+    for vm in ("c1-0", "c1-1"):
+        [ra] = [a["properties"] for a in fake.assignments.values()
+                if a["properties"]["scope"].endswith(f"/virtualMachines/{vm}")]
+        assert ra["principalId"] == fake.vm("hyper-c1", vm)["identity"]["principalId"]
+        assert fake.role(ra["roleDefinitionId"].rsplit("/", 1)[1]) == (
+            {"Microsoft.Compute/virtualMachines/read",
+             "Microsoft.Compute/virtualMachines/delete"}, set())
+    assert fake.groups["hyper-c1"]["tags"]["hyper:cluster-id"] == spec().tag
     assert fake.groups["hyper-c1"]["tags"]["hyper:cluster"] == "c1"
     assert kinds_in(fake, "hyper-c1") == ["disks"] * 2 + ["networkInterfaces"] * 2 + [
         "networkSecurityGroups"] + ["publicIPAddresses"] * 2 + ["virtualMachines"] * 2 + [
@@ -382,36 +389,46 @@ def test_teardown_deletes_the_group_and_gc_finds_other_clusters(fake):
     assert fake.groups == {} and fake.res == {}
 
 
-# -- the storage identity: a managed identity with blob roles on the recipe's containers only --
+# -- identities: each VM's own (self-deletion), the cluster's storage identity (containers) --
+import json  # noqa: E402
+import urllib.error  # noqa: E402
+import urllib.request  # noqa: E402
+
+from hypercli.providers.azure import identity_name  # noqa: E402
+from hypercli.providers.cloud import IdentityConflict  # noqa: E402
 from hypercli.recipe.access import Grant  # noqa: E402
 
-READER, CONTRIBUTOR = "2a2b9908-6ea1-4ae2-8e65-a410df84e7d1", "ba92f5b4-2d11-453d-a403-e96b0029c9fe"
-GRANTS = (Grant("az", "acct/data", "datasets/coco"), Grant("az", "acct/out", "runs", write=True))
+GRANTS = (Grant("az", "acct/data", "datasets/coco"),
+          Grant("az", "acct/out", "runs/wf1", write=True))
 MSI = ("/subscriptions/sub-1/resourceGroups/hyper-c1/providers/"
-       "Microsoft.ManagedIdentity/userAssignedIdentities/hyper-c1-storage")
+       f"Microsoft.ManagedIdentity/userAssignedIdentities/{identity_name(spec())}")
+BLOB = "Microsoft.Storage/storageAccounts/blobServices/containers/blobs"
 
 
 def principal(fake, rid=MSI) -> str:
     return fake.res[rid.lower()]["properties"]["principalId"]
 
 
-def storage_assignments(fake) -> dict[str, tuple[str, bool]]:
-    """container scope tail → (role id, has a condition)."""
+def storage_assignments(fake) -> dict[str, tuple[tuple, bool]]:
+    """container scope tail → ((actions, data actions) of its role, has a condition)."""
     return {a["properties"]["scope"].split("/containers/")[1]:
-            (a["properties"]["roleDefinitionId"].rsplit("/", 1)[1],
+            (fake.role(a["properties"]["roleDefinitionId"].rsplit("/", 1)[1]),
              bool(a["properties"].get("condition")))
             for a in fake.assignments.values() if "/containers/" in a["properties"]["scope"]}
 
 
-def test_nodes_carry_a_cluster_identity_with_blob_roles_on_exactly_the_recipe_prefixes(fake):
+def test_nodes_carry_their_own_identity_and_the_clusters_storage_identity(fake):
     acct = fake.add_account("acct")
     fake.add_account("other")
     vms, errors = launch(api(), spec(grants=GRANTS))
     assert errors == {} and len(vms) == 2
     for _, body in vm_puts(fake):
-        assert body["identity"] == {"type": "UserAssigned",
+        assert body["identity"] == {"type": "SystemAssigned, UserAssigned",
                                     "userAssignedIdentities": {MSI: {}}}
-    assert storage_assignments(fake) == {"data": (READER, True), "out": (CONTRIBUTOR, True)}
+    read = (set(), {f"{BLOB}/read"})
+    write = (set(), {f"{BLOB}/{a}" for a in ("read", "write", "add/action", "delete")})
+    # custom roles: blob data only, no container right (delete it, make it public)
+    assert storage_assignments(fake) == {"data": (read, True), "out": (write, True)}
     for a in fake.assignments.values():
         if "/containers/" in a["properties"]["scope"]:
             assert a["properties"]["scope"].startswith(acct + "/blobServices/default/")
@@ -425,33 +442,49 @@ def test_nodes_carry_a_cluster_identity_with_blob_roles_on_exactly_the_recipe_pr
     assert may(pid, "acct", "data", "read", list_prefix="datasets/coco/")
     assert not may(pid, "acct", "data", "read", list_prefix="")
     assert may(pid, "acct", "out", "write", "runs/wf1/t1/out.txt")
-    assert may(pid, "acct", "out", "read", "runs/wf0/t3/out.txt")  # earlier experiments
+    assert not may(pid, "acct", "out", "read", "runs/wf0/t3/out.txt")  # another workflow
     assert not may(pid, "acct", "out", "write", "elsewhere/x")
     assert not may(pid, "other", "data", "read", "datasets/coco/x")
-    # the watchdog may still delete its idle VM: VM Contributor on the group, same identity
-    [group_ra] = [a for a in fake.assignments.values()
-                  if a["properties"]["scope"].endswith("/resourceGroups/hyper-c1")]
-    assert group_ra["properties"]["principalId"] == pid
-    assert group_ra["properties"]["roleDefinitionId"].endswith(
-        "9980e02c-c2be-4d73-94e8-173b1dc7cf3c")
+    container = f"{acct}/blobServices/default/containers/out"
+    for action in ("delete", "write"):
+        assert not fake.may(pid, f"Microsoft.Storage/storageAccounts/blobServices/containers/"
+                                 f"{action}", container)
+    # the storage identity has no other right: nothing on the group, no VM
+    assert {a["properties"]["scope"].split("/")[-2] for a in fake.assignments.values()
+            if a["properties"]["principalId"] == pid} == {"containers"}
+    # its client id reaches the nodes' SDK
+    prepared = api().prepare(spec(grants=GRANTS), KEY)
+    assert prepared["node_env"] == {
+        "AZURE_CLIENT_ID": fake.res[MSI.lower()]["properties"]["clientId"]}
 
 
-def test_identity_is_idempotent_and_a_later_recipe_adds_only_what_it_needs(fake):
+def test_storage_assignments_are_exactly_the_grants(fake):
     fake.add_account("acct")
     a = api()
     launch(a, spec(grants=GRANTS))
     n = len(fake.assignments)
-    assert a.identity(spec(grants=GRANTS)) == {"identity": MSI}
+    assert a.identity(spec(grants=GRANTS))["identity"] == MSI
     assert len(fake.assignments) == n
-    a.identity(spec(grants=GRANTS + (Grant("az", "acct/data", "datasets/imagenet"),)))
-    assert len(fake.assignments) == n + 1
     pid = principal(fake)
+    theirs = (f"/subscriptions/sub-1/resourceGroups/data-rg/providers/Microsoft.Storage/"
+              f"storageAccounts/acct/providers/Microsoft.Authorization/roleAssignments/"
+              f"11111111-2222-3333-4444-555555555555")
+    fake.identity_handle("PUT", theirs, {}, {"properties": {
+        "roleDefinitionId": "/subscriptions/sub-1/providers/Microsoft.Authorization/"
+        "roleDefinitions/2a2b9908-6ea1-4ae2-8e65-a410df84e7d1", "principalId": pid}})
+    later = (GRANTS[0], Grant("az", "acct/data", "datasets/imagenet"),
+             Grant("az", "acct/out", "runs/wf2", write=True))
+    a.identity(spec(grants=later))
     assert fake.allowed(pid, "acct", "data", "read", "datasets/imagenet/x")
     assert fake.allowed(pid, "acct", "data", "read", "datasets/coco/x")  # kept
+    assert fake.allowed(pid, "acct", "out", "write", "runs/wf2/x")
+    assert not fake.allowed(pid, "acct", "out", "write", "runs/wf1/x")  # an ended workflow
+    assert theirs.lower() in fake.assignments  # never what hypercli did not make
 
 
 @pytest.mark.parametrize("permission", [
     "Microsoft.Authorization/roleAssignments/write",
+    "Microsoft.Authorization/roleDefinitions/write",
     "Microsoft.ManagedIdentity/userAssignedIdentities/write"])
 def test_a_caller_who_may_not_make_the_identity_is_stopped_before_any_vm(fake, permission):
     fake.add_account("acct")
@@ -475,8 +508,11 @@ def test_a_named_identity_is_used_as_is(fake):
     vms, errors = launch(a, spec(grants=GRANTS, identity=mine))
     assert errors == {} and len(vms) == 2
     assert [b["identity"]["userAssignedIdentities"] for _, b in vm_puts(fake)] == [{mine: {}}] * 2
-    assert fake.assignments == {}
+    assert [a["properties"]["scope"].rsplit("/", 2)[-2] for a in fake.assignments.values()] \
+        == ["virtualMachines"] * 2  # only each VM's own self-deletion
     assert not [p for m, p, _ in fake.requests if "userAssignedIdentities/" in p and m == "PUT"]
+    assert a.identity(spec(identity=mine))["node_env"] == {
+        "AZURE_CLIENT_ID": fake.res[mine.lower()]["properties"]["clientId"]}
 
 
 def test_an_unknown_storage_account_is_a_usage_error(fake):
@@ -485,16 +521,145 @@ def test_an_unknown_storage_account_is_a_usage_error(fake):
     assert vm_puts(fake) == []
 
 
-def test_down_removes_the_identity_and_its_role_assignments(fake):
+def test_down_removes_the_identity_and_the_role_assignments_hypercli_made(fake):
     fake.add_account("acct")
     a = api()
     launch(a, spec(grants=GRANTS))
     launch(a, spec(cluster="c2", grants=GRANTS[:1]), nodes=("c2-0",))
     assert "identity" in [r.kind for r in a.resources("c1")]
-    pid, other = principal(fake), principal(fake, MSI.replace("c1", "c2"))
+    pid = principal(fake)
+    other = principal(fake, f"/subscriptions/sub-1/resourceGroups/hyper-c2/providers/"
+                            f"Microsoft.ManagedIdentity/userAssignedIdentities/"
+                            f"{identity_name(spec(cluster='c2'))}")
+    vm_principals = {fake.vm("hyper-c1", n)["identity"]["principalId"] for n in ("c1-0", "c1-1")}
     remove_all(a, "c1")
-    assert not [x for x in fake.assignments.values() if x["properties"]["principalId"] == pid]
+    assert not [x for x in fake.assignments.values()
+                if x["properties"]["principalId"] in vm_principals | {pid}]
     assert fake.allowed(other, "acct", "data", "read", "datasets/coco/x")
     assert MSI.lower() not in fake.res
     remove_all(a, None)
     assert fake.assignments == {}
+
+
+def _put_group(fake, name: str, tags: dict) -> None:
+    fake.groups[name.lower()] = {"id": f"/subscriptions/sub-1/resourceGroups/{name}",
+                                 "name": name, "type": "Microsoft.Resources/resourceGroups",
+                                 "location": "eastus", "tags": dict(tags),
+                                 "properties": {"provisioningState": "Succeeded"}}
+
+
+def test_a_group_hypercli_did_not_make_is_refused_unless_adopted_and_never_deleted(fake):
+    """A shared resource_group: hyper up refuses it (exit 2) and changes nothing; with
+    adopt_group it is used as it is, its tags untouched; down removes what hypercli made in it
+    and nothing else: not the group, not its other resources or role assignments."""
+    fake.add_account("acct")
+    _put_group(fake, "team-rg", {"owner": "ml-team"})
+    a = api()
+    with pytest.raises(UsageError, match="team-rg") as e:
+        launch(a, spec(resource_group="team-rg"))
+    assert e.value.exit_code == 2 and "adopt_group" in e.value.hint
+    assert fake.resources_in("team-rg") == [] and fake.groups["team-rg"]["tags"] == {
+        "owner": "ml-team"}
+    # someone's own network security group, and a group made for another cluster
+    fake.res[("/subscriptions/sub-1/resourceGroups/team-rg/providers/Microsoft.Network/"
+              "networkSecurityGroups/keep-me").lower()] = {
+        "id": "/subscriptions/sub-1/resourceGroups/team-rg/providers/Microsoft.Network/"
+              "networkSecurityGroups/keep-me", "name": "keep-me",
+        "type": "Microsoft.Network/networkSecurityGroups", "location": "eastus", "tags": {},
+        "properties": {"securityRules": [], "provisioningState": "Succeeded"}}
+    _put_group(fake, "hyper-c3", {"hyper:cluster": "c3", "hyper:cluster-id": "00000000"})
+    with pytest.raises(UsageError, match="cluster c3's"):
+        launch(a, spec(cluster="c4", resource_group="hyper-c3"))
+    vms, errors = launch(a, spec(resource_group="team-rg", adopt_group=True, grants=GRANTS))
+    assert errors == {} and len(vms) == 2
+    assert fake.groups["team-rg"]["tags"] == {"owner": "ml-team"}
+    assert {v.node for v in a.describe("c1")} == {"c1-0", "c1-1"}
+    held = a.resources("c1")
+    assert "resource_group" not in [r.kind for r in held]
+    remove_all(a, "c1")
+    assert "team-rg" in fake.groups
+    assert [r["name"] for r in fake.resources_in("team-rg")] == ["keep-me"]
+    assert not [x for x in fake.assignments.values()
+                if "/virtualMachines/" in x["properties"]["scope"]]
+
+
+def test_identity_names_never_collide_and_a_squatted_identity_is_refused(fake):
+    long = "ml-team-experiments-2026-" + "x" * 120
+    names = {identity_name(spec(cluster=c, cluster_id=i)) for c, i in
+             ((long + "-gpu", "a"), (long + "-cpu", "b"), ("Team", "c"), ("team", "d"))}
+    assert len({n.lower() for n in names}) == 4 and all(len(n) <= 128 for n in names)
+    fake.add_account("acct")
+    a = api()
+    a.prepare(spec(), KEY)
+    fake.identity_handle("PUT", MSI, {}, {"location": "eastus", "tags": {
+        "hyper:cluster": "c1", "hyper:cluster-id": spec().tag}})
+    fake.fics[MSI.lower()] = [{"name": "github-actions", "properties": {
+        "issuer": "https://token.actions.githubusercontent.com", "subject": "repo:x/y"}}]
+    with pytest.raises(IdentityConflict, match="federated") as e:
+        launch(a, spec(grants=GRANTS))
+    assert e.value.exit_code == 2 and vm_puts(fake) == []
+    fake.fics.clear()
+    fake.res[MSI.lower()]["tags"] = {"hyper:cluster": "someone-else"}
+    with pytest.raises(IdentityConflict, match="tags"):
+        a.identity(spec(grants=GRANTS))
+
+
+def _as_node(fake, token: str, method: str, path: str, body: dict | None = None) -> int:
+    """HTTP status of a Resource Manager call made with a node's token."""
+    import ssl
+    ctx = ssl.create_default_context(cafile=str(fake.ca))
+    sep = "&" if "?" in path else "?"
+    req = urllib.request.Request(f"{fake.url}{path}{sep}api-version=2023-03-01",
+                                 method=method, headers={"Authorization": f"Bearer {token}",
+                                                         "Content-Type": "application/json"},
+                                 data=json.dumps(body).encode() if body is not None else None)
+    try:
+        with urllib.request.urlopen(req, timeout=10, context=ctx) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_a_vms_own_token_deletes_its_own_vm_and_nothing_else(fake, monkeypatch):
+    """From the token a task on c1-0 can get from IMDS (its VM's own identity, no client
+    id): a sibling, another cluster's VM, a command on a sibling, its own tags (to survive
+    down), the storage account's keys: each refused; deleting itself, as the idle watchdog
+    does: allowed."""
+    fake.add_account("acct")
+    a = api()
+    launch(a, spec(grants=GRANTS))
+    launch(a, spec(cluster="c2"), nodes=("c2-0",))
+    me = fake.vm("hyper-c1", "c1-0")["identity"]["principalId"]
+    fake.principal_tokens["node-token"] = me
+    vms = "/subscriptions/sub-1/resourceGroups/{}/providers/Microsoft.Compute/virtualMachines"
+    refused = {
+        "delete a sibling": ("DELETE", f"{vms.format('hyper-c1')}/c1-1", None),
+        "delete another cluster's VM": ("DELETE", f"{vms.format('hyper-c2')}/c2-0", None),
+        "run a command on a sibling": ("POST", f"{vms.format('hyper-c1')}/c1-1/runCommand",
+                                       {"commandId": "RunShellScript"}),
+        "retag itself": ("PUT", f"{vms.format('hyper-c1')}/c1-0",
+                         {"location": "eastus", "tags": {}}),
+        "list the storage account's keys": (
+            "POST", "/subscriptions/sub-1/resourceGroups/data-rg/providers/"
+                    "Microsoft.Storage/storageAccounts/acct/listKeys", None),
+        "make a VM": ("PUT", f"{vms.format('hyper-c1')}/evil", {"location": "eastus"}),
+        "give itself a role": ("PUT", "/subscriptions/sub-1/providers/Microsoft.Authorization/"
+                               "roleAssignments/22222222-2222-2222-2222-222222222222",
+                               {"properties": {}}),
+    }
+    for what, (method, path, body) in refused.items():
+        assert _as_node(fake, "node-token", method, path, body) == 403, what
+    assert _as_node(fake, "node-token", "GET", f"{vms.format('hyper-c1')}/c1-0") == 200
+    assert {v.node for v in a.describe("c1")} == {"c1-0", "c1-1"}
+    from hypercli.node import watch
+    from tokenstandins import MetadataServer
+    md = MetadataServer("node-token", instance={
+        "subscriptionId": "sub-1", "resourceGroupName": "hyper-c1", "name": "c1-0"})
+    monkeypatch.setenv("SSL_CERT_FILE", str(fake.ca))
+    try:
+        assert watch.self_delete("azure", f"http://{md.host}", api=fake.url)
+    finally:
+        md.close()
+    fake.wait()
+    assert {v.node for v in a.describe("c1")} == {"c1-1"}
+    assert {v.node for v in a.describe("c2")} == {"c2-0"}

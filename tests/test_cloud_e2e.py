@@ -72,12 +72,15 @@ def test_up_run_spot_interruption_and_down_on_aws(aws, ssh_hosts, tmp_path, hype
         assert r.returncode == 0, r.stdout + r.stderr
         assert "cluster spotjob is up: 2 aws nodes" in r.stdout
         nodes = State().nodes("spotjob", status="up")
+        from hypercli.providers.aws import role_name
+        from hypercli.providers.cloud import CloudSpec
+        role = role_name(CloudSpec(cluster="spotjob", cluster_id=State().cluster_uid("spotjob")))
         assert {n["info"]["spot"] for n in nodes} == {True}
         assert all(n["provider_id"].startswith("i-") for n in nodes)
         for n in nodes:  # launched with the cluster's role and IMDSv2 only
             inst = aws.describe_instances(InstanceIds=[n["provider_id"]])["Reservations"][0][
                 "Instances"][0]
-            assert inst["IamInstanceProfile"]["Arn"].endswith("/hyper-spotjob")
+            assert inst["IamInstanceProfile"]["Arn"].endswith(f"/{role}")
             assert inst["MetadataOptions"]["HttpTokens"] == "required"
         # the host key was pinned before the first contact: no trust-on-first-use
         pinned = (hyper_home / "known_hosts" / "spotjob").read_text()

@@ -4,6 +4,7 @@ lazy SDK imports, and `hyper check` / `hyper gc` / `hyper up --dry-run` input er
 from __future__ import annotations
 
 import base64
+import gzip
 import stat
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import yaml
 from hypercli.providers import get_provider
 from hypercli.providers.cloud import CloudSpec, label_key, owner
 from hypercli.providers.cloud_provider import (
-    boot_document, cloud_spec, cluster_key, host_key, keys_dir, new_keypair)
+    block_script, boot_document, cloud_spec, cluster_key, host_key, keys_dir, new_keypair)
 from hypercli.recipe import parse_recipe
 
 
@@ -42,10 +43,116 @@ def test_boot_document_is_cloud_config_with_the_host_key_and_the_watcher(hyper_h
     files = {f["path"]: f for f in doc["write_files"]}
     assert files["/root/.ssh/authorized_keys"]["content"].strip() == public
     assert '"idle_minutes": 12' in files["/etc/hyper/node.json"]["content"]
-    watcher = base64.b64decode(files["/usr/local/lib/hyper/watch.py"]["content"])
+    assert files["/usr/local/lib/hyper/watch.py"]["encoding"] == "gz+b64"
+    watcher = gzip.decompress(base64.b64decode(files["/usr/local/lib/hyper/watch.py"]["content"]))
     compile(watcher, "watch.py", "exec")  # the real watcher, whole
     assert b"preemption_notice" in watcher
     assert ["systemctl", "enable", "--now", "hyper-watch.service"] in doc["runcmd"]
+    # containers never reach the metadata service: the rules, now and at every boot
+    assert files["/usr/local/lib/hyper/block-metadata.sh"]["content"] == block_script("aws")
+    assert doc["runcmd"][0] == ["sh", "/usr/local/lib/hyper/block-metadata.sh"]
+    assert ["systemctl", "enable", "hyper-block-metadata.service"] in doc["runcmd"]
+    assert "Before=docker.service podman.service" in \
+        files["/etc/systemd/system/hyper-block-metadata.service"]["content"]
+
+
+def test_a_gcp_node_makes_its_own_host_key_and_the_metadata_holds_no_private_key(hyper_home):
+    """GCP instance metadata is readable by anyone with compute.instances.get (and by the
+    node's containers, were they not kept away): the node makes its host key at first boot
+    and publishes only the public half in its guest attributes."""
+    _, public = cluster_key("c3")
+    text = boot_document(CloudSpec(cluster="c3"), "gcp", "c3-0", None, None, public)
+    assert "PRIVATE KEY" not in text and len(text.encode()) < 16 << 10
+    doc = yaml.safe_load(text)
+    assert "ssh_keys" not in doc
+    assert doc["ssh_genkeytypes"] == ["ed25519"] and doc["ssh_deletekeys"] is True
+    files = {f["path"]: f for f in doc["write_files"]}
+    publish = files["/usr/local/lib/hyper/publish-hostkey.sh"]["content"]
+    assert "guest-attributes/hostkeys/ssh-ed25519" in publish
+    assert publish.count("ssh_host_ed25519_key") == \
+        publish.count("/etc/ssh/ssh_host_ed25519_key.pub") == 1  # only the public half
+    assert doc["runcmd"][-1] == ["sh", "/usr/local/lib/hyper/publish-hostkey.sh"]
+    # Azure: the storage identity's client id for the node's SDK, and the WireServer dropped
+    text = boot_document(CloudSpec(cluster="c3"), "azure", "c3-0", *new_keypair("h"),
+                         public, env={"AZURE_CLIENT_ID": "msi-client-9"})
+    files = {f["path"]: f for f in yaml.safe_load(text)["write_files"]}
+    assert files["/etc/environment"] == {"path": "/etc/environment", "append": True,
+                                         "content": "AZURE_CLIENT_ID=msi-client-9\n"}
+    assert "168.63.129.16/32 -p tcp -m multiport --dports 80,32526" in \
+        files["/usr/local/lib/hyper/block-metadata.sh"]["content"]
+
+
+def _ns(name: str, *argv: str, check: bool = True, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(["nsenter", f"--net=/run/netns/{name}", *argv], check=check,
+                          capture_output=True, text=True, **kw)
+
+
+def test_containers_routed_through_a_node_cannot_reach_the_metadata_address(tmp_path):
+    """The boot document's rules (block_script) on a real kernel: three network namespaces,
+    a "container" routed through a "node" to a "metadata server" at 169.254.169.254, as a
+    container on a bridge network is. Before the rules both reach it; after them only the
+    node itself does; running them again (every boot) adds nothing."""
+    import os
+    import pytest
+    if os.geteuid() != 0 or subprocess.run(["which", "iptables"],
+                                           capture_output=True).returncode:
+        pytest.skip("needs root and iptables")
+    tag = f"{os.getpid() % 100000}"
+    md, node, ctr = (f"hmd{tag}", f"hnode{tag}", f"hctr{tag}")
+    server = None
+    try:
+        for n in (md, node, ctr):
+            subprocess.run(["ip", "netns", "add", n], check=True)
+        batch = [
+            f"link add hv{tag}a netns {node} type veth peer name hv{tag}b netns {md}",
+            f"link add hv{tag}c netns {node} type veth peer name hv{tag}d netns {ctr}"]
+        subprocess.run(["ip", "-batch", "-"], input="\n".join(batch), check=True, text=True)
+        for n, cmds in ((node, [f"addr add 10.250.1.1/30 dev hv{tag}a",
+                                f"addr add 10.250.0.1/30 dev hv{tag}c",
+                                f"link set hv{tag}a up", f"link set hv{tag}c up",
+                                "link set lo up",
+                                "route add 169.254.169.254/32 via 10.250.1.2"]),
+                        (md, [f"addr add 10.250.1.2/30 dev hv{tag}b",
+                              f"addr add 169.254.169.254/32 dev lo", f"link set hv{tag}b up",
+                              "link set lo up", "route add 10.250.0.0/30 via 10.250.1.1"]),
+                        (ctr, [f"addr add 10.250.0.2/30 dev hv{tag}d", f"link set hv{tag}d up",
+                               "link set lo up", "route add default via 10.250.0.1"])):
+            subprocess.run(["ip", "-n", n, "-batch", "-"], input="\n".join(cmds),
+                           check=True, text=True)
+        _ns(node, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+        server = subprocess.Popen(
+            ["nsenter", f"--net=/run/netns/{md}", sys.executable, "-c",
+             "import socket\ns = socket.socket(); s.setsockopt(socket.SOL_SOCKET, "
+             "socket.SO_REUSEADDR, 1)\ns.bind(('169.254.169.254', 80)); s.listen(16)\n"
+             "while True:\n    c, _ = s.accept(); c.sendall(b'metadata'); c.close()\n"])
+        probe = ("import socket, sys\ntry:\n    s = socket.create_connection("
+                 "('169.254.169.254', 80), timeout=1.5); print(s.recv(16).decode())\n"
+                 "except OSError as e:\n    print('refused', e)\n")
+
+        def reach(ns: str) -> str:
+            for _ in range(50):  # the server starts
+                out = _ns(ns, sys.executable, "-c", probe).stdout.strip()
+                if out == "metadata" or "timed out" in out:
+                    return out
+                import time
+                time.sleep(0.1)
+            return out
+        assert reach(ctr) == "metadata" and reach(node) == "metadata"
+        for _ in range(2):  # at first boot, and again at the next
+            r = _ns(node, "sh", "-c", block_script("gcp"))
+            assert r.returncode == 0, r.stderr
+        assert reach(node) == "metadata"
+        assert reach(ctr) != "metadata"
+        raw = _ns(node, "iptables", "-t", "raw", "-S", "PREROUTING").stdout
+        assert raw.count("169.254.169.254") == 1
+        user = _ns(node, "iptables", "-S", "DOCKER-USER").stdout
+        assert user.count("169.254.169.254") == 1
+    finally:
+        if server is not None:
+            server.kill()
+            server.wait()
+        for n in (md, node, ctr):
+            subprocess.run(["ip", "netns", "del", n], capture_output=True)
 
 
 def test_recipe_cluster_becomes_a_cloud_spec():
@@ -61,6 +168,23 @@ def test_recipe_cluster_becomes_a_cloud_spec():
     assert (cs.image, cs.variant) == (None, "gpu")  # "gpu": the baked GPU image
     assert cs.replace_preempted is False  # on-demand: nothing is preempted
     assert cloud_spec(r.cluster, count=1).count == 1
+
+
+def test_adopt_group_is_an_azure_key_that_reaches_the_cloud_spec():
+    from hypercli.recipe import RecipeError
+    import pytest
+    r = parse_recipe(yaml.safe_dump({"name": "n", "cluster": {
+        "provider": "azure", "region": "eastus", "resource_group": "team-rg",
+        "adopt_group": True}, "experiments": {"a": {"command": "true"}}}), path="r.yaml")
+    cs = cloud_spec(r.cluster)
+    assert (cs.resource_group, cs.adopt_group) == ("team-rg", True)
+    assert cloud_spec(parse_recipe(yaml.safe_dump({"name": "n", "cluster": {
+        "provider": "azure"}, "experiments": {"a": {"command": "true"}}}),
+        path="r.yaml").cluster).adopt_group is False
+    with pytest.raises(RecipeError, match="adopt_group.*azure"):
+        parse_recipe(yaml.safe_dump({"name": "n", "cluster": {
+            "provider": "aws", "adopt_group": True},
+            "experiments": {"a": {"command": "true"}}}), path="r.yaml")
 
 
 def test_tags_and_owner_fit_every_cloud():
@@ -101,3 +225,20 @@ def test_cloud_cluster_without_instance_type_is_a_clear_error(hyper, write_recip
     r = hyper("up", path)
     assert r.returncode == 2
     assert "needs cluster.instance_type" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_each_cluster_has_a_random_id_that_names_its_identities(hyper_home):
+    """State migration 8: an id per cluster name, made once, gone when the cluster is
+    forgotten; the identity tag of names that differ only in case or after 30 characters
+    differs because their ids do."""
+    from hypercli.providers.cloud import identity_tag
+    from hypercli.state import State
+    state = State()
+    long = "ml-team-experiments-2026-"
+    ids = {n: state.cluster_uid(n) for n in ("Team", "team", long + "gpu", long + "cpu")}
+    assert len(set(ids.values())) == 4 and all(len(i) == 32 for i in ids.values())
+    assert state.cluster_uid("Team") == ids["Team"]  # stable
+    assert len({identity_tag(n, i) for n, i in ids.items()}) == 4
+    state.put_cluster("Team", "aws", {}, "down")
+    state.forget_cluster("Team")
+    assert state.cluster_uid("Team") != ids["Team"]  # a new cluster of that name

@@ -18,7 +18,7 @@ from hypercli.errors import UsageError  # noqa: E402
 from hypercli.providers.cloud import (Boot, CapacityError, CloudError,  # noqa: E402
                                       CloudSpec, CredentialsError, QuotaError)
 from hypercli.providers.cloud_provider import remove_all  # noqa: E402
-from hypercli.providers.gcp import GCPAPI, gce_name, label_value  # noqa: E402
+from hypercli.providers.gcp import GCPAPI, account_id, gce_name, label_value  # noqa: E402
 
 IMAGE = "projects/proj/global/images/hyper-node-cpu-1-1"
 KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOMqqnkVzrm0SdG6UOoqKLsabgH5C9okWi0dh2l9GKJl hyper-c1"
@@ -46,6 +46,11 @@ def spec(**kw) -> CloudSpec:
                 image=IMAGE, ssh_cidr="203.0.113.0/24", disk_gb=30)
     base.update(kw)
     return CloudSpec(**base)
+
+
+def node_account(node: str, **kw) -> str:
+    """The e-mail of a node's own service account (cluster c1 unless ``cluster=``)."""
+    return f"{account_id(spec(**kw), node)}@proj.iam.gserviceaccount.com"
 
 
 def launch(api, s, nodes=("c1-0", "c1-1"), doc=CONFIG):
@@ -83,8 +88,12 @@ def test_spot_instances_carry_scheduling_labels_metadata_and_disk(fake, api):
     assert disk["initializeParams"]["labels"]["hyper-cluster"] == "c1"
     [nic] = body["networkInterfaces"]
     assert nic["accessConfigs"] == [{"name": "External NAT", "type": "ONE_TO_ONE_NAT"}]
-    [sa] = body["serviceAccounts"]  # the idle watchdog deletes its own instance with it
-    assert sa["email"] == "default" and sa["scopes"] == ["https://www.googleapis.com/auth/compute"]
+    # its own service account, never the project's default one, whatever the storage
+    [sa] = body["serviceAccounts"]
+    assert sa["email"] == node_account("c1-0") != "default"
+    assert sa["scopes"] == ["https://www.googleapis.com/auth/compute",
+                            "https://www.googleapis.com/auth/devstorage.read_write"]
+    assert meta["enable-guest-attributes"] == "TRUE"  # where the node publishes its host key
     assert fake.disks["us-central1-a"]["c1-0"]["sizeGb"] == "30"
 
 
@@ -347,7 +356,8 @@ def test_teardown_and_gc_leave_nothing(fake, api):
     held = api.resources("c1")
     assert sorted((r.kind, r.id) for r in held) == [
         ("disk", "c1-0"), ("disk", "c1-1"), ("firewall", "hyper-c1-internal"),
-        ("firewall", "hyper-c1-ssh"), ("instance", "c1-0"), ("instance", "c1-1")]
+        ("firewall", "hyper-c1-ssh"), ("instance", "c1-0"), ("instance", "c1-1"),
+        ("service_account", node_account("c1-0")), ("service_account", node_account("c1-1"))]
     assert [r.kind for r in held][:2] == ["instance", "instance"]  # deletion order
     removed = remove_all(api, "c1")
     assert {"instance c1-0", "instance c1-1", "firewall hyper-c1-ssh",
@@ -356,7 +366,7 @@ def test_teardown_and_gc_leave_nothing(fake, api):
     assert sorted(fake.firewalls) == ["hyper-other-internal", "hyper-other-ssh"]
     assert "c1-0" not in fake.disks["us-central1-a"]
     others = api.resources(None)
-    assert {r.cluster for r in others} == {"other"} and len(others) == 4
+    assert {r.cluster for r in others} == {"other"} and len(others) == 5
     assert api.delete([r for r in held if r.kind == "instance"]) == []  # already gone
     remove_all(api, None)
     assert api.resources(None) == [] and not fake.firewalls
@@ -367,12 +377,19 @@ def test_spot_price_is_not_in_the_compute_api(api):
     assert api.spot_price(spec()) == {}
 
 
-# -- the storage identity: a service account per cluster, bound on the recipe's buckets only --
+# -- identities: an account per node, bound on the recipe's buckets and its own instance only --
+import json  # noqa: E402
+import urllib.error  # noqa: E402
+import urllib.request  # noqa: E402
+
+from hypercli.providers.cloud import IdentityConflict  # noqa: E402
 from hypercli.recipe.access import Grant  # noqa: E402
 
-SA = "hyper-c1@proj.iam.gserviceaccount.com"
+SA = node_account("c1-0")
 MEMBER = f"serviceAccount:{SA}"
-GRANTS = (Grant("gs", "data", "datasets/coco"), Grant("gs", "out", "runs", write=True))
+MEMBERS = sorted(f"serviceAccount:{node_account(n)}" for n in ("c1-0", "c1-1"))
+GRANTS = (Grant("gs", "data", "datasets/coco"), Grant("gs", "out", "runs/wf1", write=True))
+SELF_DELETE = "projects/proj/roles/hyperNodeSelfDelete"
 
 
 def storage_fake(fake):
@@ -386,24 +403,26 @@ def policy_calls(fake) -> list[tuple[str, dict]]:
             if m == "PUT" and p.endswith("/iam")]
 
 
-def test_nodes_get_a_cluster_service_account_bound_on_exactly_the_recipe_prefixes(fake, api):
+def test_each_node_runs_as_its_own_account_bound_on_exactly_the_recipe_prefixes(fake, api):
     storage_fake(fake)
     vms, errors = launch(api, spec(grants=GRANTS))
     assert errors == {}
-    [(m, p, body)] = [r for r in fake.requests if r[0] == "POST"
-                      and r[1].endswith("/serviceAccounts")]
-    assert body["accountId"] == "hyper-c1"
-    assert body["serviceAccount"]["description"].startswith("hyper:cluster=c1 ")
-    for _, ins in inserts(fake):
-        assert ins["serviceAccounts"] == [{"email": SA, "scopes": [
+    made = [b for m, p, b in fake.requests if m == "POST" and p.endswith("/serviceAccounts")]
+    assert [b["accountId"] for b in made] == [account_id(spec(), "c1-0"),
+                                              account_id(spec(), "c1-1")]
+    assert made[0]["accountId"].startswith("hyper-c1-") and len(made[0]["accountId"]) <= 30
+    assert made[0]["serviceAccount"]["description"].startswith(
+        f"hyper:cluster=c1 hyper:cluster-id={spec().tag} hyper:node=c1-0 ")
+    for (_, ins), node in zip(inserts(fake), ("c1-0", "c1-1")):
+        assert ins["serviceAccounts"] == [{"email": node_account(node), "scopes": [
             "https://www.googleapis.com/auth/compute",
             "https://www.googleapis.com/auth/devstorage.read_write"]}]
     calls = policy_calls(fake)
     assert sorted(b for b, _ in calls) == ["data", "out"]  # never "other"
     assert all(p["version"] == 3 for _, p in calls)
     [read] = fake.buckets["data"]["policy"]["bindings"]
-    assert read["role"] == "roles/storage.objectViewer" and read["members"] == [MEMBER]
-    assert read["condition"]["title"] == "hyper-c1"
+    assert read["role"] == "roles/storage.objectViewer" and read["members"] == MEMBERS
+    assert read["condition"]["title"] == f"hyper-c1-{spec().tag}"
     [write] = fake.buckets["out"]["policy"]["bindings"]
     assert write["role"] == "roles/storage.objectUser"
     may = fake.allowed
@@ -414,29 +433,43 @@ def test_nodes_get_a_cluster_service_account_bound_on_exactly_the_recipe_prefixe
     assert may(MEMBER, "data", "storage.objects.list", list_prefix="datasets/coco/")
     assert not may(MEMBER, "data", "storage.objects.list", list_prefix="")
     assert may(MEMBER, "out", "storage.objects.create", "runs/wf1/t1/out.txt")
-    assert may(MEMBER, "out", "storage.objects.get", "runs/wf0/t3/out.txt")  # earlier pulls
-    assert not may(MEMBER, "out", "storage.objects.create", "elsewhere/x")
+    assert not may(MEMBER, "out", "storage.objects.create", "runs/wf0/t3/out.txt")
+    assert not may(MEMBER, "out", "storage.objects.get", "runs/wf0/t3/out.txt")
+    assert not may(MEMBER, "out", "storage.objects.list", list_prefix="runs/")
     assert fake.buckets["other"]["policy"]["bindings"] == []
-    # the idle watchdog may delete its own instance, and only that
-    assert sorted(fake.instance_policies) == [("us-central1-a", "c1-0"),
-                                              ("us-central1-a", "c1-1")]
-    assert fake.instance_policies[("us-central1-a", "c1-0")]["bindings"] == [
-        {"role": "roles/compute.instanceAdmin.v1", "members": [MEMBER]}]
+    # the idle watchdog may delete its own instance, and only that: a custom role with two
+    # permissions, each node's account bound on its own instance
+    assert fake.roles["hyperNodeSelfDelete"]["includedPermissions"] == [
+        "compute.instances.delete", "compute.instances.get"]
+    for node in ("c1-0", "c1-1"):
+        assert fake.instance_policies[("us-central1-a", node)]["bindings"] == [
+            {"role": SELF_DELETE, "members": [f"serviceAccount:{node_account(node)}"]}]
 
 
-def test_identity_is_idempotent_and_a_later_recipe_adds_only_what_it_needs(fake, api):
+def test_identity_is_idempotent_and_sets_exactly_what_is_asked(fake, api):
     storage_fake(fake)
-    api.identity(spec(grants=GRANTS))
+    fake.buckets["out"]["policy"]["bindings"].append(
+        {"role": "roles/storage.objectViewer", "members": ["user:me@example.com"]})
+    launch(api, spec(grants=GRANTS))
     n = len(fake.requests)
-    assert api.identity(spec(grants=GRANTS))["service_account"] == SA
-    assert [m for m, _, _ in fake.requests[n:]] == ["GET", "GET", "GET"]  # nothing written
-    more = GRANTS + (Grant("gs", "data", "datasets/imagenet"),)
-    api.identity(spec(grants=more))
-    assert [b for b, _ in policy_calls(fake)] == ["data", "out", "data"]
-    assert len(fake.buckets["data"]["policy"]["bindings"]) == 2
+    assert api.identity(spec(grants=GRANTS)) == {"own_accounts": True, "scopes": [
+        "https://www.googleapis.com/auth/compute",
+        "https://www.googleapis.com/auth/devstorage.read_write"]}
+    assert not [m for m, p, _ in fake.requests[n:] if m in ("PUT", "PATCH", "DELETE")
+                or (m == "POST" and not p.endswith(":testIamPermissions"))]  # nothing written
+    later = (GRANTS[0], Grant("gs", "data", "datasets/imagenet"),
+             Grant("gs", "out", "runs/wf2", write=True))
+    api.identity(spec(grants=later))
     assert fake.allowed(MEMBER, "data", "storage.objects.get", "datasets/imagenet/x")
     assert fake.allowed(MEMBER, "data", "storage.objects.get", "datasets/coco/x")  # kept
-    assert len(fake.service_accounts) == 1
+    assert fake.allowed(MEMBER, "out", "storage.objects.create", "runs/wf2/x")
+    assert not fake.allowed(MEMBER, "out", "storage.objects.create", "runs/wf1/x")  # ended
+    assert {"role": "roles/storage.objectViewer", "members": ["user:me@example.com"]} in \
+        fake.buckets["out"]["policy"]["bindings"]  # never what hypercli did not bind
+    api.identity(spec(grants=later[:2]))
+    assert [b for b in fake.buckets["out"]["policy"]["bindings"]
+            if set(b["members"]) & set(MEMBERS)] == []
+    assert len(fake.service_accounts) == 2
 
 
 @pytest.mark.parametrize("permission", ["iam.serviceAccounts.create",
@@ -448,7 +481,14 @@ def test_a_caller_who_may_not_make_the_identity_is_stopped_before_any_instance(
     with pytest.raises(CredentialsError) as e:
         launch(api, spec(grants=GRANTS))
     assert permission in str(e.value) and "cluster.service_account" in e.value.hint
-    assert inserts(fake) == [] and fake.firewalls == {}
+    assert inserts(fake) == [] and fake.firewalls == {} and fake.service_accounts == {}
+
+
+def test_a_caller_who_may_not_make_the_role_gets_nodes_that_power_off(fake, api, caplog):
+    fake.deny.add("iam.roles.create")
+    vms, errors = launch(api, spec())
+    assert errors == {} and len(vms) == 2
+    assert fake.instance_policies == {} and "power off" in caplog.text
 
 
 def test_a_named_service_account_is_used_as_is(fake, api):
@@ -459,16 +499,18 @@ def test_a_named_service_account_is_used_as_is(fake, api):
     assert errors == {} and len(vms) == 2
     assert [sa["email"] for _, b in inserts(fake) for sa in b["serviceAccounts"]] == [mine] * 2
     assert policy_calls(fake) == [] and list(fake.service_accounts) == [mine]
-    assert fake.instance_policies == {}
+    assert fake.instance_policies == {}  # one account for all: no node may delete others
 
 
-def test_no_bucket_no_service_account(fake, api):
+def test_without_gs_storage_nodes_still_run_as_their_own_account(fake, api):
     launch(api, spec(grants=(Grant("s3", "b", "p"),)))
-    assert fake.service_accounts == {}
-    assert inserts(fake)[0][1]["serviceAccounts"][0]["email"] == "default"
+    assert sorted(fake.service_accounts) == sorted([node_account("c1-0"),
+                                                    node_account("c1-1")])
+    assert [b["serviceAccounts"][0]["email"] for _, b in inserts(fake)] == [
+        node_account("c1-0"), node_account("c1-1")]
 
 
-def test_down_removes_the_service_account_and_its_bindings(fake, api):
+def test_down_removes_the_accounts_and_their_bindings(fake, api):
     storage_fake(fake)
     fake.buckets["out"]["policy"]["bindings"].append(
         {"role": "roles/storage.objectViewer", "members": ["user:me@example.com"]})
@@ -478,27 +520,163 @@ def test_down_removes_the_service_account_and_its_bindings(fake, api):
     removed = remove_all(api, "c1")
     assert f"service_account {SA}" in removed
     assert SA not in fake.service_accounts
-    assert "hyper-c2@proj.iam.gserviceaccount.com" in fake.service_accounts
+    other = node_account("c2-0", cluster="c2")
+    assert list(fake.service_accounts) == [other]
     assert fake.buckets["out"]["policy"]["bindings"] == [
         {"role": "roles/storage.objectViewer", "members": ["user:me@example.com"]}]
     assert [b["members"] for b in fake.buckets["data"]["policy"]["bindings"]] == [
-        ["serviceAccount:hyper-c2@proj.iam.gserviceaccount.com"]]
+        [f"serviceAccount:{other}"]]
     remove_all(api, None)
     assert fake.service_accounts == {}
+    assert "hyperNodeSelfDelete" in fake.roles  # per project, grants nothing by itself
 
 
 def test_a_policy_changed_by_someone_else_meanwhile_is_read_again(fake, api):
     storage_fake(fake)
+    launch(api, spec(grants=GRANTS))
     fake.buckets["data"]["policy"]["bindings"].append(
         {"role": "roles/storage.objectViewer", "members": ["user:me@example.com"]})
     fake.races["data"] = 1
-    api.identity(spec(grants=GRANTS))
-    assert [b for b, _ in policy_calls(fake)] == ["data", "data", "out"]  # 412, then again
-    members = [m for b in fake.buckets["data"]["policy"]["bindings"] for m in b["members"]]
-    assert sorted(members) == [MEMBER, "user:me@example.com"]
+    n = len(policy_calls(fake))
+    api.identity(spec(grants=GRANTS + (Grant("gs", "data", "datasets/imagenet"),)))
+    assert [b for b, _ in policy_calls(fake)[n:]] == ["data", "data"]  # 412, then again
+    members = {m for b in fake.buckets["data"]["policy"]["bindings"] for m in b["members"]}
+    assert members == set(MEMBERS) | {"user:me@example.com"}
 
 
 def test_gc_works_for_a_caller_who_may_not_list_service_accounts(fake, api):
     launch(api, spec())
     fake.deny.add("iam.serviceAccounts.list")
     assert remove_all(api, "c1") and api.resources("c1") == []
+
+
+def test_accounts_of_nodes_that_are_gone_go_at_the_next_launch(fake, api):
+    launch(api, spec(), nodes=("c1-0",))
+    for z in fake.instances.values():
+        z.pop("c1-0", None)  # preempted and deleted by GCE
+    launch(api, spec(), nodes=("c1-1",))
+    assert list(fake.service_accounts) == [node_account("c1-1")]
+
+
+def _as_node(fake, node: str, method: str, path: str, body: dict | None = None,
+             cluster: str = "c1") -> int:
+    """HTTP status of a Compute Engine call made with the token of ``node``'s account (what
+    a task on that node reads from the metadata server)."""
+    token = f"ya29.node-{node}"
+    fake.tokens[token] = f"serviceAccount:{node_account(node, cluster=cluster)}"
+    req = urllib.request.Request(f"{fake.url}/compute/v1/projects/proj/{path}", method=method,
+                                 data=json.dumps(body).encode() if body is not None else None,
+                                 headers={"Authorization": f"Bearer {token}",
+                                          "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_a_nodes_token_deletes_its_own_instance_and_nothing_else(fake, api, tmp_path):
+    """From the token a task on c1-0 can take from the metadata server: its siblings,
+    another cluster's node, its own labels (to survive down and gc) and metadata, a bucket's
+    policy, a new service account: each refused; deleting itself, as the idle watchdog
+    does it: allowed."""
+    storage_fake(fake)
+    launch(api, spec(grants=GRANTS))
+    launch(api, spec(cluster="c2", count=1), nodes=("c2-0",))
+    z = "zones/us-central1-a/instances"
+    fp = fake.instances["us-central1-a"]["c1-0"]["labelFingerprint"]
+    refused = {
+        "delete a sibling": ("DELETE", f"{z}/c1-1", None),
+        "delete another cluster's node": ("DELETE", f"{z}/c2-0", None),
+        "read a sibling (its metadata)": ("GET", f"{z}/c1-1", None),
+        "remove its own labels": ("POST", f"{z}/c1-0/setLabels",
+                                  {"labels": {}, "labelFingerprint": fp}),
+        "set its own metadata (ssh-keys)": ("POST", f"{z}/c1-0/setMetadata", {"items": []}),
+        "stop a sibling": ("POST", f"{z}/c1-1/stop", None),
+        "list the project's instances": ("GET", "aggregated/instances", None),
+        "make an instance": ("POST", z, {"name": "evil"}),
+    }
+    for what, (method, path, body) in refused.items():
+        assert _as_node(fake, "c1-0", method, path, body) == 403, what
+    for path in ("/v1/projects/proj/serviceAccounts", "/storage/v1/b/out/iam"):
+        req = urllib.request.Request(fake.url + path, method="PUT" if "iam" in path else "POST",
+                                     data=b"{}", headers={"Authorization":
+                                                         "Bearer ya29.node-c1-0"})
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=10)
+        assert e.value.code == 403, path
+    assert set(fake.instances["us-central1-a"]) == {"c1-0", "c1-1", "c2-0"}
+    assert fake.instances["us-central1-a"]["c1-0"]["labels"]["hyper-cluster"] == "c1"
+    # itself: the watchdog's own call, with its own token from a metadata server
+    from hypercli.node import watch
+    from tokenstandins import MetadataServer
+    md = MetadataServer("ya29.node-c1-0", SA, instance={
+        "project": "proj", "zone": "us-central1-a", "name": "c1-0"})
+    try:
+        assert watch.self_delete("gcp", f"http://{md.host}", api=fake.url)
+    finally:
+        md.close()
+    fake.op_seconds = 0
+    fake.route("GET", "/compute/v1/projects/proj/zones", {}, None)  # operations settle
+    assert set(fake.instances["us-central1-a"]) == {"c1-1", "c2-0"}
+
+
+def test_down_finds_a_node_that_lost_its_labels_by_name_and_account(fake, api):
+    """Labels are not what down and gc trust alone: an instance of the cluster whose labels
+    and metadata were removed is still found by its name and the account it runs as; another
+    cluster's instance of a similar name is not."""
+    launch(api, spec())
+    launch(api, spec(cluster="c10", count=1), nodes=("c10-0",))
+    inst = fake.instances["us-central1-a"]["c1-1"]
+    inst["labels"] = {}
+    inst["metadata"]["items"] = [i for i in inst["metadata"]["items"]
+                                 if not i["key"].startswith("hyper-")]
+    assert ("instance", "c1-1") in [(r.kind, r.id) for r in api.resources("c1")]
+    assert ("instance", "c10-0") not in [(r.kind, r.id) for r in api.resources("c1")]
+    assert {r.cluster for r in api.resources(None) if r.id == "c1-1"} == {"c1"}
+    remove_all(api, "c1")
+    assert set(fake.instances["us-central1-a"]) == {"c10-0"}
+
+
+def test_account_names_never_collide_and_a_squatted_account_is_refused(fake, api):
+    """Cluster names equal in their first 30 characters or but for case get accounts of their
+    own (the cluster's id is in each name); an account made in advance under a node's computed
+    name is used only when it is that node's own and nobody else holds it."""
+    long = "ml-team-experiments-2026-"
+    ids = {account_id(spec(cluster=c, cluster_id=i), f"{c}-0") for c, i in
+           ((long + "gpu", "id-a"), (long + "cpu", "id-b"), ("Team", "id-c"),
+            ("team", "id-d"))}
+    assert len(ids) == 4 and all(6 <= len(i) <= 30 for i in ids)
+    launch(api, spec(cluster=long + "gpu", cluster_id="id-a", count=1),
+           nodes=(long + "gpu-0",))
+    launch(api, spec(cluster=long + "cpu", cluster_id="id-b", count=1),
+           nodes=(long + "cpu-0",))
+    assert len(fake.service_accounts) == 2
+    s = spec(cluster="c9", cluster_id="id-9", count=1)
+    squat = f"{account_id(s, 'c9-0')}@proj.iam.gserviceaccount.com"
+    fake.add_service_account(squat)
+    with pytest.raises(IdentityConflict, match="description") as e:
+        launch(api, s, nodes=("c9-0",))
+    assert e.value.exit_code == 2 and "cluster.service_account" in e.value.hint
+    fake.service_accounts[squat]["description"] = (
+        f"hyper:cluster=c9 hyper:cluster-id={s.tag} hyper:node=c9-0 buckets=")
+    fake.sa_keys[squat] = [{"name": "key-1", "keyType": "USER_MANAGED"}]
+    with pytest.raises(IdentityConflict, match="key"):
+        launch(api, s, nodes=("c9-0",))
+    fake.sa_keys[squat] = []
+    fake.sa_policies[squat] = {"bindings": [{"role": "roles/iam.serviceAccountUser",
+                                             "members": ["user:someone@example.com"]}]}
+    with pytest.raises(IdentityConflict, match="act as it"):
+        launch(api, s, nodes=("c9-0",))
+    assert not [i for z in fake.instances.values() for i in z if i.startswith("c9")]
+    fake.sa_policies[squat] = {}
+    vms, errors = launch(api, s, nodes=("c9-0",))  # as hypercli leaves it: its own
+    assert errors == {} and len(vms) == 1
+
+
+def test_the_host_key_a_node_published_is_read_from_its_guest_attributes(fake, api):
+    vms, _ = launch(api, spec(count=1), nodes=("c1-0",))
+    assert api.host_key(vms[0]) is None  # not yet published
+    fake.publish("us-central1-a", "c1-0", "hostkeys", "ssh-ed25519",
+                 "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIFakeKeyFakeKeyFakeKey")
+    assert api.host_key(vms[0]) == "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIFakeKeyFakeKeyFakeKey"

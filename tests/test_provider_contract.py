@@ -39,20 +39,21 @@ def made(request, tmp_path, hyper_home, monkeypatch):
             extra["trust_new_hosts"] = True
         elif name == "gcp":
             pytest.importorskip("google.cloud.compute_v1")
-            from cloudhosts import Booter, gcp_source
+            from cloudhosts import Booter, gcp_publisher, gcp_source
             from gcpfake import ComputeFake
             fake = ComputeFake()
             request.addfinalizer(fake.close)
             monkeypatch.setenv("HYPER_GCP_ENDPOINT", fake.url)
             monkeypatch.setenv("HYPER_CLOUD_ADDRESSES", str(tmp_path / "addresses.json"))
-            booter = Booter(gcp_source(fake), hosts, tmp_path / "addresses.json")
+            booter = Booter(gcp_source(fake), hosts, tmp_path / "addresses.json",
+                            publish=gcp_publisher(fake))
             booter.start()
             request.addfinalizer(lambda: (booter.stopping.set(), booter.join(10)))
             cluster = {"provider": "gcp", "project": "proj", "region": "us-central1",
                        "instance_type": "e2-standard-2", "workers": 2,
                        "image": "projects/proj/global/images/x", "ssh_cidr": "10.213.0.0/24"}
             checks.append(lambda: fake.instances == {z: {} for z in fake.zones}
-                          and not fake.firewalls)
+                          and not fake.firewalls and not fake.service_accounts)
         elif name == "azure":
             pytest.importorskip("azure.mgmt.compute")
             from azurefake import ArmFake

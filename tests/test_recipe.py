@@ -618,9 +618,11 @@ def test_fuzz_file_bytes(data):
 
 
 def test_storage_grants_of_a_recipe():
-    """Read on each mounted dataset, read/write on the storage prefix, rw on an rw bucket
-    mount; a grant inside a wider one is dropped; file:// needs nothing."""
-    from hypercli.recipe.access import Grant, merge, parse_url
+    """Read on each mounted dataset, read/write on each workflow's own part of the storage
+    prefix, rw on an rw bucket mount; a grant inside a wider one is dropped; file:// needs
+    nothing."""
+    from hypercli.recipe.access import (Grant, for_workflows, grants_from, merge, parse_url,
+                                        rights)
     r = parse_recipe(textwrap.dedent("""\
         name: g
         storage: s3://out/runs
@@ -635,8 +637,17 @@ def test_storage_grants_of_a_recipe():
         """))
     assert r.rw_mounts == frozenset({"/scratch"})
     assert r.cluster.options["iam_role"] == "my-profile"
-    assert r.cluster.grants == (Grant("s3", "ds", "imagenet"), Grant("s3", "out", "runs", True),
+    # the storage prefix is a per-workflow template, not a grant of its own; the earlier
+    # run's outputs mounted under it are read
+    assert r.cluster.grants == (Grant("s3", "ds", "imagenet"),
+                                Grant("s3", "out", "runs", True, True),
+                                Grant("s3", "out", "runs/search-1"),
                                 Grant("s3", "tmp", "x", True))
+    wfs = [{"id": "g-2", "storage": "s3://out/runs"}, {"id": "h-1", "storage": "s3://o2/x"}]
+    assert for_workflows(r.cluster.grants, wfs) == r.cluster.grants[:2] + (
+        Grant("s3", "out", "runs/g-2", True),) + r.cluster.grants[2:]
+    assert rights(r.cluster.grants) == tuple(g for g in r.cluster.grants if not g.per_workflow)
+    assert grants_from([g.as_dict() for g in r.cluster.grants]) == r.cluster.grants
     assert parse_url("az://acct/cont/p/q") == Grant("az", "acct/cont", "p/q")
     assert parse_url("gs://b") == Grant("gs", "b", "")
     assert parse_url("file:///x") is None

@@ -9,7 +9,10 @@
   (azure-identity's IMDS host).
 * :class:`BearerProxy`: a reverse proxy in front of a storage emulator that forwards a request
   only when it carries ``Authorization: Bearer <token>`` (else 401, the storage service's
-  answer to a missing or wrong token); ``seen`` records the Authorization headers.
+  answer to a missing or wrong token); ``seen`` records the Authorization headers. With
+  ``authorize``, the emulator becomes the cloud's storage service with IAM: each request is
+  forwarded only when ``authorize(token, method, path, query, body)`` says its token may make
+  it (else 403 with the service's body), the policy being the IAM stand-in's.
 
 Both are stopped with ``close()``.
 """
@@ -45,10 +48,14 @@ class _Server:
 
 class MetadataServer(_Server):
     """See the module docstring. ``host`` is ``127.0.0.1:PORT``; ``asked`` counts token
-    requests by cloud (``gce``, ``imds``)."""
+    requests by cloud (``gce``, ``imds``). ``instance`` describes the VM: GCE
+    ``{"project", "zone", "name"}`` (``project/project-id``, ``instance/zone``,
+    ``instance/name``) or Azure ``{"subscriptionId", "resourceGroupName", "name"}``
+    (``/metadata/instance/compute``), what the node watcher asks before deleting itself."""
 
-    def __init__(self, token: str, email: str = "hyper-c1@proj.iam.gserviceaccount.com"):
-        self.token, self.email = token, email
+    def __init__(self, token: str, email: str = "hyper-c1@proj.iam.gserviceaccount.com",
+                 instance: dict | None = None):
+        self.token, self.email, self.instance = token, email, instance or {}
         self.asked = {"gce": 0, "imds": 0}
         me = self
 
@@ -86,6 +93,13 @@ class MetadataServer(_Server):
                             "https://www.googleapis.com/auth/devstorage.read_write"]}, gce)
                     if url.path == "/computeMetadata/v1/" or url.path == "/":
                         return self._send(200, "instance/\nproject/\n", gce)
+                    inst = me.instance
+                    plain = {"/computeMetadata/v1/project/project-id": inst.get("project"),
+                             "/computeMetadata/v1/instance/zone":
+                                 f"projects/1234/zones/{inst.get('zone')}",
+                             "/computeMetadata/v1/instance/name": inst.get("name")}
+                    if url.path in plain and inst:
+                        return self._send(200, plain[url.path], {"Metadata-Flavor": "Google"})
                     return self._send(404, "not found", gce)
                 if url.path == "/metadata/identity/oauth2/token":
                     js = {"Content-Type": "application/json"}
@@ -104,6 +118,10 @@ class MetadataServer(_Server):
                         "expires_in": "3599", "expires_on": str(now + 3599),
                         "ext_expires_in": "3599", "not_before": str(now),
                         "resource": q.get("resource", ""), "token_type": "Bearer"}, js)
+                if url.path == "/metadata/instance/compute" and me.instance:
+                    if self.headers.get("Metadata") != "true":
+                        return self._send(400, {"error": "Bad request"}, {})
+                    return self._send(200, me.instance, {"Content-Type": "application/json"})
                 return self._send(404, {"error": "not found"}, {})
 
         self._start(Handler)
@@ -116,9 +134,14 @@ class BearerProxy(_Server):
     forwarded request in place of the token; ``tls`` = (certificate, key) files serves https
     (azure-core sends bearer tokens over https only)."""
 
-    def __init__(self, upstream: str, token: str, add_query: str = "", tls=None):
+    def __init__(self, upstream: str, token: str, add_query: str = "", tls=None,
+                 authorize=None, refused: bytes = b'{"error": {"code": 403, "message": '
+                 b'"Forbidden", "errors": [{"reason": "forbidden", "domain": "global", '
+                 b'"message": "Forbidden"}]}}', refused_type: str = "application/json"):
         self.token, self.upstream, self.add_query = token, upstream, add_query
+        self.authorize, self.refused, self.refused_type = authorize, refused, refused_type
         self.seen: list[str | None] = []
+        self.denied: list[tuple[str, str]] = []  # (method, path) refused by ``authorize``
         me = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -144,6 +167,18 @@ class BearerProxy(_Server):
                     self.end_headers()
                     self.wfile.write(data)
                     return
+                if me.authorize is not None:
+                    url = urlparse(self.path)
+                    q = {k: v[0] for k, v in parse_qs(url.query).items()}
+                    if not me.authorize(me.token, self.command, url.path, q, body):
+                        me.denied.append((self.command, self.path))
+                        self.send_response(403)
+                        self.send_header("Content-Type", me.refused_type)
+                        self.send_header("Content-Length", str(len(me.refused)))
+                        self.end_headers()
+                        if self.command != "HEAD":
+                            self.wfile.write(me.refused)
+                        return
                 conn = HTTPConnection(me.upstream, timeout=30)
                 headers = {k: v for k, v in self.headers.items()
                            if k.lower() not in ("host", "authorization", "connection")}

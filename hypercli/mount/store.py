@@ -226,10 +226,18 @@ class S3Store:
             raise self._err(key, e) from None
 
     def exists(self, key: str) -> bool:
+        """Whether the object is there. A 403 answer counts as "not there": S3 answers a
+        HEAD of a missing key with 404 only to a caller that may list the bucket without
+        naming a prefix, and a cloud node may list only under its own prefixes
+        (``hypercli.providers.aws.storage_policy``); a key the caller may not read at all
+        fails at the read or write that follows."""
         try:
             self.client.head_object(Bucket=self.bucket, Key=self._key(key))
             return True
         except Exception as e:
+            code = getattr(e, "response", {}).get("Error", {}).get("Code")
+            if code in ("403", "AccessDenied", "Forbidden"):
+                return False
             err = self._err(key, e)
             if isinstance(err, NotFound):
                 return False

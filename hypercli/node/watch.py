@@ -21,8 +21,9 @@ Standard library only (it is written to the node by its boot document and run by
 
 * **Idle watchdog.** When no attempt has been running and no request from ``hyper`` reached the
   node agent (it touches ``<root>/contact``) for ``idle_minutes``, it removes the node: on GCP
-  and Azure it deletes its own instance through the cloud's API with the instance's identity
-  (:func:`self_delete`); on AWS, or when that is refused, it powers the node off
+  and Azure it deletes its own instance through the cloud's API with the instance's own
+  identity, which may delete nothing else (:func:`self_delete`); on AWS, or when that is
+  refused, it powers the node off
   (``--shutdown-command``, default ``shutdown -h now``) — AWS instances are launched with
   shutdown behaviour *terminate*, so they are gone.
 """
@@ -93,10 +94,14 @@ def _json(status_body):
 
 
 def self_delete(cloud, base=METADATA, api=None):
-    """Delete this instance through its cloud's API with the instance's own identity (GCP: the
-    default service account's token, scope compute; Azure: the VM's system-assigned managed
-    identity). True when the API accepted the delete; False elsewhere (AWS instances are
-    launched to terminate on shutdown) or when the identity has no token or no right.
+    """Delete this instance through its cloud's API with the instance's own identity, which
+    may delete this instance and no other (GCP: the node's own service account, the one
+    metadata calls ``default``, holding a custom role of ``compute.instances.get`` and
+    ``.delete`` on this instance only; Azure: the VM's system-assigned managed identity, whose
+    token IMDS gives when no client id is asked, holding a custom role of
+    ``virtualMachines/read`` and ``/delete`` on this VM only). True when the API accepted the
+    delete; False elsewhere (AWS instances are launched to terminate on shutdown) or when the
+    identity has no token or no right.
 
     Sources: cloud.google.com/compute/docs/access/authenticate-workloads#applications (token
     from ``instance/service-accounts/default/token``); learn.microsoft.com/entra/identity/

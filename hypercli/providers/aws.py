@@ -14,24 +14,37 @@ What a cluster gets, every piece tagged ``hyper:cluster``, ``hyper:owner`` and `
   watchdog's power-off removes it); its root volume is ``disk_gb`` GiB, gp3, deleted with
   the instance; the boot document is its user data.
 
-Storage identity (``spec.grants``, from the recipe's ``storage`` and ``mounts``; see
-:mod:`hypercli.recipe.access`): when the recipe names ``s3://`` buckets, the cluster gets an
-IAM role and an instance profile, both ``hyper-<cluster>`` under the path
-``/hyper/<cluster>/`` (how ``down`` and ``gc`` find them) and tagged like the rest, and the role an inline policy ``hyper-storage`` (:func:`storage_policy`):
-``s3:GetObject`` on the objects under each read grant's prefix, also ``s3:PutObject``,
-``s3:DeleteObject`` and ``s3:AbortMultipartUpload`` under each read/write grant's, and
-``s3:ListBucket`` on those buckets. ListBucket is not limited to the prefixes: S3 answers a
-HEAD of a missing key with 404 only to a caller that may list the bucket (403 otherwise, with
-an ``s3:prefix`` condition too, since a HEAD carries no prefix), and pushes ask whether an
-object exists; so nodes may list the key names of those buckets, and read or write only
-under the prefixes. The nodes' boto3 gets the role's credentials from the instance metadata
-service. ``cluster.iam_role`` names an existing instance profile instead: nothing is made.
+Storage identity (``spec.grants``, from the recipe's ``storage`` and ``mounts`` and the
+cluster's live workflows; see :mod:`hypercli.recipe.access`): when they name ``s3://``
+buckets, the cluster gets an IAM role and an instance profile, both named
+``hyper-<cluster>-<tag>`` (:func:`role_name`; ``<tag>`` is
+:func:`~hypercli.providers.cloud.identity_tag`, since IAM names are case-insensitive and
+limited to 64 characters) under the path ``/hyper/<cluster>/`` (how ``down`` and ``gc`` find
+them) and tagged like the rest plus ``hyper:cluster-id`` = ``<tag>``; the role has an inline
+policy ``hyper-storage`` (:func:`storage_policy`) and nothing else: ``s3:GetObject`` on the
+objects under each read grant's prefix, also ``s3:PutObject``, ``s3:DeleteObject`` and
+``s3:AbortMultipartUpload`` under each read/write grant's, and ``s3:ListBucket`` on those
+buckets only with an ``s3:prefix`` condition (a listing must ask for a prefix under a grant's).
+Writes and their buckets' listings carry an ``s3:ResourceAccount`` condition: the bucket must
+belong to the caller's own account, so a bucket name someone else owns never receives
+outputs (reads of another account's datasets stay possible). Without unconditioned
+ListBucket, S3 answers a HEAD of a missing key with 403, not 404: the node-side store takes a
+403 on HEAD for "not there" (:meth:`hypercli.mount.store.S3Store.exists`). A role or profile
+found under the computed name is used only when it is the cluster's own as hypercli leaves
+it (path, tags, the EC2 trust policy, no managed policy, no other inline policy, no other
+role in the profile): :class:`~hypercli.providers.cloud.IdentityConflict` otherwise, exit 2.
+The nodes' boto3 gets the role's credentials from the instance metadata service; a profile
+made for a cluster whose instances run already is associated with them.
+``cluster.iam_role`` names an existing instance profile instead: nothing is made.
 A caller who may not make roles (``iam:CreateRole``, ``iam:PutRolePolicy``,
 ``iam:CreateInstanceProfile``, ``iam:AddRoleToInstanceProfile``, ``iam:PassRole``) gets a
 :class:`CredentialsError` naming the permission and ``cluster.iam_role``, before anything else
 is made. Instances require IMDSv2 with a hop limit of 1: the metadata service answers only a
 session token asked from the node itself, so a container on a bridge network (one hop more)
-cannot read the role's credentials or the user data (which holds the node's host key).
+cannot read the role's credentials or the user data (which holds the node's host key); the
+node's boot document also drops containers' packets to it
+(:func:`hypercli.providers.cloud_provider.block_script`). Nodes have no EC2 right at all: the
+idle watchdog powers the node off, and instances are launched to terminate on shutdown.
 
 Zones: ``zones`` are tried in order while EC2 answers with a capacity error; with no zones,
 EC2 picks first, then each zone of the default VPC is tried by name.
@@ -62,7 +75,9 @@ from botocore.exceptions import (BotoCoreError, ClientError, NoCredentialsError,
 from hypercli.errors import UsageError
 from hypercli.providers.cloud import (TAG_CLUSTER, TAG_IMAGE, TAG_NODE, TAG_OWNER, TAG_VARIANT,
                                       VM, Boot, CapacityError, CloudError, CloudSpec,
-                                      CredentialsError, QuotaError, Resource, owner)
+                                      CredentialsError, IdentityConflict, QuotaError, Resource,
+                                      owner)
+from hypercli.recipe.access import rights
 
 ENDPOINT_ENV = "HYPER_AWS_ENDPOINT_URL"
 CREDENTIALS_HINT = ("run `aws configure`, or set AWS_PROFILE, or AWS_ACCESS_KEY_ID and "
@@ -110,22 +125,52 @@ ROLE_HINT = ("give the caller that permission, or name an existing instance prof
              "role may use the recipe's buckets: cluster.iam_role: NAME")
 
 
-def storage_policy(grants) -> dict:
+TAG_CLUSTER_ID = "hyper:cluster-id"  # the identity tag of the cluster a role was made for
+
+
+def role_name(spec: CloudSpec) -> str:
+    """The name of a cluster's role and instance profile: ``hyper-<cluster>-<tag>``, the
+    cluster's name cut so that the whole fits IAM's 64 characters (module docstring)."""
+    return f"hyper-{spec.cluster[:48]}-{spec.tag}"
+
+
+def storage_policy(grants, account: str | None = None) -> dict:
     """The IAM policy document (a dict) that allows exactly the ``s3`` grants of ``grants``
-    (:class:`hypercli.recipe.access.Grant`; others are ignored): see the module docstring."""
-    s3 = sorted(g for g in grants if g.scheme == "s3")
+    (:class:`hypercli.recipe.access.Grant`; others, and per-workflow templates, are ignored):
+    see the module docstring.
+
+    Args:
+        account: the caller's AWS account id: writes (and listings of the buckets written)
+            get an ``s3:ResourceAccount`` condition naming it; None: no such condition.
+
+    Sources: docs.aws.amazon.com/AmazonS3/latest/userguide/amazon-s3-policy-keys.html
+    (``s3:prefix``), .../reference_policies_condition-keys.html (``s3:ResourceAccount``).
+    """
+    s3 = sorted(g for g in rights(grants) if g.scheme == "s3")
+    own = {"StringEquals": {"s3:ResourceAccount": account}} if account else None
     statements = []
     for i, g in enumerate(s3):
         objects = f"arn:aws:s3:::{g.bucket}/" + (f"{g.prefix}/*" if g.prefix else "*")
         actions = ["s3:GetObject"]
         if g.write:
             actions += ["s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload"]
-        statements.append({"Sid": f"{'ReadWrite' if g.write else 'Read'}{i}",
-                           "Effect": "Allow", "Action": actions, "Resource": objects})
-    buckets = sorted({g.bucket for g in s3})
-    if buckets:
-        statements.append({"Sid": "List", "Effect": "Allow", "Action": "s3:ListBucket",
-                           "Resource": [f"arn:aws:s3:::{b}" for b in buckets]})
+        st = {"Sid": f"{'ReadWrite' if g.write else 'Read'}{i}",
+              "Effect": "Allow", "Action": actions, "Resource": objects}
+        if g.write and own:
+            st["Condition"] = own
+        statements.append(st)
+    for i, bucket in enumerate(sorted({g.bucket for g in s3})):
+        mine = [g for g in s3 if g.bucket == bucket]
+        st = {"Sid": f"List{i}", "Effect": "Allow", "Action": "s3:ListBucket",
+              "Resource": f"arn:aws:s3:::{bucket}"}
+        cond = {}
+        if all(g.prefix for g in mine):
+            cond["StringLike"] = {"s3:prefix": sorted({f"{g.prefix}/*" for g in mine})}
+        if own and any(g.write for g in mine):
+            cond.update(own)
+        if cond:
+            st["Condition"] = cond
+        statements.append(st)
     return {"Version": "2012-10-17", "Statement": statements}
 
 
@@ -167,6 +212,21 @@ def _tags(cluster: str, node: str | None = None) -> list[dict]:
     if node:
         tags[TAG_NODE] = node
     return [{"Key": k, "Value": v} for k, v in tags.items()]
+
+
+def _statements(doc: dict) -> list:
+    """A policy document's statements in a form to compare (order and one-item lists left
+    out)."""
+    import json
+
+    def norm(v):
+        if isinstance(v, list):
+            return sorted((norm(x) for x in v), key=json.dumps) if len(v) != 1 else norm(v[0])
+        if isinstance(v, dict):
+            return {k: norm(x) for k, x in v.items() if k != "Sid"}
+        return v
+    st = (doc or {}).get("Statement", [])
+    return sorted((norm(x) for x in (st if isinstance(st, list) else [st])), key=json.dumps)
 
 
 def _tag(obj: dict, key: str) -> str | None:
@@ -303,33 +363,48 @@ class AWSAPI:
     # -- storage identity (module docstring) ---------------------------------------------------
     def identity(self, spec: CloudSpec) -> dict:
         """Make or update, idempotently, the cluster's role, its inline policy (exactly the
-        ``s3`` grants of ``spec.grants``) and its instance profile (module docstring).
+        ``s3`` grants of ``spec.grants``: what it allowed beyond them is taken away) and its
+        instance profile (module docstring).
 
         Returns:
             ``{"instance_profile": name}`` to launch the instances with, or ``{}`` when the
-            recipe names no ``s3://`` bucket and no ``cluster.iam_role``.
+            cluster uses no ``s3://`` bucket and names no ``cluster.iam_role``.
         Raises:
             CredentialsError: the caller may not make or change them (the message names the
-                IAM action and ``cluster.iam_role``). CloudError.
+                IAM action and ``cluster.iam_role``).
+            IdentityConflict: a role or profile of that name exists and is not the
+                cluster's own (module docstring).
+            CloudError: other API errors.
         """
         if spec.identity:
             return {"instance_profile": spec.identity}
         if not any(g.scheme == "s3" for g in spec.grants):
             return {}
         import json
-        name, path = f"hyper-{spec.cluster}", f"{IAM_PATH}{spec.cluster}/"
-        tags = [t for t in _tags(spec.cluster) if t["Key"] != "Name"]
+        name, path = role_name(spec), f"{IAM_PATH}{spec.cluster}/"
+        tags = [t for t in _tags(spec.cluster) if t["Key"] != "Name"] + [
+            {"Key": TAG_CLUSTER_ID, "Value": spec.tag}]
         iam = self.iam
+        made = False
         with self._denied("iam:CreateRole", f"creating the role {name}"):
             try:
                 iam.create_role(RoleName=name, Path=path, Tags=tags,
                                 AssumeRolePolicyDocument=json.dumps(EC2_TRUST),
                                 Description=f"hypercli cluster {spec.cluster}: its storage")
+                made = True
             except iam.exceptions.EntityAlreadyExistsException:
-                pass
-        with self._denied("iam:PutRolePolicy", f"setting the policy of the role {name}"):
-            iam.put_role_policy(RoleName=name, PolicyName=STORAGE_POLICY,
-                                PolicyDocument=json.dumps(storage_policy(spec.grants)))
+                self._check_role(spec, name, path)
+        doc = storage_policy(spec.grants, self._account())
+        if doc["Statement"]:
+            with self._denied("iam:PutRolePolicy", f"setting the policy of the role {name}"):
+                iam.put_role_policy(RoleName=name, PolicyName=STORAGE_POLICY,
+                                    PolicyDocument=json.dumps(doc))
+        else:  # nothing to allow yet (no workflow has started): no policy
+            with self._denied("iam:DeleteRolePolicy", f"clearing the policy of role {name}"):
+                try:
+                    iam.delete_role_policy(RoleName=name, PolicyName=STORAGE_POLICY)
+                except iam.exceptions.NoSuchEntityException:
+                    pass
         with self._denied("iam:CreateInstanceProfile",
                           f"creating the instance profile {name}"):
             try:
@@ -337,12 +412,82 @@ class AWSAPI:
                                             Tags=tags)
             except iam.exceptions.EntityAlreadyExistsException:
                 pass
-            roles = iam.get_instance_profile(InstanceProfileName=name)["InstanceProfile"]
-        if name not in [r["RoleName"] for r in roles.get("Roles", [])]:
+            profile = iam.get_instance_profile(InstanceProfileName=name)["InstanceProfile"]
+        self._check_profile(spec, profile, name, path)
+        if name not in [r["RoleName"] for r in profile.get("Roles", [])]:
             with self._denied("iam:AddRoleToInstanceProfile",
                               f"adding the role {name} to its instance profile"):
                 iam.add_role_to_instance_profile(InstanceProfileName=name, RoleName=name)
+        if made:
+            self._associate(spec.cluster, name)
         return {"instance_profile": name}
+
+    def _account(self) -> str | None:
+        """The caller's account id (STS), once; None when STS does not answer."""
+        if not hasattr(self, "_account_id"):
+            try:
+                with aws_errors("asking STS for the account"):
+                    self._account_id = self.client("sts").get_caller_identity()["Account"]
+            except CloudError:
+                self._account_id = None
+        return self._account_id
+
+    def _check_role(self, spec: CloudSpec, name: str, path: str) -> None:
+        """Refuse a role found under the computed name unless it is the cluster's own as
+        hypercli leaves it (module docstring). Raises IdentityConflict."""
+        import json
+        from urllib.parse import unquote
+        iam = self.iam
+        with self._denied("iam:GetRole", f"reading the role {name}"):
+            role = iam.get_role(RoleName=name)["Role"]
+            attached = iam.list_attached_role_policies(RoleName=name)["AttachedPolicies"]
+            inline = iam.list_role_policies(RoleName=name)["PolicyNames"]
+            tags = {t["Key"]: t["Value"] for t in
+                    iam.list_role_tags(RoleName=name).get("Tags", [])}
+        trust = role.get("AssumeRolePolicyDocument")
+        if isinstance(trust, str):
+            trust = json.loads(unquote(trust))
+        why = []
+        if role.get("Path") != path:
+            why.append(f"its path is {role.get('Path')}, not {path}")
+        if tags.get(TAG_CLUSTER) != spec.cluster or tags.get(TAG_CLUSTER_ID) != spec.tag:
+            why.append(f"its tags are not those of cluster {spec.cluster}")
+        if _statements(trust) != _statements(EC2_TRUST):
+            why.append("its trust policy lets more than EC2 instances assume it")
+        if attached:
+            why.append("it has managed policies attached: "
+                       + ", ".join(p["PolicyName"] for p in attached))
+        if set(inline) - {STORAGE_POLICY}:
+            why.append("it has other inline policies: "
+                       + ", ".join(sorted(set(inline) - {STORAGE_POLICY})))
+        if why:
+            raise IdentityConflict(
+                f"an IAM role named {name} exists and is not cluster {spec.cluster}'s own: "
+                + "; ".join(why),
+                "delete it if it is left from an old cluster, or name the instance profile "
+                "the nodes should use: cluster.iam_role: NAME")
+
+    def _check_profile(self, spec: CloudSpec, profile: dict, name: str, path: str) -> None:
+        """Refuse an instance profile that is not the cluster's own (another path, or a role
+        other than the cluster's in it). Raises IdentityConflict."""
+        others = [r["RoleName"] for r in profile.get("Roles", []) if r["RoleName"] != name]
+        if profile.get("Path") != path or others:
+            raise IdentityConflict(
+                f"an instance profile named {name} exists and is not cluster "
+                f"{spec.cluster}'s own (path {profile.get('Path')}"
+                + (f", role {others[0]}" if others else "") + ")",
+                "delete it if it is left from an old cluster, or name the instance profile "
+                "the nodes should use: cluster.iam_role: NAME")
+
+    def _associate(self, cluster: str, profile: str) -> None:
+        """Give the cluster's instances that run without an instance profile this one (a
+        cluster brought up before it used any bucket)."""
+        for inst in self._instances(cluster):
+            if inst["State"]["Name"] in ("pending", "running") and \
+                    not inst.get("IamInstanceProfile"):
+                with aws_errors(f"giving {inst['InstanceId']} the instance profile {profile}"):
+                    self.ec2.associate_iam_instance_profile(
+                        IamInstanceProfile={"Name": profile}, InstanceId=inst["InstanceId"])
 
     @contextmanager
     def _denied(self, action: str, what: str):

@@ -1,7 +1,13 @@
 """Azure through azure-mgmt-resource, -network and -compute: the CloudAPI of provider ``azure``.
 
 What a cluster gets, all in one resource group (``resource_group``, default
-``hyper-<cluster>``) tagged ``hyper:cluster`` and ``hyper:owner``:
+``hyper-<cluster>``) that hypercli made for it, tagged ``hyper:cluster``, ``hyper:owner`` and
+``hyper:cluster-id`` (:func:`~hypercli.providers.cloud.identity_tag`). A ``resource_group``
+that exists and is not the cluster's own (made by hypercli for it) is refused, exit 2: ``hyper
+up`` would rewrite its tags and ``hyper down`` delete it with everything in it. With
+``cluster.adopt_group: true`` it is used as it is: hypercli changes nothing of the group
+itself, refuses to overwrite a resource of the names it uses that is not the cluster's, and
+``hyper down`` deletes only the resources tagged for the cluster, one by one, never the group:
 
 * a virtual network ``hyper-<cluster>-vnet`` (10.77.0.0/16) with subnet ``nodes``
   (10.77.0.0/20) and a network security group ``hyper-<cluster>-nsg`` with two inbound rules:
@@ -15,35 +21,45 @@ What a cluster gets, all in one resource group (``resource_group``, default
   ``disk_gb`` GiB and its NIC are deleted with it; custom data is the node's cloud-config
   (:class:`~hypercli.providers.cloud.Boot`: host key, root's key, node watcher); the admin
   user is ``ssh_user`` with the cluster key and no password, or ``hyper`` where Azure refuses
-  the name (``root``); a
-  system-assigned managed identity with the role Virtual Machine Contributor on the group (the
-  node watcher deletes its idle VM with it), or the storage identity below. Zones are
-  tried in ``zones`` order while the
-  answer is a capacity error (``SkuNotAvailable``, ``AllocationFailed``,
-  ``ZonalAllocationFailed``, ``Overconstrained*AllocationRequest``); a VM whose allocation
-  failed is deleted first (ARM leaves it in state Failed, and its zones cannot change).
+  the name (``root``). Every VM has a system-assigned managed identity of its own with one
+  right: the custom role ``self-delete`` (:data:`ROLES`: ``virtualMachines/read`` and
+  ``/delete``) assigned on that VM itself, which the node watcher deletes its idle VM with
+  (IMDS gives that identity's token when no client id is asked); no node can touch another
+  VM, run commands on it, or list a storage account's keys. Where the role cannot be defined
+  or assigned, a warning, and the VM is only powered off when idle. Zones are tried in
+  ``zones`` order while the answer is a capacity error (``SkuNotAvailable``,
+  ``AllocationFailed``, ``ZonalAllocationFailed``, ``Overconstrained*AllocationRequest``); a VM
+  whose allocation failed is deleted first (ARM leaves it in state Failed, and its zones
+  cannot change).
 
-Storage identity: when the recipe's ``storage`` / ``mounts`` name ``az://account/container``
-paths (``spec.grants``), :meth:`AzureAPI.identity` makes a user-assigned managed identity
-``hyper-<cluster>-storage`` in the cluster's group (tagged like it) before any VM, and gives
-it, per grant, the built-in role Storage Blob Data Reader (read) or Storage Blob Data
-Contributor (read/write) on that container only (scope ``.../storageAccounts/A/
-blobServices/default/containers/C``), with an ABAC condition (``conditionVersion`` 2.0) that
-limits blob reads, writes and deletes to ``prefix/`` (``@Resource[...blobs:path]``) and
-listings to that prefix (``@Request[...blobs:prefix]``) when the grant has a prefix; and Virtual
-Machine Contributor on the cluster's group (the node watcher deletes its idle VM with it). The
-VMs then carry that identity only (no system-assigned one), so a token from IMDS with no
-client id is that identity's. Role assignment names are UUIDs derived from scope, principal,
-role and condition: making them again is a no-op (409 ``RoleAssignmentExists``); they are only
-added, never taken away by a later recipe. Teardown deletes the identity's role assignments
-(they live outside the group) before the group. With ``cluster.identity`` nothing is made or
-assigned: the VMs carry that identity as is (it must already be allowed the containers; the
-watchdog then only powers an idle VM off unless it may delete it). A caller refused
-``Microsoft.ManagedIdentity/userAssignedIdentities/write`` or
-``Microsoft.Authorization/roleAssignments/write`` gets a :class:`CredentialsError` naming the
-permission and ``cluster.identity``, before any VM exists.
+Storage identity: when the cluster's grants (``spec.grants``: the recipe's ``storage`` and
+``mounts``, and its live workflows, :mod:`hypercli.recipe.access`) name
+``az://account/container`` paths, :meth:`AzureAPI.identity` makes a user-assigned managed
+identity :func:`identity_name` (``hyper-<cluster>-<tag>-storage``) in the cluster's group
+(tagged like it) before any VM, and gives it, per grant, the custom role ``blob-reader`` or
+``blob-writer`` (:data:`ROLES`: blob data actions only; the built-in Storage Blob Data
+Contributor also carries ``containers/delete`` and ``containers/write``, which no ABAC
+condition limits) on that container only (scope ``.../storageAccounts/A/blobServices/
+default/containers/C``), with an ABAC condition (``conditionVersion`` 2.0) that limits blob
+reads, writes and deletes to ``prefix/`` (``@Resource[...blobs:path]``) and listings to that
+prefix (``@Request[...blobs:prefix]``) when the grant has a prefix. Custom roles are defined
+once per subscription (their names carry its id) and kept: they grant nothing by themselves.
+The VMs carry that identity beside their own; its client id goes to the node's
+``/etc/environment`` (``AZURE_CLIENT_ID``), where the node's Azure SDK takes it. Role
+assignment names are UUIDs derived from scope, principal, role and condition: making them again
+is a no-op (409 ``RoleAssignmentExists``), and they tell hypercli's assignments from anyone
+else's; the identity's assignments are set to exactly the grants each time (an ended
+workflow's prefix is taken away). An identity found under the computed name is used only
+when it is tagged for this cluster and has no federated credential
+(:class:`~hypercli.providers.cloud.IdentityConflict` otherwise). Teardown deletes hypercli's
+role assignments of the VMs' and the identity's principals (they live outside the group)
+before the group, and never another's. With ``cluster.identity`` nothing is made or assigned
+for storage: the VMs carry that identity as is (it must already be allowed the containers). A
+caller refused ``Microsoft.ManagedIdentity/userAssignedIdentities/write``,
+``Microsoft.Authorization/roleDefinitions/write`` or ``.../roleAssignments/write`` gets a
+:class:`CredentialsError` naming the permission and ``cluster.identity``, before any VM
+exists.
 
-Teardown deletes the resource group (VMs force-deleted), which removes everything in it.
 Each create and delete waits for its long-running operation (ARM's ``Azure-AsyncOperation``
 or ``Location`` polling, through azure-core's pollers).
 
@@ -96,7 +112,9 @@ except ImportError:
 from hypercli.errors import UsageError
 from hypercli.providers.cloud import (TAG_CLUSTER, TAG_IMAGE, TAG_NODE, TAG_OWNER, TAG_VARIANT,
                                       VM, Boot, CapacityError, CloudError, CloudSpec,
-                                      CredentialsError, QuotaError, Resource, owner)
+                                      CredentialsError, IdentityConflict, QuotaError, Resource,
+                                      owner)
+from hypercli.recipe.access import rights
 
 log = logging.getLogger("hypercli")
 
@@ -107,21 +125,30 @@ AUTH_CODES = {"InvalidAuthenticationToken", "AuthenticationFailed",
 #: learn.microsoft.com/troubleshoot/azure/virtual-machines/windows/allocation-failure
 CAPACITY_CODES = {"SkuNotAvailable", "AllocationFailed", "ZonalAllocationFailed",
                   "OverconstrainedAllocationRequest", "OverconstrainedZonalAllocationRequest"}
-#: built-in role "Virtual Machine Contributor" (learn.microsoft.com/azure/role-based-access-
-#: control/built-in-roles): enough for a VM to delete itself
-VM_CONTRIBUTOR = "9980e02c-c2be-4d73-94e8-173b1dc7cf3c"
-#: built-in roles "Storage Blob Data Reader" and "Storage Blob Data Contributor"
-BLOB_READER, BLOB_CONTRIBUTOR = ("2a2b9908-6ea1-4ae2-8e65-a410df84e7d1",
-                                 "ba92f5b4-2d11-453d-a403-e96b0029c9fe")
 AUTH_API, MSI_API, STORAGE_API = "2022-04-01", "2023-01-31", "2023-01-01"
 #: what making a cluster's storage identity asks of the caller
 IDENTITY_ACTIONS = ("Microsoft.ManagedIdentity/userAssignedIdentities/write",
-                    "Microsoft.Authorization/roleAssignments/write")
+                    "Microsoft.Authorization/roleAssignments/write",
+                    "Microsoft.Authorization/roleDefinitions/write")
 IDENTITY_HINT = ("or name an existing user-assigned managed identity that may use the "
                  "containers: cluster.identity: /subscriptions/S/resourceGroups/G/providers/"
                  "Microsoft.ManagedIdentity/userAssignedIdentities/NAME")
 #: the blob data actions an ABAC condition limits to a prefix (the roles' data actions)
 BLOB = "Microsoft.Storage/storageAccounts/blobServices/containers/blobs"
+TAG_CLUSTER_ID = "hyper:cluster-id"  # the identity tag of the cluster a group was made for
+#: the custom roles hypercli defines once per subscription (kept: they grant nothing by
+#: themselves): name → (control-plane actions, data actions). ``self-delete``: a VM's own
+#: identity on that VM only; ``blob-reader`` / ``blob-writer``: the storage identity on a
+#: container, under an ABAC condition, with no container right (the built-in Storage Blob
+#: Data Contributor also has ``containers/delete`` and ``containers/write``, which the
+#: condition, naming blob data actions only, does not limit)
+ROLES = {
+    "self-delete": (["Microsoft.Compute/virtualMachines/read",
+                     "Microsoft.Compute/virtualMachines/delete"], []),
+    "blob-reader": ([], [f"{BLOB}/read"]),
+    "blob-writer": ([], [f"{BLOB}/read", f"{BLOB}/write", f"{BLOB}/add/action",
+                         f"{BLOB}/delete"]),
+}
 #: instance view ``PowerState/<x>`` → VM.state
 POWER = {"starting": "pending", "running": "running", "stopping": "stopping",
          "deallocating": "stopping", "stopped": "terminated", "deallocated": "terminated"}
@@ -138,8 +165,29 @@ KINDS = {"microsoft.compute/virtualmachines": "instance",
          "microsoft.network/networksecuritygroups": "security_group",
          "microsoft.network/virtualnetworks": "network"}
 ORDER = list(KINDS.values())
+#: ARM resource type → Resource.kind (KINDS with the types' own case)
+_TYPES = {"Microsoft.Compute/virtualMachines": "instance",
+          "Microsoft.ManagedIdentity/userAssignedIdentities": "identity",
+          "Microsoft.Network/networkInterfaces": "nic",
+          "Microsoft.Network/publicIPAddresses": "public_ip",
+          "Microsoft.Compute/disks": "disk",
+          "Microsoft.Network/networkSecurityGroups": "security_group",
+          "Microsoft.Network/virtualNetworks": "network"}
 VNET_SPACE, SUBNET = "10.77.0.0/16", "10.77.0.0/20"  # the cluster's network and its subnet
 SSH_PRIORITY, CLUSTER_PRIORITY = 1000, 1100  # NSG rules: lower numbers are applied first
+
+
+def _api_version(rtype: str) -> str:
+    """An ARM API version for reading a resource of type ``rtype`` by id."""
+    return {"Microsoft.Compute/virtualMachines": "2023-03-01",
+            "Microsoft.ManagedIdentity/userAssignedIdentities": MSI_API}.get(rtype, "2023-04-01")
+
+
+def identity_name(spec: CloudSpec) -> str:
+    """The name of a cluster's storage identity: ``hyper-<cluster>-<tag>-storage`` made a
+    valid managed identity name (``[A-Za-z0-9][A-Za-z0-9_-]{2,127}``)."""
+    return re.sub(r"[^A-Za-z0-9_-]", "-", f"hyper-{spec.cluster}")[:110] + \
+        f"-{spec.tag}-storage"
 
 
 def vm_name(text: str) -> str:
@@ -274,7 +322,8 @@ class AzureAPI:
         return t
 
     def _groups(self, cluster: str | None) -> list:
-        """Resource groups tagged ``hyper:cluster`` (= ``cluster`` unless None)."""
+        """Resource groups hypercli made for clusters: tagged ``hyper:cluster`` (= ``cluster``
+        unless None)."""
         flt = f"tagName eq '{TAG_CLUSTER}'"
         if cluster:
             flt += " and tagValue eq '{}'".format(cluster.replace("'", "''"))
@@ -282,6 +331,70 @@ class AzureAPI:
             return [g for g in self.rm.resource_groups.list(filter=flt)
                     if (g.tags or {}).get(TAG_CLUSTER)
                     and (cluster is None or g.tags[TAG_CLUSTER] == cluster)]
+
+    def _tagged(self, cluster: str | None) -> list:
+        """The subscription's resources tagged ``hyper:cluster`` (= ``cluster`` unless None),
+        in any group: how a cluster's resources in an adopted group are found."""
+        flt = f"tagName eq '{TAG_CLUSTER}'"
+        if cluster:
+            flt += " and tagValue eq '{}'".format(cluster.replace("'", "''"))
+        with _calls("listing tagged resources"):
+            return [r for r in self.rm.resources.list(filter=flt)
+                    if (r.tags or {}).get(TAG_CLUSTER)
+                    and (cluster is None or r.tags[TAG_CLUSTER] == cluster)]
+
+    def _own_group(self, spec: CloudSpec, rg: str) -> bool:
+        """Make the cluster's resource group, or check that the one named is its own (tagged
+        for this cluster by hypercli); with ``adopt_group``, use another as it is. Returns
+        whether the group is adopted (hypercli changes nothing of it, and ``down`` removes
+        only what it made in it).
+
+        Raises:
+            UsageError: the group exists and is not the cluster's own, and ``adopt_group`` is
+                not set (exit 2): ``hyper up`` would rewrite its tags and ``hyper down``
+                delete it with everything in it.
+        """
+        try:
+            with _calls(f"reading resource group {rg}"):
+                found = self.rm.resource_groups.get(rg)
+        except CloudError as e:
+            if e.code not in ("ResourceGroupNotFound", "404"):
+                raise
+            with _calls(f"creating resource group {rg}"):
+                self.rm.resource_groups.create_or_update(rg, ResourceGroup(
+                    location=self.region,
+                    tags={**self._tags(spec.cluster), TAG_CLUSTER_ID: spec.tag}))
+            return False
+        tags = found.tags or {}
+        if tags.get(TAG_CLUSTER) == spec.cluster and \
+                tags.get(TAG_CLUSTER_ID, spec.tag) == spec.tag:
+            return False  # made by hypercli for this cluster (an older one tagged no id)
+        if spec.adopt_group:
+            return True
+        raise UsageError(
+            f"resource group {rg} exists and hypercli did not make it for cluster "
+            f"{spec.cluster}" + (f" (it is cluster {tags[TAG_CLUSTER]}'s)"
+                                  if tags.get(TAG_CLUSTER) else ""),
+            "name another resource_group (or none: hypercli makes hyper-<cluster>), or set "
+            "cluster.adopt_group: true to use it as it is (hypercli then changes nothing of "
+            "the group and `hyper down` removes only what hypercli made in it)")
+
+    def _not_theirs(self, spec: CloudSpec, rg: str, rtype: str, name: str) -> None:
+        """In an adopted group: refuse to write a resource of that name that exists and is
+        not this cluster's (UsageError, exit 2)."""
+        rid = (f"/subscriptions/{self.subscription}/resourceGroups/{rg}/providers/"
+               f"{rtype}/{name}")
+        try:
+            with _calls(f"reading {name}"):
+                found = self.rm.resources.get_by_id(rid, api_version=_api_version(rtype))
+        except CloudError as e:
+            if e.code in ("ResourceNotFound", "NotFound", "404"):
+                return
+            raise
+        if (found.tags or {}).get(TAG_CLUSTER) != spec.cluster:
+            raise UsageError(f"{name} ({rtype}) exists in resource group {rg} and is not "
+                             f"cluster {spec.cluster}'s: hypercli does not overwrite it",
+                             "name another cluster, or use a group of its own")
 
     # -- the contract --------------------------------------------------------------------------
     def check(self) -> str:
@@ -320,11 +433,15 @@ class AzureAPI:
         old caller address goes).
 
         Returns:
-            ``{"resource_group": name, "nsg": id, "subnet": id}`` and, from :meth:`identity`
-            (made right after the group, before anything else), ``"identity"``: the
-            user-assigned identity's id when the VMs carry one.
+            ``{"resource_group": name, "nsg": id, "subnet": id, "adopted": bool}`` and what
+            :meth:`identity` returned (made right after the group, before anything else):
+            ``"identity"``, the user-assigned identity's id when the VMs carry one, and
+            ``"node_env"``.
         Raises:
-            UsageError: no region or no ``ssh_cidr``; CredentialsError, CloudError.
+            UsageError: no region or no ``ssh_cidr``; a ``resource_group`` hypercli did not
+                make for this cluster, without ``adopt_group`` (:meth:`_own_group`).
+            IdentityConflict: the storage identity's name is taken (:meth:`identity`).
+            CredentialsError, CloudError.
         """
         if not self.region:
             raise UsageError("provider azure needs cluster.region", "e.g. region: eastus")
@@ -333,10 +450,12 @@ class AzureAPI:
                              "set cluster.ssh_cidr, e.g. 203.0.113.0/24")
         rg = spec.resource_group or f"hyper-{spec.cluster}"
         tags = self._tags(spec.cluster)
-        with _calls(f"creating resource group {rg}"):
-            self.rm.resource_groups.create_or_update(
-                rg, ResourceGroup(location=self.region, tags=tags))
+        adopted = self._own_group(spec, rg)
         ident = self.identity(spec)
+        if adopted:
+            for kind, name in (("networkSecurityGroups", f"hyper-{spec.cluster}-nsg"),
+                               ("virtualNetworks", f"hyper-{spec.cluster}-vnet")):
+                self._not_theirs(spec, rg, f"Microsoft.Network/{kind}", name)
         with _calls("creating the network security group"):
             nsg = self.net.network_security_groups.begin_create_or_update(
                 rg, f"hyper-{spec.cluster}-nsg", nm.NetworkSecurityGroup(
@@ -360,7 +479,8 @@ class AzureAPI:
                     address_space=nm.AddressSpace(address_prefixes=[VNET_SPACE]),
                     subnets=[nm.Subnet(name="nodes", address_prefix=SUBNET)]),
                 polling_interval=self.poll).result()
-        return {"resource_group": rg, "nsg": nsg.id, "subnet": vnet.subnets[0].id, **ident}
+        return {"resource_group": rg, "nsg": nsg.id, "subnet": vnet.subnets[0].id,
+                "adopted": adopted, **ident}
 
     def create(self, spec: CloudSpec, nodes: list[str], boot: Boot,
                prepared: dict) -> tuple[list[VM], dict[str, Exception]]:
@@ -388,6 +508,11 @@ class AzureAPI:
         removing what it made."""
         rg, name = prepared["resource_group"], vm_name(node)
         tags = self._tags(spec.cluster, node)
+        if prepared.get("adopted"):  # never overwrite what someone else has in the group
+            for kind, what in (("Microsoft.Network/publicIPAddresses", f"{name}-ip"),
+                               ("Microsoft.Network/networkInterfaces", f"{name}-nic"),
+                               ("Microsoft.Compute/virtualMachines", name)):
+                self._not_theirs(spec, rg, kind, what)
         try:
             with _calls(f"creating the public IP of {node}"):
                 ip = self.net.public_ip_addresses.begin_create_or_update(
@@ -428,7 +553,7 @@ class AzureAPI:
                                  (self.net.public_ip_addresses.begin_delete, f"{name}-ip")):
                 self._quietly(lambda: delete(rg, what, polling_interval=self.poll).result())
             raise
-        self._allow_self_delete(rg, vm)
+        self._allow_self_delete(vm)
         return VM(id=vm.name, node=node, zone=zone or "", state="running",
                   public_ip=ip.ip_address,
                   private_ip=nic.ip_configurations[0].private_ip_address,
@@ -440,7 +565,9 @@ class AzureAPI:
                  identity: str | None = None) -> cm.VirtualMachine:
         """The VM of ``node`` as ARM takes it (module docstring). Azure refuses ``root`` and
         a few other admin names; the admin is then ``hyper`` (the cloud-config authorizes
-        the cluster key for root itself)."""
+        the cluster key for root itself). It always has a system-assigned identity of its
+        own (the idle watchdog deletes the VM with it, IMDS's token without a client id), and
+        the cluster's storage identity when there is one (``AZURE_CLIENT_ID`` on the node)."""
         user = "hyper" if boot.ssh_user.lower() in RESERVED_USERS else boot.ssh_user
         spot = dict(priority="Spot", eviction_policy="Delete",
                     billing_profile=cm.BillingProfile(max_price=spec.max_price or -1)) \
@@ -448,7 +575,7 @@ class AzureAPI:
         return cm.VirtualMachine(
             location=self.region, tags=tags, zones=[zone] if zone else None,
             identity=cm.VirtualMachineIdentity(
-                type="UserAssigned", user_assigned_identities={
+                type="SystemAssigned, UserAssigned", user_assigned_identities={
                     identity: cm.UserAssignedIdentitiesValue()})
             if identity else cm.VirtualMachineIdentity(type="SystemAssigned"),
             hardware_profile=cm.HardwareProfile(vm_size=spec.instance_type),
@@ -503,59 +630,153 @@ class AzureAPI:
 
     def identity(self, spec: CloudSpec) -> dict:
         """Make or update, idempotently, the cluster's storage identity (module docstring,
-        "Storage identity"): the user-assigned identity ``hyper-<cluster>-storage`` with a
-        blob data role on exactly the ``az`` containers of ``spec.grants``, limited to each
-        grant's prefix. The cluster's resource group must exist (:meth:`prepare` makes it).
+        "Storage identity"): the user-assigned identity :func:`identity_name` with a custom
+        blob data role on exactly the ``az`` containers of ``spec.grants``, each limited to
+        its grant's prefix; the assignments it had beyond them are taken away. The cluster's
+        resource group must exist (:meth:`prepare` makes it).
 
         Returns:
-            ``{"identity": ARM id}`` of the identity the VMs carry, or ``{}`` (no ``az``
-            grant: the VMs keep a system-assigned identity).
+            ``{"identity": ARM id, "node_env": {"AZURE_CLIENT_ID": its client id}}``, or
+            ``{}`` (the cluster uses no ``az://`` container).
         Raises:
             CredentialsError: the caller may not create the identity
-                (``Microsoft.ManagedIdentity/userAssignedIdentities/write``) or assign roles
-                (``Microsoft.Authorization/roleAssignments/write``); the message names the
-                permission and ``cluster.identity``.
+                (``Microsoft.ManagedIdentity/userAssignedIdentities/write``), define roles
+                (``roleDefinitions/write``) or assign them (``roleAssignments/write``); the
+                message names the permission and ``cluster.identity``.
+            IdentityConflict: an identity of that name exists and is not the cluster's own
+                (other tags, or a federated credential: someone else could get its tokens).
             UsageError: a storage account of the recipe is not in the subscription.
             CloudError: other API failures.
         """
         if spec.identity:
-            return {"identity": spec.identity}
-        grants = [g for g in spec.grants if g.scheme == "az"]
-        if not grants:
+            client = self._client_id(spec.identity)
+            return {"identity": spec.identity,
+                    **({"node_env": {"AZURE_CLIENT_ID": client}} if client else {})}
+        if not any(g.scheme == "az" for g in spec.grants):
             return {}
+        grants = [g for g in rights(spec.grants) if g.scheme == "az"]
         rg = spec.resource_group or f"hyper-{spec.cluster}"
-        name = f"hyper-{spec.cluster}-storage"[:128]
+        name = identity_name(spec)
         rid = (f"/subscriptions/{self.subscription}/resourceGroups/{rg}/providers/"
                f"Microsoft.ManagedIdentity/userAssignedIdentities/{name}")
         try:
+            found = self._arm("GET", f"{rid}?api-version={MSI_API}", f"reading {name}")
+        except CloudError as e:
+            if e.code not in ("ResourceNotFound", "NotFound", "404"):
+                raise
+            found = None
+        if found is not None:
+            self._check_identity(spec, rid, found)
+        try:
             made = self._arm("PUT", f"{rid}?api-version={MSI_API}",
                              f"creating the managed identity {name}",
-                             {"location": self.region, "tags": self._tags(spec.cluster)})
+                             {"location": self.region,
+                              "tags": {**self._tags(spec.cluster), TAG_CLUSTER_ID: spec.tag}})
         except CloudError as e:
             self._refused(e, "Microsoft.ManagedIdentity/userAssignedIdentities/write",
                           f"create the managed identity {name}")
             raise
         principal = made["properties"]["principalId"]
-        accounts = self._account_ids()
-        wanted = [(f"/subscriptions/{self.subscription}/resourceGroups/{rg}", VM_CONTRIBUTOR,
-                   None)]
-        for g in grants:
-            account, container = g.bucket.split("/", 1)
-            if account not in accounts:
-                raise UsageError(f"storage account {account} (az://{g.bucket}) not found in "
-                                 f"subscription {self.subscription}",
-                                 "check the recipe's storage and mounts")
-            wanted.append((f"{accounts[account]}/blobServices/default/containers/{container}",
-                           BLOB_CONTRIBUTOR if g.write else BLOB_READER,
-                           prefix_condition(g.prefix) if g.prefix else None))
-        for scope, role, condition in wanted:
-            self._assign(scope, role, principal, condition)
-        return {"identity": rid}
+        wanted = []
+        if grants:
+            accounts = self._account_ids()
+            roles = self._roles(["blob-reader", "blob-writer"], required=True)
+            for g in grants:
+                account, container = g.bucket.split("/", 1)
+                if account not in accounts:
+                    raise UsageError(f"storage account {account} (az://{g.bucket}) not found "
+                                     f"in subscription {self.subscription}",
+                                     "check the recipe's storage and mounts")
+                wanted.append((f"{accounts[account]}/blobServices/default/containers/"
+                               f"{container}", roles["blob-writer" if g.write else "blob-reader"],
+                               prefix_condition(g.prefix) if g.prefix else None))
+        self._set_assignments(principal, wanted)
+        return {"identity": rid,
+                "node_env": {"AZURE_CLIENT_ID": made["properties"]["clientId"]}}
+
+    def _client_id(self, rid: str) -> str | None:
+        """The client id of a user-assigned identity (for the node's SDK), or None with a
+        warning when it cannot be read."""
+        try:
+            return self._arm("GET", f"{rid}?api-version={MSI_API}",
+                             f"reading {rid}")["properties"]["clientId"]
+        except (CloudError, KeyError) as e:
+            log.warning("cannot read the client id of %s (%s): set AZURE_CLIENT_ID on the "
+                        "nodes for their storage", rid, e)
+            return None
+
+    def _check_identity(self, spec: CloudSpec, rid: str, found: dict) -> None:
+        """Refuse an identity found under the computed name unless it is the cluster's own
+        as hypercli leaves it. Raises IdentityConflict."""
+        tags = found.get("tags") or {}
+        why = []
+        if tags.get(TAG_CLUSTER) != spec.cluster or tags.get(TAG_CLUSTER_ID) != spec.tag:
+            why.append(f"its tags are not those of cluster {spec.cluster}")
+        fics = self._arm("GET", f"{rid}/federatedIdentityCredentials?api-version={MSI_API}",
+                         f"listing the federated credentials of {rid}").get("value", [])
+        if fics:
+            why.append("it has federated credentials (others can get its tokens): "
+                       + ", ".join(f.get("name", "?") for f in fics))
+        if why:
+            raise IdentityConflict(
+                f"a managed identity {rid.rsplit('/', 1)[1]} exists and is not cluster "
+                f"{spec.cluster}'s own: " + "; ".join(why),
+                "delete it if it is left from an old cluster, or " + IDENTITY_HINT)
+
+    def _roles(self, kinds: list[str], required: bool) -> dict[str, str]:
+        """The ids of hypercli's custom roles (:data:`ROLES`), defined in the subscription
+        when missing or different (assignable there; each name carries the subscription id,
+        since role names are unique in a tenant). Returns kind → role definition GUID; a
+        kind that cannot be defined is left out (with a warning), or, when ``required``,
+        raises CredentialsError naming ``roleDefinitions/write``."""
+        out = {}
+        cache = self.__dict__.setdefault("_defined", {})
+        for kind in kinds:
+            if kind in cache:
+                out[kind] = cache[kind]
+                continue
+            actions, data = ROLES[kind]
+            guid = str(uuid.uuid5(uuid.NAMESPACE_URL, f"hypercli|{self.subscription}|{kind}"))
+            path = (f"/subscriptions/{self.subscription}/providers/Microsoft.Authorization/"
+                    f"roleDefinitions/{guid}?api-version={AUTH_API}")
+            want = {"roleName": f"hypercli {kind} ({self.subscription})",
+                    "description": f"hypercli: {kind} (a cluster's nodes)",
+                    "type": "CustomRole",
+                    "permissions": [{"actions": actions, "notActions": [],
+                                     "dataActions": data, "notDataActions": []}],
+                    "assignableScopes": [f"/subscriptions/{self.subscription}"]}
+            try:
+                try:
+                    have = self._arm("GET", path, f"reading the role {want['roleName']}")
+                except CloudError as e:
+                    if e.code not in ("RoleDefinitionDoesNotExist", "NotFound", "404"):
+                        raise
+                    have = {}
+                props = have.get("properties") or {}
+                if [{k: sorted(v) for k, v in p.items()} for p in props.get(
+                        "permissions", [])] != [{k: sorted(v) for k, v in p.items()}
+                                                for p in want["permissions"]]:
+                    self._arm("PUT", path, f"defining the role {want['roleName']}",
+                              {"properties": want})
+                out[kind] = cache[kind] = guid
+            except CloudError as e:
+                if required:
+                    self._refused(e, "Microsoft.Authorization/roleDefinitions/write",
+                                  f"define the role {want['roleName']}")
+                    raise
+                log.warning("cannot define the role %s: %s", want["roleName"], e)
+        return out
+
+    def _assignment_name(self, scope: str, role: str, principal: str,
+                         condition: str | None) -> str:
+        """The name of a role assignment hypercli makes: a UUID of its content, so that
+        making it again is a no-op and hypercli knows its own among others."""
+        return str(uuid.uuid5(uuid.NAMESPACE_URL,
+                              "|".join((scope.lower(), principal, role, condition or ""))))
 
     def _assign(self, scope: str, role: str, principal: str, condition: str | None) -> None:
-        """PUT one role assignment (its name a UUID of its content: repeating it is a
-        no-op). Raises CredentialsError (``roleAssignments/write`` refused), CloudError."""
-        key = "|".join((scope.lower(), principal, role, condition or ""))
+        """PUT one role assignment (:meth:`_assignment_name`: repeating it is a no-op).
+        Raises CredentialsError (``roleAssignments/write`` refused), CloudError."""
         props = {"roleDefinitionId": f"/subscriptions/{self.subscription}/providers/"
                  f"Microsoft.Authorization/roleDefinitions/{role}",
                  "principalId": principal, "principalType": "ServicePrincipal"}
@@ -563,8 +784,9 @@ class AzureAPI:
             props.update(condition=condition, conditionVersion="2.0")
         try:
             self._arm("PUT", f"{scope}/providers/Microsoft.Authorization/roleAssignments/"
-                      f"{uuid.uuid5(uuid.NAMESPACE_URL, key)}?api-version={AUTH_API}",
-                      f"assigning a role on {scope}", {"properties": props})
+                      f"{self._assignment_name(scope, role, principal, condition)}"
+                      f"?api-version={AUTH_API}", f"assigning a role on {scope}",
+                      {"properties": props})
         except CloudError as e:
             if e.code == "RoleAssignmentExists":
                 return
@@ -572,58 +794,72 @@ class AzureAPI:
                           f"assign roles on {scope}")
             raise
 
-    def _unassign(self, group: str) -> list[str]:
-        """Delete the role assignments of the user-assigned identities in ``group`` (they
-        live at the containers' scopes, outside the group). Returns their ids."""
-        removed = []
-        base = f"/subscriptions/{self.subscription}"
-        try:
-            found = self._arm("GET", f"{base}/resourceGroups/{group}/providers/"
-                              f"Microsoft.ManagedIdentity/userAssignedIdentities"
-                              f"?api-version={MSI_API}", f"listing identities in {group}")
-        except CloudError as e:
-            if e.code in ("ResourceGroupNotFound", "404"):
-                return removed
-            raise
-        for ident in found.get("value", []):
-            pid = ident["properties"]["principalId"]
-            path = (f"{base}/providers/Microsoft.Authorization/roleAssignments?api-version="
-                    f"{AUTH_API}&$filter=" + quote(f"principalId eq '{pid}'"))
-            while path:
-                page = self._arm("GET", path, f"listing role assignments of {ident['name']}")
-                for ra in page.get("value", []):
-                    try:
-                        self._arm("DELETE", f"{ra['id']}?api-version={AUTH_API}",
-                                  f"deleting role assignment {ra['name']}")
-                    except CloudError as e:
-                        if e.code not in ("RoleAssignmentNotFound", "404"):
-                            raise
-                    removed.append(ra["id"])
-                path = page.get("nextLink")
-        return removed
+    def _ours(self, principal: str) -> list[dict]:
+        """The role assignments of ``principal`` that hypercli made (their names are the
+        UUIDs of their content; any other is someone else's and is never touched)."""
+        out = []
+        path = (f"/subscriptions/{self.subscription}/providers/Microsoft.Authorization/"
+                f"roleAssignments?api-version={AUTH_API}&$filter="
+                + quote(f"principalId eq '{principal}'"))
+        while path:
+            page = self._arm("GET", path, f"listing the role assignments of {principal}")
+            for ra in page.get("value", []):
+                p = ra.get("properties") or {}
+                role = (p.get("roleDefinitionId") or "").rsplit("/", 1)[-1]
+                if ra.get("name") == self._assignment_name(p.get("scope", ""), role,
+                                                           principal, p.get("condition")):
+                    out.append(ra)
+            path = page.get("nextLink")
+        return out
 
-    def _allow_self_delete(self, rg: str, vm) -> None:
-        """Give the VM's managed identity the role Virtual Machine Contributor on its own
-        resource group, so that the node watcher can delete the idle VM. Best effort: an
-        account that may not assign roles gets a warning, and such a VM is only powered off
-        when idle (``hyper down``/``hyper gc`` remove it)."""
+    def _set_assignments(self, principal: str, wanted: list[tuple]) -> None:
+        """Give ``principal`` exactly the role assignments ``wanted`` ((scope, role,
+        condition) each) among those hypercli makes: missing ones added, others of hypercli's
+        deleted (an ended workflow's prefix)."""
+        names = {self._assignment_name(sc, role, principal, cond): (sc, role, cond)
+                 for sc, role, cond in wanted}
+        have = self._ours(principal)
+        for ra in have:
+            if ra["name"] not in names:
+                self._unassign_one(ra)
+        held = {ra["name"] for ra in have}
+        for name, (scope, role, cond) in names.items():
+            if name not in held:
+                self._assign(scope, role, principal, cond)
+
+    def _unassign_one(self, ra: dict) -> str:
+        try:
+            self._arm("DELETE", f"{ra['id']}?api-version={AUTH_API}",
+                      f"deleting role assignment {ra['name']}")
+        except CloudError as e:
+            if e.code not in ("RoleAssignmentNotFound", "404"):
+                raise
+        return ra["id"]
+
+    def _unassign(self, principal: str) -> list[str]:
+        """Delete the role assignments hypercli made for ``principal``; returns their ids."""
+        return [self._unassign_one(ra) for ra in self._ours(principal)]
+
+    def _allow_self_delete(self, vm) -> None:
+        """Give the VM's own (system-assigned) identity the custom role ``self-delete``
+        (:data:`ROLES`: read and delete a VM) on that VM only, so that the node watcher can
+        delete it when idle and no node can touch another. Best effort: where the role
+        cannot be defined or assigned, a warning, and such a VM is only powered off when idle
+        (``hyper down``/``hyper gc`` remove it)."""
         principal = getattr(getattr(vm, "identity", None), "principal_id", None)
         if not principal:
             return
-        scope = f"/subscriptions/{self.subscription}/resourceGroups/{rg}"
-        req = HttpRequest("PUT", f"{scope}/providers/Microsoft.Authorization/roleAssignments/"
-                          f"{uuid.uuid5(uuid.NAMESPACE_URL, scope + principal)}"
-                          "?api-version=2022-04-01", json={"properties": {
-                              "roleDefinitionId": f"/subscriptions/{self.subscription}/providers/"
-                              f"Microsoft.Authorization/roleDefinitions/{VM_CONTRIBUTOR}",
-                              "principalId": principal, "principalType": "ServicePrincipal"}})
         try:
-            resp = self.rm.send_request(req)
-            if resp.status_code >= 300 and resp.status_code != 409:  # 409: already there
-                raise HttpResponseError(response=resp)
-        except AzureError as e:
-            log.warning("VM %s cannot delete itself when idle (role assignment refused: %s); "
-                        "it will power off instead", vm.name, e)
+            role = self._roles(["self-delete"], required=False).get("self-delete")
+            if role:
+                self._assign(vm.id, role, principal, None)
+                return
+        except (CredentialsError, CloudError) as e:
+            log.warning("VM %s cannot delete itself when idle (%s); it will power off "
+                        "instead", vm.name, e)
+            return
+        log.warning("VM %s cannot delete itself when idle; it will power off instead",
+                    vm.name)
 
     @staticmethod
     def _quietly(call) -> None:
@@ -638,12 +874,13 @@ class AzureAPI:
         """The cluster's VMs with state (module docstring), zone, addresses. Raises
         CredentialsError, CloudError."""
         out = []
-        for g in self._groups(cluster):
+        for g in self._cluster_groups(cluster):
             with _calls(f"listing VMs of {g.name}"):
                 ips = {p.id.lower(): p.ip_address
                        for p in self.net.public_ip_addresses.list(g.name)}
                 nics = {n.id.lower(): n for n in self.net.network_interfaces.list(g.name)}
-                vms = list(self.compute.virtual_machines.list(g.name, expand="instanceView"))
+                vms = [v for v in self.compute.virtual_machines.list(
+                    g.name, expand="instanceView") if (v.tags or {}).get(TAG_CLUSTER) == cluster]
             for vm in vms:
                 public = private = None
                 for ref in (vm.network_profile.network_interfaces or []
@@ -680,19 +917,31 @@ class AzureAPI:
     def terminate(self, cluster: str, ids: list[str]) -> None:
         """Start deleting the VMs named ``ids`` (no wait; NIC and OS disk go with them)."""
         wanted = set(ids)
-        for g in self._groups(cluster):
+        for g in self._cluster_groups(cluster):
             with _calls(f"deleting VMs of {g.name}"):
                 for vm in self.compute.virtual_machines.list(g.name):
-                    if vm.name in wanted:
+                    if vm.name in wanted and (vm.tags or {}).get(TAG_CLUSTER) == cluster:
                         self.compute.virtual_machines.begin_delete(
                             g.name, vm.name, polling_interval=self.poll)
 
+    def _cluster_groups(self, cluster: str) -> list:
+        """The groups holding the cluster's resources: those hypercli made for it, and the
+        adopted ones its tagged resources are in (as ``SimpleNamespace(name)``)."""
+        from types import SimpleNamespace
+        groups = {g.name.lower(): g for g in self._groups(cluster)}
+        for r in self._tagged(cluster):
+            g = r.id.split("/")[4]
+            groups.setdefault(g.lower(), SimpleNamespace(name=g, location=r.location))
+        return list(groups.values())
+
     def resources(self, cluster: str | None = None) -> list[Resource]:
-        """Every resource in the hyper resource groups of ``cluster`` (all when None), ARM ids,
-        instances first and each group last (it takes the rest along)."""
-        out = []
+        """What the cluster (every hyper cluster when None) holds, ARM ids, instances first:
+        everything in the groups hypercli made for it, each group last (it takes the rest
+        along); in an adopted group only the resources tagged for it, and never the group."""
+        out, owned = [], set()
         for g in self._groups(cluster):
             c = g.tags[TAG_CLUSTER]
+            owned.add(g.name.lower())
             with _calls(f"listing {g.name}"):
                 inner = [Resource(KINDS.get((r.type or "").lower(),
                                             (r.type or "").rsplit("/", 1)[-1]),
@@ -700,17 +949,40 @@ class AzureAPI:
                          for r in self.rm.resources.list_by_resource_group(g.name)]
             inner.sort(key=lambda r: ORDER.index(r.kind) if r.kind in ORDER else len(ORDER))
             out += inner + [Resource("resource_group", g.id, c, g.location or "")]
-        return out
+        loose = [Resource(KINDS.get((r.type or "").lower(), (r.type or "").rsplit("/", 1)[-1]),
+                          r.id, r.tags[TAG_CLUSTER], r.location or "")
+                 for r in self._tagged(cluster) if r.id.split("/")[4].lower() not in owned
+                 and (r.type or "").lower() in KINDS]
+        loose.sort(key=lambda r: ORDER.index(r.kind))
+        return loose + out
 
     def delete(self, resources: list[Resource]) -> list[str]:
-        """Delete the resource groups that hold ``resources`` (ARM ids), waiting for each,
-        after the role assignments of their storage identities (module docstring);
-        a group already gone counts as deleted. Returns ``"<kind> <name>"`` per resource."""
+        """Delete what :meth:`resources` listed: first the role assignments hypercli made
+        for the VMs' own identities and the storage identities; then, in adopted groups,
+        each resource alone in :data:`ORDER` (VMs first, waited for); then the groups
+        hypercli made, waiting for each (a group already gone counts as deleted). A group
+        that is not listed as a ``resource_group`` is never deleted. Returns ``"<kind>
+        <name>"`` per resource."""
         removed = []
-        groups = list(dict.fromkeys(r.id.split("/")[4] for r in resources
-                                    if r.id.count("/") >= 4))
+        groups = [r.id.split("/")[4] for r in resources if r.kind == "resource_group"]
+        owned = {g.lower() for g in groups}
+        for r in resources:
+            if r.kind in ("instance", "identity"):
+                for principal in self._principals(r):
+                    self._unassign(principal)
+        loose = [r for r in resources if r.kind != "resource_group"
+                 and r.id.count("/") >= 4 and r.id.split("/")[4].lower() not in owned]
+        for r in sorted(loose, key=lambda r: ORDER.index(r.kind) if r.kind in ORDER
+                        else len(ORDER)):
+            api = _api_version(next((t for t, k in _TYPES.items() if k == r.kind), ""))
+            with _calls(f"deleting {r}"):
+                try:
+                    self.rm.resources.begin_delete_by_id(
+                        r.id, api_version=api, polling_interval=self.poll).result()
+                except ResourceNotFoundError:
+                    continue
+            removed.append(f"{r.kind} {r.id.rsplit('/', 1)[-1]}")
         for rg in groups:
-            self._unassign(rg)
             with _calls(f"deleting resource group {rg}"):
                 try:
                     self.rm.resource_groups.begin_delete(
@@ -719,8 +991,23 @@ class AzureAPI:
                 except ResourceNotFoundError:
                     continue
             removed += [f"{r.kind} {r.id.rsplit('/', 1)[-1]}" for r in resources
-                        if r.id.split("/")[4] == rg]
+                        if r.id.count("/") >= 4 and r.id.split("/")[4].lower() == rg.lower()]
         return removed
+
+    def _principals(self, r: Resource) -> list[str]:
+        """The principal ids of a VM's system-assigned identity or of a user-assigned
+        identity ([] when it is gone)."""
+        rtype = ("Microsoft.Compute/virtualMachines" if r.kind == "instance"
+                 else "Microsoft.ManagedIdentity/userAssignedIdentities")
+        try:
+            found = self._arm("GET", f"{r.id}?api-version={_api_version(rtype)}",
+                              f"reading {r.id}")
+        except CloudError as e:
+            if e.code in ("ResourceNotFound", "NotFound", "404", "ResourceGroupNotFound"):
+                return []
+            raise
+        p = (found.get("identity") if r.kind == "instance" else found.get("properties")) or {}
+        return [p["principalId"]] if p.get("principalId") else []
 
     def spot_price(self, spec: CloudSpec) -> dict[str, float]:
         """Nothing: Azure's prices come from its Retail Prices API, not these SDKs."""

@@ -10,7 +10,13 @@ Names and tags, the same on every cloud so that ``hyper gc`` finds everything:
 * every resource created for a cluster carries the tags (AWS, Azure) or labels (GCP, where
   ``:`` is not allowed and ``-`` is used instead) ``hyper:cluster`` = cluster name,
   ``hyper:node`` = node name (resources of one node) and ``hyper:owner`` = :func:`owner`;
-* resource names start with ``hyper-<cluster>`` (GCP and Azure need names);
+* resource names start with ``hyper-<cluster>`` (GCP and Azure need names); the names of
+  identities (AWS roles, GCP service accounts, Azure managed identities) also end with
+  :func:`identity_tag`, a hash of the cluster's id in the state file, so that two clusters
+  never share one (names cut to a cloud's length limit, or compared without case, stay
+  apart) and a name made in advance by someone else is not reused: an identity found under
+  the computed name is used only when it is the cluster's own and grants nothing more
+  (:class:`IdentityConflict` otherwise);
 * baked images (``images/packer``) are named ``hyper-node-<variant>-<version>-<stamp>`` with
   tags/labels ``hyper:image`` = ``node``, ``hyper:variant`` = ``cpu``|``gpu`` and
   ``hyper:version`` = the hypercli version; a provider takes the newest one of its variant
@@ -20,6 +26,7 @@ Names and tags, the same on every cloud so that ``hyper gc`` finds everything:
 from __future__ import annotations
 
 import getpass
+import hashlib
 import re
 import socket
 from dataclasses import dataclass, field
@@ -38,6 +45,13 @@ def owner() -> str:
     return re.sub(r"[^a-z0-9_.@-]", "-", text)[:63]
 
 
+def identity_tag(cluster: str, cluster_id: str = "") -> str:
+    """8 hex digits naming a cluster's identities: the SHA-256 of its state-file id
+    (:meth:`hypercli.state.State.cluster_uid`), or of its exact name when it has none (an
+    API used on its own)."""
+    return hashlib.sha256((cluster_id or f"name:{cluster}").encode()).hexdigest()[:8]
+
+
 def label_key(tag: str) -> str:
     """The GCP label key of a tag key (``hyper:cluster`` → ``hyper-cluster``)."""
     return tag.replace(":", "-")
@@ -49,6 +63,12 @@ class CloudError(InfraError):
     def __init__(self, message: str, hint: str | None = None, code: str | None = None):
         super().__init__(message, hint)
         self.code = code
+
+
+class IdentityConflict(UsageError):
+    """An identity of the name hypercli computed for a cluster exists and is not that
+    cluster's own as hypercli would leave it (another trust policy, tags, keys, attached
+    policies or bindings): refused (exit 2) rather than used."""
 
 
 class CapacityError(CloudError):
@@ -92,6 +112,10 @@ class CloudSpec:
         identity: an existing storage identity to use instead of one made for the cluster:
             an instance profile (AWS ``iam_role``), a service account e-mail (GCP
             ``service_account``), a user-assigned managed identity id (Azure ``identity``).
+        cluster_id: the cluster's id in the state file (:func:`identity_tag`).
+        adopt_group: Azure: use ``resource_group`` although hypercli did not make it
+            (``cluster.adopt_group``); hypercli then changes nothing of the group itself
+            and removes only what it made in it.
     """
 
     cluster: str
@@ -111,6 +135,13 @@ class CloudSpec:
     resource_group: str | None = None
     grants: tuple = ()
     identity: str | None = None
+    cluster_id: str = ""
+    adopt_group: bool = False
+
+    @property
+    def tag(self) -> str:
+        """:func:`identity_tag` of this cluster."""
+        return identity_tag(self.cluster, self.cluster_id)
 
 
 @dataclass(frozen=True)
@@ -169,9 +200,12 @@ class Boot:
         user_data: node name → its boot document: a ``#cloud-config`` YAML document
             (:func:`hypercli.providers.cloud_provider.boot_document`) that cloud-init applies
             at first boot — AWS user data, GCP ``user-data`` metadata, Azure custom data. The
-            same on every cloud: it installs the node's own host key (generated here, so the
-            client pins it without trusting a first contact) before sshd starts and the
-            cluster's SSH key, and starts the preemption watcher and the idle watchdog.
+            same on every cloud: it installs the node's own host key before sshd starts
+            (generated here, so the client pins it without trusting a first contact; on GCP,
+            whose metadata is readable with ``compute.instances.get``, made on the node and
+            its public half published, :attr:`CloudAPI.node_host_keys`) and the cluster's
+            SSH key, keeps containers away from the metadata service, and starts the
+            preemption watcher and the idle watchdog.
         ssh_user: the login user the script sets up.
         ssh_public_key: the cluster's public key, OpenSSH one-line form.
     """
@@ -188,6 +222,10 @@ class CloudAPI(Protocol):
 
     #: provider name: "aws", "gcp" or "azure"
     name: str
+    #: True when nodes make their own SSH host key and publish its public half, which
+    #: ``host_key(vm) -> str | None`` (``ssh-ed25519 AAAA...``, None until published) reads
+    #: for the caller to pin (GCP); False or absent: the caller makes the key (Boot)
+    node_host_keys: bool
 
     def check(self) -> str:
         """Whether the credentials work: a one-line description of the account (``account
@@ -202,15 +240,20 @@ class CloudAPI(Protocol):
 
     def identity(self, spec: CloudSpec) -> dict:
         """Create or update, idempotently, the cluster's storage identity scoped to exactly
-        ``spec.grants`` (read on datasets, read/write on the storage prefix); nothing is
-        made when ``spec.identity`` names an existing one. Called by :meth:`prepare`, and
-        again when a later recipe on the same cluster needs more. Returns what the instances
-        are launched with (opaque to the caller).
+        ``spec.grants`` (read on datasets, read/write on each live workflow's prefix; a
+        per-workflow template gives nothing, it says the cloud's storage is used): what it
+        allowed beyond them is taken away. Nothing is made for storage when
+        ``spec.identity`` names an existing one. Called by :meth:`prepare`, and again when a
+        workflow starts on the cluster (``hypercli.cluster.grant``). Identities are named
+        with :func:`identity_tag`. Returns what the instances are launched with (opaque to
+        the caller).
 
         Raises:
             CredentialsError: the caller may not create or bind identities (the message
                 names the missing permission and the recipe key that names an existing
                 identity instead).
+            IdentityConflict: an identity of the computed name exists and is not the
+                cluster's own.
         """
 
     def create(self, spec: CloudSpec, nodes: list[str], boot: Boot,

@@ -5,12 +5,17 @@ provider's (:mod:`hypercli.providers.ssh`).
 ``launch`` (``hyper up``, or ``hyper run`` with no cluster up):
 
 1. the cluster's SSH key (ed25519) is made once, in ``$HYPER_HOME/keys/<cluster>/``;
-2. each new node gets a host key made here; its boot document (cloud-config, which cloud-init
-   runs on all three clouds' stock and baked Ubuntu images) installs that host key before
-   ``sshd`` starts, authorizes the cluster key for root, and starts the node watcher
-   (:mod:`hypercli.node.watch`: preemption notices, idle watchdog). The host key is pinned here
-   as soon as the node's address is known, so the first contact is verified: no
-   trust-on-first-use, and a changed key is refused like on any SSH host;
+2. each new node gets a host key made here (AWS, Azure: their user data is readable only
+   from the node itself and by the account) or, on GCP, makes its own at first boot and
+   publishes the public half in its guest attributes (instance metadata is readable by anyone
+   with ``compute.instances.get``, so no private key goes there); its boot document
+   (:func:`boot_document`, cloud-config, which cloud-init runs on all three clouds' stock and
+   baked Ubuntu images) installs that host key before ``sshd`` starts, authorizes the cluster
+   key for root, keeps containers away from the metadata service (:func:`block_script`) and
+   starts the node watcher (:mod:`hypercli.node.watch`: preemption notices, idle watchdog).
+   The host key is pinned here as soon as the node's address (and, on GCP, its published key)
+   is known, so the first contact is verified: no trust-on-first-use, and a changed key is
+   refused like on any SSH host;
 3. the cloud's shared resources are made (:meth:`CloudAPI.prepare`: key pair, firewall for port
    22 from the caller's address only and for all traffic between the cluster's own nodes),
    the instances are created (zones tried in order on capacity errors), and each node is
@@ -30,6 +35,7 @@ points instances of moto, the AWS stand-in, at its SSH test hosts).
 from __future__ import annotations
 
 import base64
+import gzip
 import json
 import os
 import time
@@ -104,10 +110,76 @@ def host_key(cluster: str, node: str) -> tuple[str, str]:
     return private, public
 
 
-def boot_document(spec: CloudSpec, provider: str, node: str, host_private: str,
-                  host_public: str, cluster_public: str) -> str:
+#: addresses a task's container never reaches on a cloud node (module docstring of
+#: :func:`block_script`): the metadata service of every cloud, and on Azure the WireServer's
+#: HTTP ports (168.63.129.16:80 and :32526, which hand out extension settings; its port 53 is
+#: the VM's DNS and stays open)
+METADATA_IP = "169.254.169.254"
+WIRESERVER = "168.63.129.16"
+
+
+def block_script(provider: str) -> str:
+    """Shell text, run as root at every boot of a cloud node before any container, that keeps
+    containers on bridge networks (docker's and podman's default) away from the cloud's
+    metadata service, so that a task's container cannot take the node's identity token (or,
+    on GCP, write the node's guest attributes); processes of the node itself (the agent,
+    mounts, output pushes, the watcher) still reach it. Two rules, each added once:
+
+    * ``raw PREROUTING``: a packet that *arrives* at the node (not on ``lo``) for the
+      metadata address can only come from a container (or another host) being routed
+      through it, never from the node itself (whose own packets take OUTPUT); dropped before
+      any FORWARD rule that docker or podman add, whatever their order;
+    * ``DOCKER-USER``: docker's documented chain for such rules (docs.docker.com, "Packet
+      filtering and firewalls"), made here when docker has not made it yet.
+
+    On Azure the WireServer's HTTP ports are dropped the same way."""
+    rules = [f"! -i lo -d {METADATA_IP}/32 -j DROP"]
+    if provider == "azure":
+        rules.append(f"! -i lo -d {WIRESERVER}/32 -p tcp -m multiport --dports 80,32526 "
+                     "-j DROP")
+    lines = ["#!/bin/sh", "# hypercli: containers never reach the cloud's metadata service",
+             "command -v iptables >/dev/null || exit 0",
+             "iptables -N DOCKER-USER 2>/dev/null"]
+    for r in rules:
+        lines += [f"iptables -t raw -C PREROUTING {r} 2>/dev/null || "
+                  f"iptables -t raw -I PREROUTING {r}",
+                  f"iptables -C DOCKER-USER {r} 2>/dev/null || iptables -I DOCKER-USER {r}"]
+    return "\n".join(lines) + "\n"
+
+
+#: GCP: the node publishes the public half of the host key it made itself in its guest
+#: attributes (where GCE's guest agent also publishes host keys), which the caller reads with
+#: ``instances.getGuestAttributes`` (:meth:`hypercli.providers.gcp.GCPAPI.host_key`)
+PUBLISH_HOST_KEY = (
+    "#!/bin/sh\nk=$(cut -d' ' -f1,2 /etc/ssh/ssh_host_ed25519_key.pub)\n"
+    "curl -sf --retry 30 --retry-delay 2 --retry-connrefused -X PUT --data \"$k\" "
+    "-H 'Metadata-Flavor: Google' http://169.254.169.254/computeMetadata/v1/instance/"
+    "guest-attributes/hostkeys/ssh-ed25519\n")
+
+
+def reserve_name(cluster: str, node: str) -> None:
+    """Record a node name as used (``keys/<cluster>/hosts/<node>.pub``, empty until the node
+    publishes its host key) so that no later node of the cluster gets it."""
+    d = keys_dir(cluster) / "hosts"
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    (d / f"{node}.pub").touch()
+
+
+def boot_document(spec: CloudSpec, provider: str, node: str, host_private: str | None,
+                  host_public: str | None, cluster_public: str, env: dict | None = None
+                  ) -> str:
     """The node's cloud-config (text starting ``#cloud-config``): host key, root's authorized
-    key, the node watcher and its settings. Fits the smallest user-data limit (AWS: 16 KiB)."""
+    key, the node watcher and its settings, the container rules of :func:`block_script`.
+    Fits the smallest user-data limit (AWS: 16 KiB).
+
+    Args:
+        host_private, host_public: the node's host key made here; both None: the node makes
+            its own at first boot (cloud-init) and publishes the public half
+            (:data:`PUBLISH_HOST_KEY`, GCP), so no private key is ever in the instance's
+            metadata.
+        env: ``NAME=value`` lines for ``/etc/environment`` (Azure: ``AZURE_CLIENT_ID`` of the
+            storage identity, which the node's Azure SDK reads).
+    """
     from hypercli.node import watch
     settings = {"cloud": provider, "cluster": spec.cluster, "node": node,
                 "idle_minutes": spec.idle_minutes}
@@ -116,23 +188,46 @@ def boot_document(spec: CloudSpec, provider: str, node: str, host_private: str,
             "ExecStart=/usr/bin/python3 /usr/local/lib/hyper/watch.py --config "
             "/etc/hyper/node.json\nRestart=always\nRestartSec=5\n"
             "[Install]\nWantedBy=multi-user.target\n")
+    block = ("[Unit]\nDescription=hypercli: containers never reach the metadata service\n"
+             "DefaultDependencies=no\nBefore=docker.service podman.service network-pre.target\n"
+             "Wants=network-pre.target\n[Service]\nType=oneshot\n"
+             "ExecStart=/bin/sh /usr/local/lib/hyper/block-metadata.sh\n"
+             "[Install]\nWantedBy=multi-user.target\n")
     doc = {
         "disable_root": False,
         "ssh_pwauth": False,
         "ssh_deletekeys": True,
-        "ssh_genkeytypes": [],
-        "ssh_keys": {"ed25519_private": host_private, "ed25519_public": host_public},
-        "write_files": [
-            {"path": "/root/.ssh/authorized_keys", "permissions": "0600",
-             "content": cluster_public + "\n"},
-            {"path": "/etc/hyper/node.json", "content": json.dumps(settings) + "\n"},
-            {"path": "/usr/local/lib/hyper/watch.py", "encoding": "b64",
-             "content": base64.b64encode(Path(watch.__file__).read_bytes()).decode()},
-            {"path": "/etc/systemd/system/hyper-watch.service", "content": unit},
-        ],
-        "runcmd": [["systemctl", "daemon-reload"],
-                   ["systemctl", "enable", "--now", "hyper-watch.service"]],
     }
+    if host_private:
+        doc["ssh_genkeytypes"] = []
+        doc["ssh_keys"] = {"ed25519_private": host_private, "ed25519_public": host_public}
+    else:
+        doc["ssh_genkeytypes"] = ["ed25519"]
+    files = [
+        {"path": "/root/.ssh/authorized_keys", "permissions": "0600",
+         "content": cluster_public + "\n"},
+        {"path": "/etc/hyper/node.json", "content": json.dumps(settings) + "\n"},
+        {"path": "/usr/local/lib/hyper/watch.py", "encoding": "gz+b64",  # cloud-init's
+         "content": base64.b64encode(gzip.compress(Path(watch.__file__).read_bytes(),
+                                                   mtime=0)).decode()},
+        {"path": "/etc/systemd/system/hyper-watch.service", "content": unit},
+        {"path": "/usr/local/lib/hyper/block-metadata.sh", "permissions": "0755",
+         "content": block_script(provider)},
+        {"path": "/etc/systemd/system/hyper-block-metadata.service", "content": block},
+    ]
+    if env:
+        files.append({"path": "/etc/environment", "append": True,
+                      "content": "".join(f"{k}={v}\n" for k, v in sorted(env.items()))})
+    runcmd = [["sh", "/usr/local/lib/hyper/block-metadata.sh"],
+              ["systemctl", "daemon-reload"],
+              ["systemctl", "enable", "hyper-block-metadata.service"],
+              ["systemctl", "enable", "--now", "hyper-watch.service"]]
+    if not host_private:
+        files.append({"path": "/usr/local/lib/hyper/publish-hostkey.sh",
+                      "permissions": "0755", "content": PUBLISH_HOST_KEY})
+        runcmd.append(["sh", "/usr/local/lib/hyper/publish-hostkey.sh"])
+    doc["write_files"] = files
+    doc["runcmd"] = runcmd
     return "#cloud-config\n" + yaml.safe_dump(doc, sort_keys=False)
 
 
@@ -171,7 +266,8 @@ def cloud_spec(spec: ClusterSpec, count: int | None = None) -> CloudSpec:
         replace_preempted=o.get("replace_preempted", o.get("spot", True)),
         project=o.get("project"), resource_group=o.get("resource_group"),
         grants=tuple(spec.grants),
-        identity=o.get("iam_role") or o.get("service_account") or o.get("identity"))
+        identity=o.get("iam_role") or o.get("service_account") or o.get("identity"),
+        adopt_group=bool(o.get("adopt_group")))
 
 
 def seam_addresses() -> dict:
@@ -253,6 +349,13 @@ class CloudProvider(SSHProvider):
         self.options = dict(options or {})
         self._api = api
 
+    @staticmethod
+    def cloud_spec(spec: ClusterSpec) -> CloudSpec:
+        """:func:`cloud_spec` with the cluster's id from the state file (made on first use:
+        the identities' names carry its hash, :func:`hypercli.providers.cloud.identity_tag`)."""
+        cs = cloud_spec(spec)
+        return replace(cs, cluster_id=S.State().cluster_uid(cs.cluster))
+
     def api(self, options: dict | None = None) -> CloudAPI:
         if self._api is None:
             self._api = make_api(self.name, options if options is not None else self.options)
@@ -262,7 +365,7 @@ class CloudProvider(SSHProvider):
     def plan(self, spec: ClusterSpec) -> dict:
         """What ``launch`` would do, for ``hyper up --dry-run``: nodes there and to create,
         and a price estimate. Raises CredentialsError / CloudError."""
-        cs = cloud_spec(spec)
+        cs = self.cloud_spec(spec)
         api = self.api(spec.options)
         live = [v for v in api.describe(cs.cluster) if v.state in ("pending", "running")]
         prices = api.spot_price(cs)
@@ -274,7 +377,7 @@ class CloudProvider(SSHProvider):
                 "cost_per_hour": None if best is None else round(best * cs.count, 4)}
 
     def launch(self, spec: ClusterSpec) -> LaunchResult:
-        cs = cloud_spec(spec)
+        cs = self.cloud_spec(spec)
         if not cs.instance_type:
             raise UsageError(f"provider {self.name} needs cluster.instance_type",
                              "e.g. instance_type: m5.large (aws), e2-standard-4 (gcp), "
@@ -287,14 +390,20 @@ class CloudProvider(SSHProvider):
         live = [v for v in api.describe(cs.cluster) if v.state in ("pending", "running")]
         errors: dict[str, Exception] = {}
         new_nodes = self._new_names(cs, live)
-        if not new_nodes and cs.grants:
-            api.identity(cs)  # a later recipe on the cluster may need more storage
+        if not new_nodes:
+            api.identity(cs)  # a later recipe on the cluster may need other storage
         if new_nodes:
             prepared = api.prepare(cs, public)
             docs = {}
+            own_keys = getattr(api, "node_host_keys", False)
             for node in new_nodes:
-                private, host_public = host_key(cs.cluster, node)
-                docs[node] = boot_document(cs, self.name, node, private, host_public, public)
+                if own_keys:  # the node makes its own and publishes the public half
+                    private = host_public = None
+                    reserve_name(cs.cluster, node)
+                else:
+                    private, host_public = host_key(cs.cluster, node)
+                docs[node] = boot_document(cs, self.name, node, private, host_public, public,
+                                           prepared.get("node_env"))
             created, failed = api.create(cs, new_nodes, Boot(docs, SSH_USER, public), prepared)
             errors.update(failed)
             live += created
@@ -304,10 +413,9 @@ class CloudProvider(SSHProvider):
 
     def grant(self, spec: ClusterSpec) -> None:
         """Give the nodes of an up cluster the storage ``spec.grants`` asks (``hyper run
-        --cluster``). Raises CredentialsError / CloudError."""
-        cs = cloud_spec(spec)
-        if cs.grants:
-            self.api(spec.options).identity(cs)
+        --cluster``, and each workflow's start: ``hypercli.cluster.grant``): exactly those,
+        what it had beyond them is taken away. Raises CredentialsError / CloudError."""
+        self.api(spec.options).identity(self.cloud_spec(spec))
 
     def _new_names(self, cs: CloudSpec, live: list[VM]) -> list[str]:
         """Names for the nodes to create: never one the cluster had before (a replacement
@@ -338,6 +446,8 @@ class CloudProvider(SSHProvider):
                 time.sleep(DESCRIBE_EVERY)
                 vm = next((v for v in self.api().describe(cs.cluster) if v.id == vm.id),
                           replace(vm, state="terminated"))
+            if getattr(self.api(), "node_host_keys", False):
+                self._published_key(cs.cluster, vm, deadline)
             last: Exception | None = None
             while time.monotonic() < deadline:
                 target = self._target(vm, key_path)
@@ -372,8 +482,29 @@ class CloudProvider(SSHProvider):
 
     def _pin(self, cluster: str, node: str, target: Target) -> None:
         pub = keys_dir(cluster) / "hosts" / f"{node}.pub"
-        if pub.exists():
-            self.known_hosts(cluster).pin(target.host, target.port, pub.read_text().strip())
+        key = pub.read_text().strip() if pub.exists() else ""
+        if key:
+            self.known_hosts(cluster).pin(target.host, target.port, key)
+
+    def _published_key(self, cluster: str, vm: VM, deadline: float) -> None:
+        """Wait for the host key a node made itself and published through its cloud
+        (:meth:`hypercli.providers.gcp.GCPAPI.host_key`), and keep it to be pinned. Raises
+        NodeError when none is there by ``deadline``. A key already kept is not asked again:
+        the first one published is the one pinned."""
+        pub = keys_dir(cluster) / "hosts" / f"{vm.node}.pub"
+        if pub.exists() and pub.read_text().strip():
+            return
+        while True:
+            key = self.api().host_key(vm)
+            if key:
+                d = keys_dir(cluster) / "hosts"
+                d.mkdir(parents=True, exist_ok=True, mode=0o700)
+                (d / f"{vm.node}.pub").write_text(f"{key} hyper-{vm.node}\n")
+                return
+            if time.monotonic() > deadline:
+                raise NodeError(vm.node, f"instance {vm.id} published no SSH host key within "
+                                f"{BOOT_TIMEOUT:.0f} s")
+            time.sleep(DESCRIBE_EVERY)
 
     def replacement(self, node: dict) -> ClusterSpec | None:
         """The cluster spec to launch again after ``node`` was preempted or terminated: its

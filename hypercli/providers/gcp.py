@@ -15,13 +15,15 @@ What a cluster gets (the tags of :mod:`hypercli.providers.cloud` as GCP labels, 
   ``hyper-cluster``, ``hyper-node``, ``hyper-owner`` (the exact names are also kept in metadata
   ``hyper-cluster`` / ``hyper-node``), SPOT with ``instanceTerminationAction: DELETE`` (or
   STANDARD), an ephemeral external IP, a boot disk of ``disk_gb`` GiB deleted with the
-  instance and labelled like it, the project's default service account with the compute scope
-  (the node watcher deletes its own idle instance with it) or, when the recipe uses ``gs://``
-  storage, the cluster's storage service account (below), and metadata ``ssh-keys`` =
-  ``<ssh_user>:<public key>`` plus the boot document: a cloud-config (text starting
-  ``#cloud-config``, what :mod:`hypercli.providers.cloud_provider` makes) goes to
-  ``user-data``, which cloud-init reads on GCE; a shell script goes to ``startup-script``,
-  which the guest agent runs as root at every boot.
+  instance and labelled like it, running as **its own service account** (below, whatever the
+  storage: never the project's default account, which in many projects holds Editor), and
+  metadata ``ssh-keys`` = ``<ssh_user>:<public key>``, ``enable-guest-attributes`` and the boot
+  document: a cloud-config (text starting ``#cloud-config``, what
+  :mod:`hypercli.providers.cloud_provider` makes) goes to ``user-data``, which cloud-init reads
+  on GCE; a shell script goes to ``startup-script``, which the guest agent runs as root at
+  every boot. The cloud-config carries no host private key: the node makes its own at first
+  boot and publishes the public half in its guest attributes (``hostkeys/ssh-ed25519``), which
+  :meth:`GCPAPI.host_key` reads for the caller to pin.
 
 Zones are tried in ``zones`` order (default: the region's zones in the API's order) while the
 insert operation ends in ``ZONE_RESOURCE_POOL_EXHAUSTED`` (or ``..._WITH_DETAILS``, or says
@@ -41,29 +43,48 @@ Prices: the Compute API has none (they are in the Cloud Billing Catalog API, ano
 service), so :meth:`GCPAPI.spot_price` returns ``{}``; ``max_price`` has no GCE equivalent
 (a SPOT instance has no bid) and is not used.
 
-Storage identity: when the recipe's ``storage`` / ``mounts`` name ``gs://`` buckets
-(``spec.grants``), :meth:`GCPAPI.identity` makes a service account ``hyper-<cluster>`` (its
-description carries ``hyper:cluster=<cluster>``; IAM service accounts take no labels) and binds
-it on each of those buckets only (``buckets.setIamPolicy``, policy ``version: 3``):
-``roles/storage.objectViewer`` for a read grant, ``roles/storage.objectUser`` for a read/write
-one, each with an IAM Condition titled ``hyper-<cluster>`` that limits it to the grant's prefix
-(``resource.name.startsWith("projects/_/buckets/B/objects/PREFIX/")``, or the bucket itself
-when its object listing asks for that prefix, ``storage.googleapis.com/objectListPrefix``);
-a whole-bucket grant has no condition. Conditions need uniform bucket-level access on the
-bucket. Bindings are only added (a later recipe on the cluster may need more; nothing a
-running task uses is taken away); :meth:`GCPAPI.delete` of the service account removes its
-bindings from every bucket it was bound on (kept in the account's description) and then the
-account. The nodes run as that account with the scopes ``compute`` and
-``devstorage.read_write``; the bucket bindings, not the scope, decide what they may touch.
-The account's only Compute permission is ``roles/compute.instanceAdmin.v1`` on each of the
-cluster's own instances (instance-level IAM policy, set after the insert), which the node's
-idle watchdog uses to delete its own instance.
-With ``cluster.service_account`` set nothing is made or bound: the nodes run as that account
+Identities: every node runs as a service account of its own,
+``hyper-<cluster>-<tag>-<n>`` (:func:`account_id`: the cluster name cut to fit the 30
+characters of an account id, :func:`~hypercli.providers.cloud.identity_tag` of the cluster's
+id, the node's number), whose description says ``hyper:cluster=<cluster>
+hyper:cluster-id=<tag> hyper:node=<node> buckets=...`` (IAM service accounts take no labels).
+One account per node, because IAM cannot bind a right to "the caller's own instance": with one
+account for the cluster, a binding on each instance would let every node act on every other.
+Each account may do two things:
+
+* **delete its own instance** (the idle watchdog): the project's custom role
+  ``hyperNodeSelfDelete`` (:data:`SELF_DELETE_PERMISSIONS`: ``compute.instances.get`` and
+  ``compute.instances.delete``, nothing else: not setLabels, setMetadata, stop or reset),
+  made once per project and kept (it grants nothing by itself), bound on that instance only
+  (instance-level IAM policy, set after the insert). Where the caller may not make the role or
+  set the policy, a warning says so and the node is only powered off when idle;
+* **the cluster's storage** (``spec.grants``, :mod:`hypercli.recipe.access`): bucket-level IAM
+  bindings on exactly those buckets (``buckets.setIamPolicy``, policy ``version: 3``):
+  ``roles/storage.objectViewer`` for a read grant, ``roles/storage.objectUser`` for a
+  read/write one, each with an IAM Condition titled ``hyper-<cluster>-<tag>`` that limits it to
+  the grant's prefix (``resource.name.startsWith("projects/_/buckets/B/objects/PREFIX/")``,
+  or the bucket itself when its object listing asks for that prefix,
+  ``storage.googleapis.com/objectListPrefix``); a whole-bucket grant has no condition.
+  Conditions need uniform bucket-level access on the bucket. The bindings of the cluster's
+  accounts are set to exactly the grants each time (a grant left out, such as an ended
+  workflow's prefix, is taken away; others' bindings are never touched).
+
+The nodes' scopes are ``compute`` and ``devstorage.read_write``; the bindings, not the scopes,
+decide what they may touch. An account found under a computed name is used only when its
+description names this cluster and node, it has no user-managed key and nobody may act as it
+(its own IAM policy is empty): :class:`~hypercli.providers.cloud.IdentityConflict` otherwise.
+:meth:`GCPAPI.delete` of an account removes its bindings from every bucket it was bound on
+(listed in its description) and then the account; the accounts of nodes that are gone are
+removed at the next launch into the cluster. ``down`` and ``gc`` find a cluster's instances by
+their labels and also by what a node cannot change on itself: the instance name's prefix and
+the account it runs as (:meth:`GCPAPI.resources`).
+With ``cluster.service_account`` set nothing is made or bound: every node runs as that account
 (it must already be allowed the buckets; the caller needs ``iam.serviceAccounts.actAs`` on
-it). With no ``gs://`` grant the nodes keep the project's default service account, compute
-scope only. A caller refused ``iam.serviceAccounts.create`` or
-``storage.buckets.setIamPolicy`` gets a :class:`CredentialsError` naming that permission and
-``cluster.service_account``, before any instance is made.
+it), and no self-deletion is bound (one account for all nodes: each could delete the others);
+idle nodes power off. A caller refused ``iam.serviceAccounts.create`` or
+``storage.buckets.setIamPolicy`` (``testIamPermissions`` asked first) gets a
+:class:`CredentialsError` naming that permission and ``cluster.service_account``, before any
+instance or firewall rule is made.
 
 Credentials: Google application default credentials (``google.auth.default()``); the project is
 the ``project`` argument, else the credentials' project, else ``GOOGLE_CLOUD_PROJECT``.
@@ -74,6 +95,7 @@ Test seam: ``HYPER_GCP_ENDPOINT`` (``http://127.0.0.1:PORT``) is given to every 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
@@ -93,7 +115,9 @@ from google.cloud import compute_v1
 from hypercli.errors import UsageError
 from hypercli.providers.cloud import (TAG_CLUSTER, TAG_IMAGE, TAG_NODE, TAG_OWNER, TAG_VARIANT,
                                       VM, Boot, CapacityError, CloudError, CloudSpec,
-                                      CredentialsError, QuotaError, Resource, label_key, owner)
+                                      CredentialsError, IdentityConflict, QuotaError, Resource,
+                                      label_key, owner)
+from hypercli.recipe.access import rights
 
 log = logging.getLogger("hypercli")
 
@@ -109,10 +133,15 @@ CALLER_SCOPES = ["https://www.googleapis.com/auth/cloud-platform"]
 IAM_URL, STORAGE_URL = "https://iam.googleapis.com", "https://storage.googleapis.com"
 #: bucket roles of a read grant and of a read/write grant
 READ_ROLE, WRITE_ROLE = "roles/storage.objectViewer", "roles/storage.objectUser"
-#: the cluster service account's role on each of its own instances (idle self-deletion)
-INSTANCE_ROLE = "roles/compute.instanceAdmin.v1"
-#: what making a cluster's service account asks of the caller, project-wide
+#: the project's custom role a node's account holds on its own instance (idle self-deletion)
+SELF_DELETE_ROLE = "hyperNodeSelfDelete"
+SELF_DELETE_PERMISSIONS = ["compute.instances.delete", "compute.instances.get"]
+#: what making the nodes' service accounts asks of the caller, project-wide
 IDENTITY_PERMISSIONS = ("iam.serviceAccounts.create", "iam.serviceAccounts.actAs")
+#: s that an insert is retried while Compute Engine does not know a new service account yet
+#: (IAM is eventually consistent: "it might take up to 60 seconds" for a new account to be
+#: usable, cloud.google.com/iam/docs/service-accounts-create)
+ACCOUNT_WAIT = 90.0
 IDENTITY_HINT = ("or name an existing service account that may use the buckets in the "
                  "recipe: cluster.service_account: NAME@PROJECT.iam.gserviceaccount.com")
 #: operation error codes (cloud.google.com/compute/docs/troubleshooting/troubleshooting-vm-creation)
@@ -232,34 +261,59 @@ def _last(link: str) -> str:
     return link.rstrip("/").rsplit("/", 1)[-1]
 
 
-def _sa_description(cluster: str, buckets: list[str]) -> str:
-    """A cluster service account's description: its cluster and the buckets it is bound on
-    (what :meth:`GCPAPI.delete` unbinds). At most 256 characters, the API's limit."""
-    return f"{TAG_CLUSTER}={cluster} buckets={','.join(buckets)}"[:256]
+def account_id(spec: CloudSpec, node: str) -> str:
+    """The service account id of one node (module docstring): ``hyper-<cluster>-<tag>-<n>``,
+    ``<n>`` the node's number (``<cluster>-<n>``; a hash of the name for any other), the
+    cluster's name cut so that the id fits 30 characters, the API's limit."""
+    rest = node[len(spec.cluster) + 1:] if node.startswith(spec.cluster + "-") else ""
+    n = rest if rest.isdigit() and len(rest) <= 5 else \
+        hashlib.sha256(node.encode()).hexdigest()[:5]
+    room = 30 - len(f"hyper--{spec.tag}-{n}")
+    slug = gce_name(spec.cluster)[:room].rstrip("-") or "c"
+    return f"hyper-{slug}-{spec.tag}-{n}"
+
+
+def _sa_description(cluster: str, tag: str, node: str, buckets: list[str]) -> str:
+    """A node's service account's description: its cluster, the cluster's identity tag, its
+    node and the buckets it is bound on (what :meth:`GCPAPI.delete` unbinds). At most 256
+    characters, the API's limit."""
+    return (f"{TAG_CLUSTER}={cluster} hyper:cluster-id={tag} {TAG_NODE}={node} "
+            f"buckets={','.join(buckets)}")[:256]
+
+
+def _sa_field(description: str, key: str) -> str | None:
+    m = re.search(rf"(?:^| ){re.escape(key)}=(\S*)", description or "")
+    return m[1] if m else None
 
 
 def _sa_buckets(description: str) -> list[str]:
-    m = re.search(r"buckets=(\S*)", description or "")
-    return [b for b in (m[1].split(",") if m else []) if b]
+    return [b for b in (_sa_field(description, "buckets") or "").split(",") if b]
+
+
+def _bindings_key(bindings: list[dict]) -> list:
+    """A policy's bindings in a form to compare (member order left out)."""
+    import json
+    return sorted(json.dumps(dict(b, members=sorted(b.get("members", []))), sort_keys=True)
+                  for b in bindings)
 
 
 def _cel(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def bucket_bindings(bucket: str, grants: list, cluster: str) -> list[dict]:
+def bucket_bindings(bucket: str, grants: list, cluster: str, tag: str = "") -> list[dict]:
     """The IAM bindings (without members) that give one bucket's ``grants``
     (:class:`hypercli.recipe.access.Grant`, all of ``bucket``): ``roles/storage.objectViewer``
     per read grant, ``roles/storage.objectUser`` per read/write grant; a grant with a prefix
-    gets a condition titled ``hyper-<cluster>`` allowing the objects under ``prefix/`` and
-    listing the bucket with that prefix (module docstring)."""
+    gets a condition titled ``hyper-<cluster>-<tag>`` allowing the objects under ``prefix/``
+    and listing the bucket with that prefix (module docstring)."""
     out = []
-    for g in sorted(grants):
+    for g in sorted(rights(grants)):
         b = {"role": WRITE_ROLE if g.write else READ_ROLE}
         if g.prefix:
             p = g.prefix + "/"
             b["condition"] = {
-                "title": gce_name(f"hyper-{cluster}"),
+                "title": gce_name(f"hyper-{cluster}" + (f"-{tag}" if tag else "")),
                 "description": f"{'read/write' if g.write else 'read'} gs://{bucket}/{p}",
                 "expression": (
                     f"resource.name.startsWith({_cel(f'projects/_/buckets/{bucket}/objects/{p}')})"
@@ -280,6 +334,8 @@ class GCPAPI:
     """
 
     name = "gcp"
+    #: nodes make their own SSH host key and publish it (:meth:`host_key`)
+    node_host_keys = True
 
     def __init__(self, project: str | None, region: str, credentials=None):
         self.region = region
@@ -413,9 +469,9 @@ class GCPAPI:
 
         Returns:
             ``{"firewall": SSH rule name, "internal_firewall": internal rule name,
-            "network_tag": tag, "service_account", "scopes"}`` (the last two from
-            :meth:`identity`, made first: a caller who may not make it gets its
-            CredentialsError before anything else exists) for :meth:`create`.
+            "network_tag": tag}`` and what :meth:`identity` returned (asked first: a caller
+            who may not make the nodes' accounts gets its CredentialsError before anything
+            else exists) for :meth:`create`.
         Raises:
             UsageError: ``spec.ssh_cidr`` is not set. CredentialsError, CloudError.
         """
@@ -467,12 +523,6 @@ class GCPAPI:
     def _base(self, real: str) -> str:
         return (self.endpoint or real).rstrip("/")
 
-    def service_account_email(self, cluster: str) -> str:
-        """The e-mail of the cluster's own service account: ``hyper-<cluster>`` made a valid
-        account id (6 to 30 characters) ``@<project>.iam.gserviceaccount.com``."""
-        sid = gce_name(f"hyper-{cluster}")[:30].rstrip("-")
-        return f"{sid.ljust(6, '0')}@{self.project}.iam.gserviceaccount.com"
-
     def _denied(self, e: CloudError, permission: str, where: str) -> None:
         if e.code == "forbidden":
             raise CredentialsError(
@@ -481,110 +531,181 @@ class GCPAPI:
                 f"roles/storage.admin on the bucket), {IDENTITY_HINT}") from None
 
     def identity(self, spec: CloudSpec) -> dict:
-        """Make or update, idempotently, the cluster's storage identity (module docstring,
-        "Storage identity"): the service account ``hyper-<cluster>`` bound on exactly the
-        ``gs`` buckets of ``spec.grants``, each binding limited to its grant's prefix.
+        """Set, idempotently, the storage bindings of the cluster's nodes' accounts to exactly
+        the ``gs`` grants of ``spec.grants`` (module docstring, "Identities"), after asking
+        whether the caller may make the nodes' accounts and bind them on those buckets.
 
         Returns:
-            ``{"service_account": e-mail or "default", "scopes": [scope URLs]}`` for the
-            instances, and ``"own_account": True`` when the account is the cluster's own
-            (:meth:`create` then binds it on each new instance, so that the node's idle
-            watchdog may delete its own instance).
+            ``{"own_accounts": True, "scopes": [...]}`` (:meth:`create` makes an account per
+            node and binds it), or, with ``cluster.service_account``, ``{"service_account":
+            e-mail, "scopes": [...]}``.
         Raises:
-            CredentialsError: the caller may not create the service account
+            CredentialsError: the caller may not create service accounts
                 (``iam.serviceAccounts.create``) or set a bucket's IAM policy
                 (``storage.buckets.setIamPolicy``); the message names the permission and
                 ``cluster.service_account``.
             CloudError: other API failures (e.g. a bucket that does not exist).
         """
-        grants = [g for g in spec.grants if g.scheme == "gs"]
+        scopes = SCOPES + [STORAGE_SCOPE]
         if spec.identity:
-            return {"service_account": spec.identity, "scopes": SCOPES + [STORAGE_SCOPE]}
-        if not grants:
-            return {"service_account": "default", "scopes": SCOPES}
-        buckets = sorted({g.bucket for g in grants})
-        email = self._service_account(spec.cluster, buckets)
-        for bucket in buckets:
-            self._bind(bucket, f"serviceAccount:{email}", spec.cluster,
-                       [g for g in grants if g.bucket == bucket])
-        return {"service_account": email, "scopes": SCOPES + [STORAGE_SCOPE],
-                "own_account": True}
+            return {"service_account": spec.identity, "scopes": scopes}
+        self._preflight(spec)
+        self._set_bindings(spec, self._accounts(spec.cluster))
+        return {"own_accounts": True, "scopes": scopes}
+
+    def _preflight(self, spec: CloudSpec) -> None:
+        """CredentialsError unless the caller may make service accounts and set the IAM
+        policy of each bucket of ``spec.grants`` (``testIamPermissions``: nothing is made
+        before it is known that all can be)."""
+        url = (f"{self._base('https://cloudresourcemanager.googleapis.com')}/v1/projects/"
+               f"{self.project}:testIamPermissions")
+        have = set(self._rest("POST", url, "testing the caller's IAM permissions",
+                              {"permissions": list(IDENTITY_PERMISSIONS)})
+                   .get("permissions") or [])
+        for perm in IDENTITY_PERMISSIONS:
+            if perm not in have:
+                self._denied(CloudError("refused", code="forbidden"), perm,
+                             "create the nodes' service accounts")
+        for bucket in sorted({g.bucket for g in rights(spec.grants) if g.scheme == "gs"}):
+            got = self._rest("GET", f"{self._policy_url(bucket)}/testPermissions?permissions="
+                             "storage.buckets.setIamPolicy",
+                             f"testing the caller's permissions on bucket {bucket}")
+            if "storage.buckets.setIamPolicy" not in (got.get("permissions") or []):
+                self._denied(CloudError("refused", code="forbidden"),
+                             "storage.buckets.setIamPolicy",
+                             f"set the IAM policy of bucket {bucket}")
 
     def _sa_url(self, email: str = "") -> str:
         url = f"{self._base(IAM_URL)}/v1/projects/{self.project}/serviceAccounts"
         return f"{url}/{email}" if email else url
 
-    def _service_account(self, cluster: str, buckets: list[str]) -> str:
-        """Create (or find) the cluster's service account; its description lists the
-        buckets it is bound on (merged with those already listed). Returns its e-mail."""
-        email = self.service_account_email(cluster)
+    def _email(self, aid: str) -> str:
+        return f"{aid}@{self.project}.iam.gserviceaccount.com"
+
+    def _accounts(self, cluster: str) -> dict[str, dict]:
+        """The cluster's nodes' service accounts: e-mail → the account (IAM's JSON)."""
+        return {a["email"]: a for a in self._account_list() if
+                _sa_field(a.get("description"), TAG_CLUSTER) == cluster}
+
+    def _node_account(self, spec: CloudSpec, node: str) -> tuple[str, dict]:
+        """Create (or find, when it is this node's own) the service account of ``node``;
+        returns (e-mail, the account). Raises CredentialsError, IdentityConflict,
+        CloudError."""
+        aid = account_id(spec, node)
+        email = self._email(aid)
         try:
-            found = self._rest("GET", self._sa_url(email), f"reading {email}")
+            made = self._rest("POST", self._sa_url(), f"creating the service account {email}", {
+                "accountId": aid,
+                "serviceAccount": {"displayName": f"hypercli node {node}"[:100],
+                                   "description": _sa_description(spec.cluster, spec.tag,
+                                                                  node, [])}})
+            return email, made
         except CloudError as e:
-            if e.code not in (NOT_FOUND, "forbidden"):
-                raise
-            found = None
-        if found is not None:
-            known = _sa_buckets(found.get("description", ""))
-            if set(buckets) <= set(known):
-                return email
-            try:
-                self._rest("PATCH", self._sa_url(email), f"updating {email}", {
-                    "serviceAccount": {"description": _sa_description(
-                        cluster, sorted(set(known) | set(buckets)))},
-                    "updateMask": "description"})
-            except CloudError as e:
-                self._denied(e, "iam.serviceAccounts.update",
-                             f"update the service account {email}")
-                raise
-            return email
-        try:
-            self._rest("POST", self._sa_url(), f"creating the service account {email}", {
-                "accountId": email.split("@")[0],
-                "serviceAccount": {"displayName": f"hypercli cluster {cluster}"[:100],
-                                   "description": _sa_description(cluster, buckets)}})
-        except CloudError as e:
-            self._denied(e, "iam.serviceAccounts.create",
-                         f"create the service account {email}")
+            self._denied(e, "iam.serviceAccounts.create", f"create the service account {email}")
             if e.code != "alreadyExists":
                 raise
-        return email
+        return email, self._check_account(spec, node, email)
+
+    def _check_account(self, spec: CloudSpec, node: str, email: str) -> dict:
+        """The account found under a node's computed name, when it is that node's own as
+        hypercli leaves it (module docstring). Raises IdentityConflict otherwise."""
+        found = self._rest("GET", self._sa_url(email), f"reading {email}")
+        desc = found.get("description") or ""
+        why = []
+        if (_sa_field(desc, TAG_CLUSTER), _sa_field(desc, "hyper:cluster-id"),
+                _sa_field(desc, TAG_NODE)) != (spec.cluster, spec.tag, node):
+            why.append(f"its description does not name cluster {spec.cluster} and node "
+                       f"{node}")
+        keys = self._rest("GET", f"{self._sa_url(email)}/keys?keyTypes=USER_MANAGED",
+                          f"listing the keys of {email}").get("keys") or []
+        if keys:
+            why.append(f"it has {len(keys)} user-managed key(s)")
+        policy = self._rest("POST", f"{self._sa_url(email)}:getIamPolicy",
+                            f"reading who may act as {email}", {})
+        if policy.get("bindings"):
+            why.append("others may act as it: " + ", ".join(
+                f"{b.get('role')} {m}" for b in policy["bindings"] for m in b.get("members", [])))
+        if why:
+            raise IdentityConflict(
+                f"a service account {email} exists and is not node {node}'s own: "
+                + "; ".join(why),
+                "delete it if it is left from an old cluster, or name the account the nodes "
+                "should run as: cluster.service_account: NAME@PROJECT.iam.gserviceaccount.com")
+        return found
+
+    def _set_bindings(self, spec: CloudSpec, accounts: dict[str, dict]) -> None:
+        """Bind the accounts (e-mail → account) on exactly the ``gs`` grants of
+        ``spec.grants``: on each bucket wanted or bound before (the accounts' descriptions),
+        take the accounts out of every binding, then add them to the wanted ones; the
+        accounts' descriptions list the buckets they are bound on (written first, so that a
+        bucket is never bound unrecorded)."""
+        grants = [g for g in rights(spec.grants) if g.scheme == "gs"]
+        wanted = sorted({g.bucket for g in grants})
+        before = sorted({b for a in accounts.values()
+                         for b in _sa_buckets(a.get("description", ""))})
+        members = {f"serviceAccount:{e}" for e in accounts}
+        if not members:
+            return
+        for email, acct in accounts.items():
+            listed = _sa_buckets(acct.get("description", ""))
+            if set(wanted) - set(listed):
+                desc = acct.get("description", "")
+                new = _sa_description(spec.cluster, spec.tag, _sa_field(desc, TAG_NODE) or "",
+                                      sorted(set(listed) | set(wanted)))
+                try:
+                    self._rest("PATCH", self._sa_url(email), f"updating {email}", {
+                        "serviceAccount": {"description": new}, "updateMask": "description"})
+                except CloudError as e:
+                    self._denied(e, "iam.serviceAccounts.update", f"update {email}")
+                    raise
+                acct["description"] = new
+        for bucket in sorted(set(wanted) | set(before)):
+            self._bind(bucket, members, spec, [g for g in grants if g.bucket == bucket])
 
     def _policy_url(self, bucket: str) -> str:
         return f"{self._base(STORAGE_URL)}/storage/v1/b/{bucket}/iam"
 
-    def _bind(self, bucket: str, member: str, cluster: str, grants: list) -> None:
-        """Add ``member``'s bindings for ``grants`` (of one bucket) to its IAM policy
-        (version 3, read-modify-write with the policy's etag); nothing is sent when every
-        binding is there already."""
+    def _bind(self, bucket: str, members: set, spec: CloudSpec, grants: list) -> None:
+        """Set ``members``' bindings on one bucket to ``grants`` (read-modify-write with the
+        policy's etag, version 3); nothing is sent when they are so already; a bucket gone is
+        skipped when nothing is wanted on it."""
         for attempt in range(3):  # 412: someone else changed the policy in between
             try:
-                return self._bind_once(bucket, member, cluster, grants)
+                return self._bind_once(bucket, members, spec, grants)
             except CloudError as e:
                 if e.code != "412" or attempt == 2:
                     raise
 
-    def _bind_once(self, bucket: str, member: str, cluster: str, grants: list) -> None:
+    def _bind_once(self, bucket: str, members: set, spec: CloudSpec, grants: list) -> None:
         what = f"setting the IAM policy of bucket {bucket}"
         try:
             policy = self._rest("GET", self._policy_url(bucket) +
                                 "?optionsRequestedPolicyVersion=3",
                                 f"reading the IAM policy of bucket {bucket}")
-            bindings = policy.setdefault("bindings", [])
-            changed = False
-            for want in bucket_bindings(bucket, grants, cluster):
-                same = [b for b in bindings if b.get("role") == want["role"]
-                        and b.get("condition") == want.get("condition")]
-                if same and member in same[0].get("members", []):
-                    continue
-                changed = True
-                if same:
-                    same[0].setdefault("members", []).append(member)
-                else:
-                    bindings.append(dict(want, members=[member]))
-            if changed:
-                policy["version"] = 3
-                self._rest("PUT", self._policy_url(bucket), what, policy)
+        except CloudError as e:
+            if e.code == NOT_FOUND and not grants:
+                return
+            self._denied(e, "storage.buckets.getIamPolicy",
+                         f"read the IAM policy of bucket {bucket}")
+            raise
+        old = policy.get("bindings", [])
+        kept = []
+        for b in old:
+            rest = [m for m in b.get("members", []) if m not in members]
+            if rest:
+                kept.append(dict(b, members=rest))
+        for want in bucket_bindings(bucket, grants, spec.cluster, spec.tag):
+            same = [b for b in kept if b.get("role") == want["role"]
+                    and b.get("condition") == want.get("condition")]
+            if same:
+                same[0]["members"] = sorted(set(same[0]["members"]) | members)
+            else:
+                kept.append(dict(want, members=sorted(members)))
+        if _bindings_key(kept) == _bindings_key(old):
+            return
+        policy["bindings"], policy["version"] = kept, 3
+        try:
+            self._rest("PUT", self._policy_url(bucket), what, policy)
         except CloudError as e:
             self._denied(e, "storage.buckets.setIamPolicy",
                          f"set the IAM policy of bucket {bucket}")
@@ -613,7 +734,7 @@ class GCPAPI:
                        f"setting the IAM policy of bucket {bucket}", policy)
 
     def _delete_service_account(self, email: str) -> None:
-        """Unbind a cluster's service account from the buckets its description lists, then
+        """Unbind a node's service account from the buckets its description lists, then
         delete it (one already gone is skipped)."""
         try:
             found = self._rest("GET", self._sa_url(email), f"reading {email}")
@@ -629,10 +750,45 @@ class GCPAPI:
             if e.code != NOT_FOUND:
                 raise
 
-    def _service_accounts(self, cluster: str | None) -> list[Resource]:
-        """The service accounts whose description says ``hyper:cluster=`` (= ``cluster``);
-        none, with a warning, when the caller may not list service accounts (a caller who
-        named ``cluster.service_account`` may lack that, and has none to remove)."""
+    def _self_delete_role(self) -> str | None:
+        """The project's custom role ``hyperNodeSelfDelete`` (module docstring), made,
+        restored or corrected when needed; its name, or None (with a warning) when the
+        caller may not make it."""
+        base = f"{self._base(IAM_URL)}/v1/projects/{self.project}/roles"
+        name = f"projects/{self.project}/roles/{SELF_DELETE_ROLE}"
+        want = {"title": "hypercli node self-deletion",
+                "description": "A hypercli node deletes its own idle instance (bound on that "
+                               "instance only)",
+                "includedPermissions": SELF_DELETE_PERMISSIONS, "stage": "GA"}
+        try:
+            try:
+                role = self._rest("GET", f"{base}/{SELF_DELETE_ROLE}", f"reading {name}")
+            except CloudError as e:
+                if e.code != NOT_FOUND:
+                    raise
+                self._rest("POST", base, f"creating the role {name}",
+                           {"roleId": SELF_DELETE_ROLE, "role": want})
+                return name
+            if role.get("deleted"):
+                role = self._rest("POST", f"{base}/{SELF_DELETE_ROLE}:undelete",
+                                  f"restoring {name}", {"etag": role.get("etag")})
+            if sorted(role.get("includedPermissions") or []) != SELF_DELETE_PERMISSIONS:
+                self._rest("PATCH", f"{base}/{SELF_DELETE_ROLE}?updateMask="
+                           "includedPermissions", f"correcting {name}",
+                           {"includedPermissions": SELF_DELETE_PERMISSIONS,
+                            "etag": role.get("etag")})
+            return name
+        except CloudError as e:
+            if e.code != "forbidden":
+                raise
+            log.warning("the nodes cannot delete their own idle instance (the custom role "
+                        "%s cannot be made: %s); they power off instead", name, e)
+            return None
+
+    def _account_list(self) -> list[dict]:
+        """Every service account of the project (IAM's JSON); [] with a warning when the
+        caller may not list them (a caller who named ``cluster.service_account`` may lack
+        that, and has none to remove)."""
         out, token = [], ""
         while True:
             try:
@@ -643,13 +799,22 @@ class GCPAPI:
                     raise
                 log.warning("cannot list service accounts (iam.serviceAccounts.list): %s", e)
                 return out
-            for a in page.get("accounts", []):
-                m = re.match(rf"{re.escape(TAG_CLUSTER)}=(\S+)", a.get("description") or "")
-                if m and (cluster is None or m[1] == cluster):
-                    out.append(Resource("service_account", a["email"], m[1], "global"))
+            out += page.get("accounts", [])
             token = page.get("nextPageToken")
             if not token:
                 return out
+
+    def _service_accounts(self, cluster: str | None,
+                          accounts: list[dict] | None = None) -> list[Resource]:
+        """The service accounts whose description says ``hyper:cluster=`` (= ``cluster``,
+        any when None); none, with a warning, when the caller may not list them."""
+        out = []
+        for a in self._account_list() if accounts is None else accounts:
+            c = _sa_field(a.get("description"), TAG_CLUSTER) \
+                if (a.get("description") or "").startswith(f"{TAG_CLUSTER}=") else None
+            if c and (cluster is None or c == cluster):
+                out.append(Resource("service_account", a["email"], c, "global"))
+        return out
 
     def _firewall(self, want: compute_v1.Firewall) -> None:
         """Insert the firewall rule ``want``, or replace the rule of its name when that
@@ -699,6 +864,8 @@ class GCPAPI:
         image = self.find_image(spec)
         zones = list(spec.zones) or self._region_zones()
         vms, errors = [], {}
+        if prepared.get("own_accounts"):
+            prepared = dict(prepared, accounts=self._make_accounts(spec, nodes))
         waiting = list(nodes)
         for zone in zones:
             started, next_zone = {}, []
@@ -731,23 +898,67 @@ class GCPAPI:
             waiting = next_zone
             if not waiting:
                 break
-        if prepared.get("own_account"):
+        if prepared.get("accounts"):
+            role = self._self_delete_role()
             for vm in vms:
-                self._let_delete_itself(vm, prepared["service_account"])
+                if role and vm.node in prepared["accounts"]:
+                    self._let_delete_itself(vm, prepared["accounts"][vm.node], role)
         return vms, errors
 
-    def _let_delete_itself(self, vm: VM, email: str) -> None:
-        """Bind the cluster's service account on one instance only
-        (``roles/compute.instanceAdmin.v1``, instance-level IAM policy): the node's idle
-        watchdog deletes its own instance with it; the account has no other Compute
-        permission. Raises CredentialsError (``compute.instances.setIamPolicy``), CloudError."""
+    def _make_accounts(self, spec: CloudSpec, nodes: list[str]) -> dict[str, str]:
+        """The new nodes' service accounts (node → e-mail), made and bound on the cluster's
+        storage with the cluster's other accounts; the accounts of the cluster's nodes that
+        are gone (no instance, not being made now) are removed first."""
+        have = self._accounts(spec.cluster)
+        live = {v.node for v in self.describe(spec.cluster)} | set(nodes)
+        for email, a in list(have.items()):
+            if _sa_field(a.get("description"), TAG_NODE) not in live:
+                self._delete_service_account(email)
+                del have[email]
+        made = {}
+        for node in nodes:
+            email, acct = self._node_account(spec, node)
+            made[node] = email
+            have[email] = acct
+        self._set_bindings(spec, have)
+        return made
+
+    def _let_delete_itself(self, vm: VM, email: str, role: str) -> None:
+        """Bind the node's own service account on its instance only, with the custom role
+        ``hyperNodeSelfDelete`` (instance-level IAM policy): the node's idle watchdog deletes
+        its own instance with it. Best effort: refused, a warning (the node powers off when
+        idle instead)."""
         policy = compute_v1.Policy(bindings=[compute_v1.Binding(
-            role=INSTANCE_ROLE, members=[f"serviceAccount:{email}"])])
-        with _calls(f"letting {vm.id} delete itself (compute.instances.setIamPolicy)"):
-            self.instances.set_iam_policy(
-                project=self.project, zone=vm.zone, resource=vm.id,
-                zone_set_policy_request_resource=compute_v1.ZoneSetPolicyRequest(
-                    policy=policy))
+            role=role, members=[f"serviceAccount:{email}"])])
+        try:
+            with _calls(f"letting {vm.id} delete itself (compute.instances.setIamPolicy)"):
+                self.instances.set_iam_policy(
+                    project=self.project, zone=vm.zone, resource=vm.id,
+                    zone_set_policy_request_resource=compute_v1.ZoneSetPolicyRequest(
+                        policy=policy))
+        except CredentialsError as e:
+            log.warning("%s cannot delete itself when idle (%s); it powers off instead",
+                        vm.id, e)
+
+    def host_key(self, vm: VM) -> str | None:
+        """The SSH host key (``ssh-ed25519 AAAA...``) the node made itself and published in
+        its guest attributes (``hostkeys/ssh-ed25519``, module docstring), or None while it
+        has published none. Raises CredentialsError, CloudError."""
+        try:
+            with _calls(f"reading the guest attributes of {vm.id}"):
+                got = self.instances.get_guest_attributes(request={
+                    "project": self.project, "zone": vm.zone, "instance": vm.id,
+                    "query_path": "hostkeys/"})
+        except CloudError as e:
+            if e.code == NOT_FOUND:
+                return None
+            raise
+        for item in (got.query_value.items if got.query_value else []):
+            if item.namespace == "hostkeys" and item.key == "ssh-ed25519" and item.value:
+                parts = item.value.split()
+                return " ".join(parts[:2]) if parts[0].startswith("ssh-") else \
+                    f"ssh-ed25519 {parts[0]}"
+        return None
 
     def _adopt(self, spec: CloudSpec, node: str, zone: str) -> VM | None:
         """The instance of ``node`` that already exists in ``zone`` when it is this
@@ -776,7 +987,11 @@ class GCPAPI:
         meta = {"ssh-keys": f"{boot.ssh_user}:{boot.ssh_public_key}",
                 "user-data" if doc.lstrip().startswith(CLOUD_INIT_STARTS)
                 else "startup-script": doc,
+                "enable-guest-attributes": "TRUE",
                 "hyper-cluster": spec.cluster, "hyper-node": node}
+        account = (prepared.get("accounts") or {}).get(node) or prepared.get("service_account")
+        if not account:
+            raise CloudError(f"launching {node}: no service account for it")
         labels = self._labels(spec.cluster, node)
         inst = compute_v1.Instance(
             name=gce_name(node), machine_type=f"zones/{zone}/machineTypes/{spec.instance_type}",
@@ -792,12 +1007,19 @@ class GCPAPI:
             metadata=compute_v1.Metadata(items=[compute_v1.Items(key=k, value=v)
                                                 for k, v in meta.items()]),
             service_accounts=[compute_v1.ServiceAccount(
-                email=prepared.get("service_account", "default"),
-                scopes=prepared.get("scopes", SCOPES))],
+                email=account, scopes=prepared.get("scopes", SCOPES + [STORAGE_SCOPE]))],
             scheduling=scheduling)
-        with _calls(f"launching {node} in {zone}"):
-            return self.instances.insert_unary(project=self.project, zone=zone,
-                                               instance_resource=inst)
+        deadline = time.monotonic() + ACCOUNT_WAIT
+        while True:
+            try:
+                with _calls(f"launching {node} in {zone}"):
+                    return self.instances.insert_unary(project=self.project, zone=zone,
+                                                       instance_resource=inst)
+            except CloudError as e:  # a new account Compute Engine does not know yet
+                if not ("serviceAccounts" in str(e) and "not found" in str(e)
+                        and time.monotonic() < deadline):
+                    raise
+                time.sleep(2.0)
 
     def _vm(self, inst, zone: str, preempted: set | None = None) -> VM:
         state = STATES.get(inst.status, "pending")
@@ -865,8 +1087,9 @@ class GCPAPI:
         cluster None), and the cluster's service accounts (description ``hyper:cluster=``),
         in deletion order. Raises CredentialsError, CloudError."""
         key = label_key(TAG_CLUSTER)
-        out = [Resource("instance", i.name, _metadata(i, "hyper-cluster") or
-                        i.labels.get(key), z) for z, i in self._instances(cluster)]
+        accounts = self._account_list()
+        out = [Resource("instance", i.name, c, z)
+               for z, i, c in self._owned_instances(cluster, accounts)]
         with _calls("listing disks"):
             for scope, listing in self._client(compute_v1.DisksClient).aggregated_list(
                     request={"project": self.project, "filter": self._filter(cluster)}):
@@ -882,7 +1105,40 @@ class GCPAPI:
                 elif cluster is not None and (owner_ == cluster or
                                               (owner_ is None and f.name in mine)):
                     out.append(Resource("firewall", f.name, cluster, "global"))
-        return out + self._service_accounts(cluster)
+        return out + self._service_accounts(cluster, accounts)
+
+    def _owned_instances(self, cluster: str | None, accounts: list[dict]) -> list[tuple]:
+        """(zone, instance, cluster) of the instances of ``cluster`` (every hyper cluster
+        when None) for ``down`` and ``gc``: those labelled for it, and those running as one of
+        its nodes' accounts whose name starts like its nodes' (a node cannot change either on
+        itself, so one that removed its labels is still found)."""
+        key = label_key(TAG_CLUSTER)
+        owner_of = {a["email"]: _sa_field(a.get("description"), TAG_CLUSTER)
+                    for a in accounts if (a.get("description") or "").startswith(
+                        f"{TAG_CLUSTER}=")}
+        out = []
+        with _calls("listing instances"):
+            for scope, listing in self.instances.aggregated_list(
+                    request={"project": self.project}):
+                for inst in listing.instances:
+                    by_account = next((owner_of[sa.email] for sa in inst.service_accounts
+                                       if sa.email in owner_of), None)
+                    if by_account and not inst.name.startswith(gce_name(by_account) + "-"):
+                        by_account = None
+                    labelled = None
+                    if inst.labels.get(key):
+                        labelled = _metadata(inst, "hyper-cluster") or inst.labels[key]
+                    if cluster is None:
+                        c = by_account or labelled
+                    elif by_account == cluster or (
+                            by_account is None and inst.labels.get(key) == label_value(cluster)
+                            and _metadata(inst, "hyper-cluster") in (None, cluster)):
+                        c = cluster
+                    else:
+                        c = None
+                    if c:
+                        out.append((_last(scope), inst, c))
+        return out
 
     def _gone(self, call, what: str):
         """Run a delete; returns its operation, or None when the resource is already gone

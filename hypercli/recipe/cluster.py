@@ -87,7 +87,8 @@ _PROVIDER_KEYS: dict[str, dict[str, _Check]] = {
     # instead of one made per cluster (hypercli.recipe.access)
     "aws": {**_CLOUD_KEYS, "iam_role": _str},
     "gcp": {**_CLOUD_KEYS, "project": _str, "service_account": _str},
-    "azure": {**_CLOUD_KEYS, "resource_group": _str, "identity": _str},
+    # adopt_group: use a resource_group hypercli did not make (hypercli.providers.azure)
+    "azure": {**_CLOUD_KEYS, "resource_group": _str, "identity": _str, "adopt_group": _bool},
 }
 _CLUSTER_KEYS = ("provider", "name", "workers")
 
