@@ -35,11 +35,19 @@ def default_storage() -> str:
 
 
 def load(recipe_path: str) -> tuple[Recipe, Workflow]:
-    """Read, validate and plan a recipe (listing the files of its shard parameters).
+    """Read, validate and plan a recipe, with what it leaves out taken from the defaults
+    file (:func:`hypercli.config.apply`), listing the files of its shard parameters.
     Raises RecipeError; StoreError when a dataset to split cannot be read."""
     from hypercli.shards import resolve
-    recipe, shards = resolve(load_recipe(recipe_path))
+    recipe, shards = resolve(load_with_defaults(recipe_path))
     return recipe, build_plan(recipe, shards)
+
+
+def load_with_defaults(recipe_path: str) -> Recipe:
+    """A recipe file read and checked, its gaps filled from ``config.yaml``
+    (:mod:`hypercli.config`). Raises RecipeError."""
+    from hypercli import config
+    return config.apply(load_recipe(recipe_path))
 
 
 def start_or_resume(state: S.State, recipe: Recipe, wf: Workflow, *, new: bool = False
@@ -67,10 +75,23 @@ def start_or_resume(state: S.State, recipe: Recipe, wf: Workflow, *, new: bool =
                                 storage=storage, workdir=recipe.workdir,
                                 spec={"mounts": dict(recipe.mounts),
                                       "rw_mounts": sorted(recipe.rw_mounts),
-                                      "token": secrets.token_hex(4)})
+                                      "token": secrets.token_hex(4),
+                                      "log_params": log_params(recipe)})
     for exp, plan in wf.shards.items():  # the file lists, kept beside the state file
         plan.save(wid, exp)
     return wid, False
+
+
+def log_params(recipe: Recipe) -> dict[str, list[str]]:
+    """experiment → the names of its parameters drawn on a log scale (``log: true``), for
+    plots (the dashboard draws them on log axes); experiments with none are left out."""
+    from hypercli.params import Continuous
+    out = {}
+    for name, exp in recipe.experiments.items():
+        names = [p for p, v in exp.parameters.items() if isinstance(v, Continuous) and v.log]
+        if names:
+            out[name] = names
+    return out
 
 
 def results(state: S.State, ref: str, sort: str | None = None, ascending: bool = False
@@ -435,7 +456,8 @@ def cluster_spec(name: str, provider: str, hosts: list[str], *, workers: int | N
         cluster["user"] = user
     text = yaml.safe_dump({"name": name, "cluster": cluster,
                            "experiments": {"none": {"command": "true"}}})
-    return parse_recipe(text, path="(command line)").cluster
+    from hypercli import config
+    return config.apply(parse_recipe(text, path="(command line)")).cluster  # flags win
 
 
 def prepare_run(state: S.State, recipe_path: str, *, new: bool = False,

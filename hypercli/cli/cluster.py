@@ -42,8 +42,8 @@ def up(recipe, provider, hosts, identity_file, user, workers, name, trust_new_ho
     from hypercli.workflows import cluster_spec
     from hypercli.workflows import up as up_
     if recipe:
-        from hypercli.recipe import load_recipe
-        spec = load_recipe(recipe).cluster
+        from hypercli.workflows import load_with_defaults
+        spec = load_with_defaults(recipe).cluster
         if dry_run:
             from hypercli.cluster import dry_run as dry_run_
             p = dry_run_(spec)

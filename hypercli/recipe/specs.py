@@ -16,6 +16,8 @@ class ClusterSpec:
         options: the provider-specific keys given (``region``, ``hosts``, ...), plain values.
         grants: the object storage its nodes need (:func:`hypercli.recipe.access.
             storage_grants` of the recipe's ``storage`` and ``mounts``).
+        provider_given: the recipe names its provider (False: ``local`` by default, which
+            the defaults file may change, :func:`hypercli.config.apply`).
     """
 
     name: str
@@ -23,6 +25,7 @@ class ClusterSpec:
     workers: int | None
     options: dict
     grants: tuple = ()
+    provider_given: bool = True
 
 
 @dataclass(frozen=True)
