@@ -72,7 +72,7 @@ def start_or_resume(state: S.State, recipe: Recipe, wf: Workflow, *, new: bool =
                          "ends it")
     storage = recipe.storage or default_storage()
     wid = state.create_workflow(wf, cluster=recipe.cluster.name, recipe_path=recipe.path,
-                                storage=storage, workdir=recipe.workdir,
+                                storage=storage, workdir=recipe.workdir or "",
                                 spec={"mounts": dict(recipe.mounts),
                                       "rw_mounts": sorted(recipe.rw_mounts),
                                       "token": secrets.token_hex(4),
@@ -491,6 +491,11 @@ def prepare_run(state: S.State, recipe_path: str, *, new: bool = False,
     else:
         nodes = C.up(state, recipe.cluster, provider, report=report or log)
     check_fits(wf, recipe.cluster.name, nodes)  # before a workflow is recorded
+    sync = getattr(provider, "sync_workdir", None)
+    manifest = None
+    if sync is not None and recipe.workdir:  # over its limit: refused before it is recorded
+        from hypercli import workdir
+        manifest = workdir.build(recipe.workdir, skip=S.home())
     wid, resumed = start_or_resume(state, recipe, wf, new=new)
     lock = Lock(wid).acquire()
     if resumed and state.workflow(wid)["cluster"] != recipe.cluster.name:
@@ -498,6 +503,13 @@ def prepare_run(state: S.State, recipe_path: str, *, new: bool = False,
     from hypercli.console import plural
     log(f"{'resuming' if resumed else 'starting'} workflow {wid}: {plural(len(wf.tasks), 'task')}"
         f" on {plural(len(nodes), recipe.cluster.provider + ' node')}")
+    if manifest is not None and nodes:
+        try:
+            workdir.remember(wid, manifest)
+            sync(nodes, state.workflow(wid), log)  # all nodes at once, saying what is sent
+        except BaseException:
+            lock.release()
+            raise
     return wid, resumed, provider, nodes, lock
 
 

@@ -103,7 +103,8 @@ class Recipe:
         seed: seed of every random draw of the plan.
         cluster: where tasks run.
         storage: object store URL (relative ``file://`` paths made absolute), or None.
-        workdir: absolute folder tasks run in.
+        workdir: absolute folder tasks run in (copied to remote nodes), or None
+            (``workdir: none``: tasks start in an empty folder).
         mounts: absolute mount path → URL.
         rw_mounts: the mount paths mounted read-write (plain ``s3://`` only).
         experiments: name → :class:`ExperimentSpec`, in file order.
@@ -117,7 +118,7 @@ class Recipe:
     seed: int
     cluster: ClusterSpec
     storage: str | None
-    workdir: str
+    workdir: str | None
     mounts: dict
     rw_mounts: frozenset
     experiments: dict
