@@ -563,3 +563,76 @@ def bootstrap_nodes(state: S.State, spec, nodes: list[dict], *,
         first = next(iter(res.failed.values()))
         raise InfraError(f"provisioning failed on {', '.join(sorted(res.failed))}: {first}")
     return dict(res.ok)
+
+
+def drive(state: S.State, wid: str, provider, nodes: list[dict], lock, *,
+          on_interrupt: Callable[[], str] | None = None, progress=None):
+    """Run a workflow prepared by :func:`prepare_run` to its end in this process (what
+    ``hyper run`` does in the foreground and ``hypercli.run`` in a notebook), releasing
+    ``lock`` at the end. An interrupt answered "leave" (``on_interrupt``; SIGTERM and SIGHUP
+    always leave) hands the workflow to the background driver, which goes on scheduling it.
+
+    Returns:
+        (the :class:`hypercli.scheduler.Summary`, the pid of the background driver it was
+        handed to when ``interrupted == "leave"``, else None).
+    Raises:
+        InfraError: every node of the cluster was lost with work left to do.
+    """
+    from hypercli.driver import detach
+    from hypercli.scheduler import Scheduler
+    try:
+        summary = Scheduler(state, wid, provider, nodes, on_interrupt=on_interrupt).run(progress)
+    finally:
+        lock.release()
+    pid = detach(state, wid) if summary.interrupted == "leave" else None
+    return summary, pid
+
+
+def wait(state: S.State, wid: str, *, interval: float = 0.5, timeout: float | None = None,
+         on_change: Callable[[dict], None] | None = None) -> str:
+    """Wait for a workflow driven elsewhere (the background driver, another ``hyper run``)
+    to end, starting the background driver again if it died; returns its final status.
+    ``on_change`` gets the task counts (experiment → {status: n}) whenever they change.
+
+    Raises:
+        UsageError: unknown workflow.
+        TimeoutError: ``timeout`` (s) passed first.
+    """
+    from hypercli.driver import ensure
+    end = None if timeout is None else time.monotonic() + timeout
+    last = None
+    while True:
+        ensure(state)
+        status = state.workflow(wid)["status"]
+        if on_change is not None:
+            counts = state.counts(wid)
+            if counts != last:
+                last = counts
+                on_change(counts)
+        if status not in ("running", "cancelling"):
+            return status
+        if end is not None and time.monotonic() > end:
+            raise TimeoutError(f"workflow {wid} is still {status} after {timeout:g} s")
+        time.sleep(interval)
+
+
+def cluster_rows(state: S.State, name: str | None = None, show_all: bool = False
+                 ) -> tuple[list[dict], int]:
+    """What ``hyper status`` shows: (clusters as ``{"cluster", "provider", "status",
+    "nodes": [{"name", "status", "slots", "provider_id"}]}``, how many clusters that are
+    down were left out). ``name``: only that cluster; ``show_all``: those that are down too.
+
+    Raises:
+        UsageError: ``name`` names no cluster.
+    """
+    clusters = [c for c in state.clusters() if name in (None, c["name"])]
+    if name and not clusters:
+        raise UsageError(f"no cluster named {name!r}", "`hyper status --all` lists them")
+    hidden = 0
+    if not name and not show_all:
+        shown = [c for c in clusters if c["status"] != "down"]
+        hidden, clusters = len(clusters) - len(shown), shown
+    return [{"cluster": c["name"], "provider": c["provider"], "status": c["status"],
+             "nodes": [{"name": n["name"], "status": n["status"], "slots": n["slots"],
+                        "provider_id": n["provider_id"]} for n in state.nodes(c["name"])]}
+            for c in clusters], hidden
