@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from hypercli import cluster as C
+from hypercli import registry
 from hypercli import state as S
 from hypercli.cluster import provider_of
 from hypercli.errors import HyperError, InfraError, UsageError
@@ -76,7 +77,10 @@ def start_or_resume(state: S.State, recipe: Recipe, wf: Workflow, *, new: bool =
                                 spec={"mounts": dict(recipe.mounts),
                                       "rw_mounts": sorted(recipe.rw_mounts),
                                       "token": secrets.token_hex(4),
-                                      "log_params": log_params(recipe)})
+                                      "log_params": log_params(recipe),
+                                      # references only, never a password's value
+                                      "registry_auth": registry.stored(
+                                          registry.of_recipe(recipe), recipe.digest)})
     for exp, plan in wf.shards.items():  # the file lists, kept beside the state file
         plan.save(wid, exp)
     return wid, False
@@ -491,6 +495,7 @@ def prepare_run(state: S.State, recipe_path: str, *, new: bool = False,
     else:
         nodes = C.up(state, recipe.cluster, provider, report=report or log)
     check_fits(wf, recipe.cluster.name, nodes)  # before a workflow is recorded
+    creds = registry.check(registry.of_recipe(recipe))  # a ${VAR} not set: refused now
     sync = getattr(provider, "sync_workdir", None)
     manifest = None
     if sync is not None and recipe.workdir:  # over its limit: refused before it is recorded
@@ -498,6 +503,7 @@ def prepare_run(state: S.State, recipe_path: str, *, new: bool = False,
         manifest = workdir.build(recipe.workdir, skip=S.home())
     wid, resumed = start_or_resume(state, recipe, wf, new=new)
     lock = Lock(wid).acquire()
+    registry.remember(wid, creds)  # in this process's memory only
     if resumed and state.workflow(wid)["cluster"] != recipe.cluster.name:
         state.set_workflow(wid, cluster=recipe.cluster.name)  # resumed on another cluster
     from hypercli.console import plural

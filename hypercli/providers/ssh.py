@@ -311,8 +311,15 @@ class SSHSession:
             for exp in {e for s in specs for e in s.get("after", [])} - self.staged:
                 self._stage(conn, exp)
                 self.staged.add(exp)
-        for image in {s["image"] for s in specs if s.get("image")} - self.images:
-            images.ensure(conn, image)
+        for image, exp in {(s["image"], s["env"]["HYPER_EXPERIMENT"])
+                           for s in specs if s.get("image")}:
+            if image in self.images:
+                continue
+            from hypercli import registry
+            creds = registry.for_workflow(self.wf, exp)  # private registry: pulled with these
+            digest, _ = bundle()
+            images.ensure(conn, image, creds=creds,
+                          helper=f"PYTHONPATH={self.root}/lib/{digest} python3 -S")
             self.images.add(image)
 
     # -- checkpoints (file:// storage: kept on the node, mirrored here by the driver) ------

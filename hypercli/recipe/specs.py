@@ -74,6 +74,8 @@ class ExperimentSpec:
         checkpoint_every: seconds between saves of a running attempt's ``HYPER_CHECKPOINT``.
         engine: ``"spark"`` or ``"ray"``, started across each task's nodes around its command
             (``hypercli/node/engine.py``), or None.
+        registry_auth: ``{"username", "password"}`` for the image's registry, each the text
+            written or ``${VAR}`` (:mod:`hypercli.registry`), or None.
     """
 
     name: str
@@ -90,6 +92,7 @@ class ExperimentSpec:
     resources: Resources = field(default_factory=Resources)
     checkpoint_every: float = 60.0
     engine: str | None = None
+    registry_auth: dict | None = None
 
 
 @dataclass(frozen=True)
