@@ -6,7 +6,6 @@ node's side runs for real: here as a process on this machine, and end to end ove
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys

@@ -293,7 +293,6 @@ class SSHSession:
 
     def before_launch(self, specs: list[dict]) -> None:
         conn = self.conn()
-        wid = self.wf["id"]
         if not self.synced:
             self.sync_workdir(conn)
             self.synced = True
