@@ -226,11 +226,13 @@ _MANIFESTS: dict[str, Manifest] = {}
 _LOCK = threading.Lock()
 
 
-def manifest(wid: str, root: str, skip: str | os.PathLike | None = None) -> Manifest:
+def manifest(wid: str, root: str, skip: str | os.PathLike | None = None, *,
+             fresh: bool = False) -> Manifest:
     """The manifest of workflow ``wid``'s workdir, built once per process (every node of a
-    run gets the same files). Raises UsageError as :func:`build`."""
+    run gets the same files) or, with ``fresh``, again (its files changed since: a node
+    that joins later gets them as they are then). Raises UsageError as :func:`build`."""
     with _LOCK:
-        if wid not in _MANIFESTS:
+        if fresh or wid not in _MANIFESTS:
             _MANIFESTS[wid] = build(root, skip)
         return _MANIFESTS[wid]
 
@@ -280,6 +282,11 @@ class Sent:
     kept: int
 
 
+class Changed(Exception):
+    """A file of the workdir changed or vanished after its manifest was made (the manifest
+    is made again: :func:`manifest` with ``fresh``)."""
+
+
 def sync(run, python: str, root: str, wid: str, m: Manifest) -> Sent:
     """Make ``<root>/work/<wid>`` on a node hold the manifest's files, sending only the
     contents the node lacks (two commands; one when its copy is current).
@@ -292,6 +299,8 @@ def sync(run, python: str, root: str, wid: str, m: Manifest) -> Sent:
         wid: the workflow id.
     Returns:
         :class:`Sent`.
+    Raises:
+        Changed: a file to send no longer has the manifest's content (nothing is applied).
     """
     import io
     import shlex
@@ -312,10 +321,16 @@ def sync(run, python: str, root: str, wid: str, m: Manifest) -> Sent:
         tar.addfile(info, io.BytesIO(data))
         for c in missing:
             rel, size = contents[c]
-            with open(os.path.join(m.root, rel), "rb") as f:
-                info = tarfile.TarInfo(f"objects/{c}")
-                info.size = size
-                tar.addfile(info, f)
+            try:
+                with open(os.path.join(m.root, rel), "rb") as f:
+                    data = f.read(size + 1)
+            except OSError:
+                raise Changed(rel) from None
+            if len(data) != size or hashlib.sha256(data).hexdigest() != c:
+                raise Changed(rel)
+            info = tarfile.TarInfo(f"objects/{c}")
+            info.size = size
+            tar.addfile(info, io.BytesIO(data))
             sent += size
     run(f"{base} apply", buf.getvalue())
     return Sent(False, len(missing), sent, len(contents) - len(missing))

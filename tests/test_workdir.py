@@ -117,15 +117,32 @@ def test_only_what_the_node_lacks_is_sent(tmp_path, hyper_home):
     assert (node / "work" / "wf-3" / "same.txt").read_text() == "A" * 1000
 
 
-def test_a_file_changed_while_sent_is_refused_by_the_node(tmp_path, hyper_home):
+def test_a_file_changed_after_its_manifest_is_sent_as_it_is_now(tmp_path, hyper_home):
+    """The workdir changes during a run (a node joins later): the sender finds a file whose
+    content is no longer the manifest's, nothing is applied, and a fresh manifest is sent.
+    The node checks every object against its name too."""
+    import io
+    import tarfile
     w = tree(tmp_path / "w", {"a.py": "first"})
     node, run = tmp_path / "node", _node(tmp_path / "node")
-    m = workdir.build(w)
+    m = workdir.manifest("wf-1", str(w))
     (w / "a.py").write_text("other")  # same size, other content, after it was hashed
-    with pytest.raises(RuntimeError, match="changed while it was sent"):
+    with pytest.raises(workdir.Changed, match="a.py"):
         workdir.sync(run, NODE_PY, str(node), "wf-1", m)
     assert not (node / "work" / "wf-1").exists()
-    assert os.listdir(node / "work" / ".objects") == []
+    m = workdir.manifest("wf-1", str(w), fresh=True)
+    workdir.sync(run, NODE_PY, str(node), "wf-1", m)
+    assert (node / "work" / "wf-1" / "a.py").read_text() == "other"
+    buf = io.BytesIO()  # an object whose content is not its name
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name, data in (("manifest.json", m.as_json()), ("objects/" + "0" * 64, b"x")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    with pytest.raises(RuntimeError, match="changed while it was sent"):
+        run(f"{NODE_PY} -m hypercli.node.workdir {node} wf-2 apply", buf.getvalue())
+    assert not (node / "work" / "wf-2").exists()
+    assert ("0" * 64) not in os.listdir(node / "work" / ".objects")
 
 
 def test_workdir_none_in_a_recipe(hyper, write_recipe, hyper_home):

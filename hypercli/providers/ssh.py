@@ -402,13 +402,21 @@ class SSHSession:
         if not self.wf["workdir"]:
             conn.run(f"mkdir -p {self.root}/work/{shlex.quote(wid)}")
             return None
-        m = _manifest(self.wf)
         if not self.bundled:
             self._ensure_bundle(conn)
         digest, _ = bundle()
         python = f"PYTHONPATH={self.root}/lib/{digest} python3 -S"
-        return workdir.sync(lambda cmd, data: conn.run(cmd, stdin=data, timeout=600).stdout,
-                            python, self.root, wid, m)
+        m = _manifest(self.wf)
+        for tries in range(3):  # a file changed since the manifest was made: made again
+            try:
+                return workdir.sync(lambda cmd, data: conn.run(cmd, stdin=data,
+                                                               timeout=600).stdout,
+                                    python, self.root, wid, m)
+            except workdir.Changed as e:
+                if tries == 2:
+                    raise InfraError(f"workdir file {e} keeps changing while it is sent",
+                                     "leave it out with .hyperignore") from None
+                m = workdir.manifest(wid, self.wf["workdir"], skip=S.home(), fresh=True)
 
     def _stage(self, conn: Connection, exp: str) -> None:
         if self.storage is None:
