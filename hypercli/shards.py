@@ -128,7 +128,8 @@ def _files(recipe: Recipe, source: tuple, field: str) -> tuple[list[str], list[i
         listed = [(prefix + p, s) for p, s in dataset_files(url)]
         hits = [(p, s) for p, s in listed if fnmatch.fnmatchcase(p, where)]
         return [p for p, _ in hits], [s for _, s in hits]
-    base = Path(recipe.workdir)
+    base = Path(recipe.workdir or (os.path.dirname(os.path.abspath(recipe.path))
+                                   if recipe.path else os.getcwd()))
     hits = sorted(p for p in base.glob(where) if p.is_file())
     return [p.relative_to(base).as_posix() for p in hits], [p.stat().st_size for p in hits]
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from hypercli import cluster as C
+from hypercli import registry
 from hypercli import state as S
 from hypercli.cluster import provider_of
 from hypercli.errors import HyperError, InfraError, UsageError
@@ -36,11 +37,19 @@ def default_storage() -> str:
 
 
 def load(recipe_path: str) -> tuple[Recipe, Workflow]:
-    """Read, validate and plan a recipe (listing the files of its shard parameters).
+    """Read, validate and plan a recipe, with what it leaves out taken from the defaults
+    file (:func:`hypercli.config.apply`), listing the files of its shard parameters.
     Raises RecipeError; StoreError when a dataset to split cannot be read."""
     from hypercli.shards import resolve
-    recipe, shards = resolve(load_recipe(recipe_path))
+    recipe, shards = resolve(load_with_defaults(recipe_path))
     return recipe, build_plan(recipe, shards)
+
+
+def load_with_defaults(recipe_path: str) -> Recipe:
+    """A recipe file read and checked, its gaps filled from ``config.yaml``
+    (:mod:`hypercli.config`). Raises RecipeError."""
+    from hypercli import config
+    return config.apply(load_recipe(recipe_path))
 
 
 def start_or_resume(state: S.State, recipe: Recipe, wf: Workflow, *, new: bool = False
@@ -65,13 +74,29 @@ def start_or_resume(state: S.State, recipe: Recipe, wf: Workflow, *, new: bool =
                          "ends it")
     storage = recipe.storage or default_storage()
     wid = state.create_workflow(wf, cluster=recipe.cluster.name, recipe_path=recipe.path,
-                                storage=storage, workdir=recipe.workdir,
+                                storage=storage, workdir=recipe.workdir or "",
                                 spec={"mounts": dict(recipe.mounts),
                                       "rw_mounts": sorted(recipe.rw_mounts),
-                                      "token": secrets.token_hex(4)})
+                                      "token": secrets.token_hex(4),
+                                      "log_params": log_params(recipe),
+                                      # references only, never a password's value
+                                      "registry_auth": registry.stored(
+                                          registry.of_recipe(recipe), recipe.digest)})
     for exp, plan in wf.shards.items():  # the file lists, kept beside the state file
         plan.save(wid, exp)
     return wid, False
+
+
+def log_params(recipe: Recipe) -> dict[str, list[str]]:
+    """experiment → the names of its parameters drawn on a log scale (``log: true``), for
+    plots (the dashboard draws them on log axes); experiments with none are left out."""
+    from hypercli.params import Continuous
+    out = {}
+    for name, exp in recipe.experiments.items():
+        names = [p for p, v in exp.parameters.items() if isinstance(v, Continuous) and v.log]
+        if names:
+            out[name] = names
+    return out
 
 
 def results(state: S.State, ref: str, sort: str | None = None, ascending: bool = False
@@ -466,7 +491,8 @@ def cluster_spec(name: str, provider: str, hosts: list[str], *, workers: int | N
         cluster["user"] = user
     text = yaml.safe_dump({"name": name, "cluster": cluster,
                            "experiments": {"none": {"command": "true"}}})
-    return parse_recipe(text, path="(command line)").cluster
+    from hypercli import config
+    return config.apply(parse_recipe(text, path="(command line)")).cluster  # flags win
 
 
 def prepare_run(state: S.State, recipe_path: str, *, new: bool = False,
@@ -501,11 +527,18 @@ def prepare_run(state: S.State, recipe_path: str, *, new: bool = False,
     check_fits(wf, recipe.cluster.name, nodes)  # before a workflow is recorded
     if recipe.mounts and hasattr(provider, "check_mounts"):  # this machine: known now
         provider.check_mounts(recipe.mounts)
+    creds = registry.check(registry.of_recipe(recipe))  # a ${VAR} not set: refused now
+    sync = getattr(provider, "sync_workdir", None)
+    manifest = None
+    if sync is not None and recipe.workdir:  # over its limit: refused before it is recorded
+        from hypercli import workdir
+        manifest = workdir.build(recipe.workdir, skip=S.home())
     wid, resumed = start_or_resume(state, recipe, wf, new=new)
     lock = Lock(wid).acquire()
+    registry.remember(wid, creds)  # in this process's memory only
     try:  # the workflow's own storage prefix (and this recipe's mounts) on its cluster
         if resumed and state.workflow(wid)["cluster"] != recipe.cluster.name:
-            state.set_workflow(wid, cluster=recipe.cluster.name)
+            state.set_workflow(wid, cluster=recipe.cluster.name)  # resumed on another cluster
         C.grant(state, recipe.cluster, provider)
     except BaseException:
         lock.release()
@@ -513,6 +546,13 @@ def prepare_run(state: S.State, recipe_path: str, *, new: bool = False,
     from hypercli.console import plural
     log(f"{'resuming' if resumed else 'starting'} workflow {wid}: {plural(len(wf.tasks), 'task')}"
         f" on {plural(len(nodes), recipe.cluster.provider + ' node')}")
+    if manifest is not None and nodes:
+        try:
+            workdir.remember(wid, manifest)
+            sync(nodes, state.workflow(wid), log)  # all nodes at once, saying what is sent
+        except BaseException:
+            lock.release()
+            raise
     return wid, resumed, provider, nodes, lock
 
 
@@ -566,3 +606,76 @@ def bootstrap_nodes(state: S.State, spec, nodes: list[dict], *,
         first = next(iter(res.failed.values()))
         raise InfraError(f"provisioning failed on {', '.join(sorted(res.failed))}: {first}")
     return dict(res.ok)
+
+
+def drive(state: S.State, wid: str, provider, nodes: list[dict], lock, *,
+          on_interrupt: Callable[[], str] | None = None, progress=None):
+    """Run a workflow prepared by :func:`prepare_run` to its end in this process (what
+    ``hyper run`` does in the foreground and ``hypercli.run`` in a notebook), releasing
+    ``lock`` at the end. An interrupt answered "leave" (``on_interrupt``; SIGTERM and SIGHUP
+    always leave) hands the workflow to the background driver, which goes on scheduling it.
+
+    Returns:
+        (the :class:`hypercli.scheduler.Summary`, the pid of the background driver it was
+        handed to when ``interrupted == "leave"``, else None).
+    Raises:
+        InfraError: every node of the cluster was lost with work left to do.
+    """
+    from hypercli.driver import detach
+    from hypercli.scheduler import Scheduler
+    try:
+        summary = Scheduler(state, wid, provider, nodes, on_interrupt=on_interrupt).run(progress)
+    finally:
+        lock.release()
+    pid = detach(state, wid) if summary.interrupted == "leave" else None
+    return summary, pid
+
+
+def wait(state: S.State, wid: str, *, interval: float = 0.5, timeout: float | None = None,
+         on_change: Callable[[dict], None] | None = None) -> str:
+    """Wait for a workflow driven elsewhere (the background driver, another ``hyper run``)
+    to end, starting the background driver again if it died; returns its final status.
+    ``on_change`` gets the task counts (experiment → {status: n}) whenever they change.
+
+    Raises:
+        UsageError: unknown workflow.
+        TimeoutError: ``timeout`` (s) passed first.
+    """
+    from hypercli.driver import ensure
+    end = None if timeout is None else time.monotonic() + timeout
+    last = None
+    while True:
+        ensure(state)
+        status = state.workflow(wid)["status"]
+        if on_change is not None:
+            counts = state.counts(wid)
+            if counts != last:
+                last = counts
+                on_change(counts)
+        if status not in ("running", "cancelling"):
+            return status
+        if end is not None and time.monotonic() > end:
+            raise TimeoutError(f"workflow {wid} is still {status} after {timeout:g} s")
+        time.sleep(interval)
+
+
+def cluster_rows(state: S.State, name: str | None = None, show_all: bool = False
+                 ) -> tuple[list[dict], int]:
+    """What ``hyper status`` shows: (clusters as ``{"cluster", "provider", "status",
+    "nodes": [{"name", "status", "slots", "provider_id"}]}``, how many clusters that are
+    down were left out). ``name``: only that cluster; ``show_all``: those that are down too.
+
+    Raises:
+        UsageError: ``name`` names no cluster.
+    """
+    clusters = [c for c in state.clusters() if name in (None, c["name"])]
+    if name and not clusters:
+        raise UsageError(f"no cluster named {name!r}", "`hyper status --all` lists them")
+    hidden = 0
+    if not name and not show_all:
+        shown = [c for c in clusters if c["status"] != "down"]
+        hidden, clusters = len(clusters) - len(shown), shown
+    return [{"cluster": c["name"], "provider": c["provider"], "status": c["status"],
+             "nodes": [{"name": n["name"], "status": n["status"], "slots": n["slots"],
+                        "provider_id": n["provider_id"]} for n in state.nodes(c["name"])]}
+            for c in clusters], hidden

@@ -6,16 +6,14 @@ left ``launching`` in the state file)."""
 
 from __future__ import annotations
 
-import io
 import os
 import subprocess
 import sys
-import tarfile
 from pathlib import Path
 
 import pytest
 
-from hypercli.providers.ssh import _tar_dir
+from hypercli.workdir import build
 from hypercli.state import State, home
 
 CLOSE_ELSEWHERE = ("import sqlite3, sys; db = sqlite3.connect(sys.argv[1]); "
@@ -52,18 +50,18 @@ def test_workdir_copy_leaves_the_state_file_alone(tmp_path, monkeypatch, skip_st
     st = State()
     try:
         st.put_cluster("first", "local", {})
-        data = _tar_dir(work, "wf", skip=home() if skip_state else None)
-        names = tarfile.open(fileobj=io.BytesIO(data)).getnames()
-        assert "wf/src/train.py" in names
+        m = build(work, skip=home() if skip_state else None)
+        names = [e[0] for e in m.entries]
+        assert "src/train.py" in names
         # another process (hyper ps, the dashboard) opens and closes the state file
         subprocess.run([sys.executable, "-c", CLOSE_ELSEWHERE, str(st.path)], check=True)
         st.put_cluster("second", "local", {})
         if skip_state:
-            assert not any(n.startswith("wf/state") for n in names)
+            assert not any(n.startswith("state") for n in names)
             assert not _wal_deleted()
             assert _committed_elsewhere(st.path, "second")
         else:  # the fault this guards against, injected: reading the file in this process
-            assert "wf/state/state.db" in names
+            assert "state/state.db" in names
             assert _wal_deleted() and not _committed_elsewhere(st.path, "second")
     finally:
         st.close()

@@ -27,7 +27,8 @@ RECIPE = """\
 name: uitest
 experiments:
   search:
-    parameters: {x: [1, 2, 3, 4], kind: [a, b]}
+    parameters: {x: [1, 2, 3, 4], kind: [a, b], C: {min: 0.01, max: 1000, log: true}}
+    samples: 8
     command: |
       echo 'line of {{x}}{{kind}} <img src=x onerror="window.__xss=1">'
       sleep 0.6
@@ -119,6 +120,13 @@ def test_dashboard_in_a_browser(browser, hyper_home, tmp_path, hyper):
                                    text=True).stdout
         assert [ln.split()[3] for ln in listening.splitlines()] == [f"127.0.0.1:{port}"]
 
+        from hypercli.state import State
+        st = State()  # an idle node: its newest sample (99.8% CPU) is 10 minutes old
+        st.put_cluster("idle", "ssh", {})
+        st.put_node("idle", "idle-0", slots=1)
+        st.add_samples([{"node": "idle-0", "ts": time.time() - 600,
+                         "data": {"cpu_pct": 99.8, "mem_used": 1, "mem_total": 2}}])
+        st.close()
         browser.get(url)
         seen = []
 
@@ -131,6 +139,13 @@ def test_dashboard_in_a_browser(browser, hyper_home, tmp_path, hyper):
         wait_for(done_counts, timeout=60, interval=0.2, what="the workflow done on the page")
         assert seen[0] != seen[-1], seen  # the page followed the run as it advanced
         assert run.wait(timeout=30) == 0
+        idle = wait_for(lambda: js(
+            "const r = [...document.querySelectorAll('#nodes tr')].find("
+            "r => r.textContent.includes('idle-0'));"
+            "return r ? [...r.querySelectorAll('td')].map(e => e.textContent) : null"),
+            timeout=10, what="the idle node's row")
+        assert idle[3] == "" and "99.8" not in "".join(idle), idle  # not shown as current
+        assert idle[-1] == "10 min ago", idle  # its age instead
         browser.save_screenshot(str(tmp_path / "index.png"))
 
         browser.get(f"{base}/w/uitest-1/t/search-0000")
@@ -145,11 +160,14 @@ def test_dashboard_in_a_browser(browser, hyper_home, tmp_path, hyper):
             "const s = document.getElementById('scatter');"
             "return s && s.data ? s.data.map(t => t.x.length) : null"), timeout=20,
             what="the scatter plots")
-        assert points == [TASKS, TASKS]  # one point per finished task, per parameter
+        assert points == [TASKS] * 3  # one point per finished task, per parameter
         dims = browser.execute_script(
             "return document.getElementById('parcoords').data[0].dimensions"
             ".map(d => [d.label, d.values.length])")
-        assert dims == [["x", TASKS], ["kind", TASKS], ["score", TASKS]]
+        assert dims == [["x", TASKS], ["kind", TASKS], ["C (log)", TASKS], ["score", TASKS]]
+        axes = js("const l = document.getElementById('scatter').layout;"
+                  "return [l.xaxis.type, l.xaxis2.type, l.xaxis3.type]")
+        assert axes[2] == "log" and axes[0] != "log", axes  # C was drawn with log: true
         assert js("return document.querySelectorAll('#results tr').length") == TASKS + 1
         click = ("[...document.querySelectorAll('#results th')]"
                  ".find(h => h.textContent === 'score').click()")

@@ -42,8 +42,8 @@ def up(recipe, provider, hosts, identity_file, user, workers, name, trust_new_ho
     from hypercli.workflows import cluster_spec
     from hypercli.workflows import up as up_
     if recipe:
-        from hypercli.recipe import load_recipe
-        spec = load_recipe(recipe).cluster
+        from hypercli.workflows import load_with_defaults
+        spec = load_with_defaults(recipe).cluster
         if dry_run:
             from hypercli.cluster import dry_run as dry_run_
             p = dry_run_(spec)
@@ -171,19 +171,8 @@ def gc(provider, region, project, subscription, dry_run):
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def status(cluster, show_all, as_json):
     """Show clusters and their nodes (the clusters that are not down, or CLUSTER)."""
-    state = open_state()
-    clusters = [c for c in state.clusters() if cluster in (None, c["name"])]
-    if cluster and not clusters:
-        from hypercli.errors import UsageError
-        raise UsageError(f"no cluster named {cluster!r}", "`hyper status --all` lists them")
-    hidden = 0
-    if not cluster and not show_all:
-        shown = [c for c in clusters if c["status"] != "down"]
-        hidden, clusters = len(clusters) - len(shown), shown
-    out = [{"cluster": c["name"], "provider": c["provider"], "status": c["status"],
-            "nodes": [{"name": n["name"], "status": n["status"], "slots": n["slots"],
-                       "provider_id": n["provider_id"]} for n in state.nodes(c["name"])]}
-           for c in clusters]
+    from hypercli.workflows import cluster_rows
+    out, hidden = cluster_rows(open_state(), cluster, show_all)
     if as_json:
         print_json(out)
         return

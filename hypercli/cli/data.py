@@ -25,7 +25,7 @@ _ENDPOINT = click.option("--endpoint-url", metavar="URL",
 
 @click.group()
 def data():
-    """Datasets packed into large chunks in object storage (s3://, file://)."""
+    """Datasets packed into large chunks in object storage (s3://, gs://, az://, file://)."""
 
 
 def _show(name: str) -> str:

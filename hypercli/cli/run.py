@@ -126,8 +126,7 @@ def run(recipe, new, on_interrupt, trust_new_hosts, cluster, detach, wait):
     Ctrl-C asks whether to leave the tasks running (the background driver goes on
     scheduling them; `hyper attach` shows them again) or to cancel them.
     """
-    from hypercli.scheduler import Scheduler
-    from hypercli.workflows import Driven, prepare_run
+    from hypercli.workflows import Driven, drive, prepare_run
     state = open_state()
     con = console()
     err = console(stderr=True)
@@ -182,16 +181,14 @@ def run(recipe, new, on_interrupt, trust_new_hosts, cluster, detach, wait):
             return "leave"
         return _ask_leave_or_cancel()
 
-    try:
-        summary = Scheduler(state, wid, provider, nodes, on_interrupt=ask).run(progress)
+    try:  # a "leave" hands the workflow to the background driver (workflows.drive)
+        summary, pid = drive(state, wid, provider, nodes, lock, on_interrupt=ask,
+                             progress=progress)
     finally:
         if live is not None:
             live.stop()
-        lock.release()
     counts = ", ".join(f"{n} {s}" for s, n in sorted(summary.counts.items()))
     if summary.interrupted == "leave":
-        from hypercli.driver import detach as detach_
-        pid = detach_(state, wid)  # the background driver goes on scheduling its tasks
         try:
             con.print(f"left {wid} running ({counts}), handed to the background driver "
                       f"(pid {pid}); `hyper attach {wid}` shows it, `hyper cancel {wid}` "
@@ -258,27 +255,17 @@ class _View:
 def _attach(state, wid: str, interval: float = 0.5) -> int:
     """Show a workflow's progress from the state file until it ends; returns the exit code
     (0 all succeeded, 1 not, 130 when Ctrl-C stops watching)."""
-    from hypercli.driver import ensure
+    from hypercli.workflows import wait
     view = _View(state, wid)
     con = console()
-    last = ""
-    try:
-        while True:
-            ensure(state)  # a driver that died is started again
-            done = view._done()
-            line = _line(view)
-            if line.split("] ", 1)[1] != last or done:
-                last = line.split("] ", 1)[1]
-                con.print(text(line))
-            if done:
-                break
-            time.sleep(interval)
+    try:  # a line whenever the counts change; a driver that died is started again
+        status = wait(state, wid, interval=interval,
+                      on_change=lambda c: con.print(text(_line(view))))
     except KeyboardInterrupt:
         con.print(f"stopped watching; {wid} goes on (`hyper attach {wid}`)")
         return 130
-    wf = state.workflow(wid)
-    con.print(f"workflow {wid}: {wf['status']}")
-    return 0 if wf["status"] == "succeeded" else 1
+    con.print(f"workflow {wid}: {status}")
+    return 0 if status == "succeeded" else 1
 
 
 @click.command()

@@ -261,6 +261,10 @@ class S3Store:
             raise self._err(key, e) from None
 
 
+#: the URL schemes :func:`open_store` opens (``hyper data --help`` names each)
+SCHEMES = ("s3", "gs", "az", "file")
+
+
 def open_store(url: str, *, endpoint_url: str | None = None) -> Store:
     """The store of a URL: ``file:///abs/path``, ``s3://bucket/prefix``, ``gs://bucket/prefix``
     or ``az://account/container/prefix``.

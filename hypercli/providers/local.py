@@ -70,7 +70,9 @@ class LocalProvider:
             outputs = storage_path(wf["storage"]) / wf["id"]
         else:  # object storage: a folder here, pushed when the attempt succeeds
             outputs = self.root() / "outputs" / wf["id"]
-        return wf["workdir"], str(outputs / task), str(outputs)
+        # workdir: none → an empty folder of the workflow's (LocalSession makes it)
+        cwd = wf["workdir"] or str(self.root() / "work" / wf["id"])
+        return cwd, str(outputs / task), str(outputs)
 
     def session(self, node: dict, wf: dict) -> "LocalSession":
         return LocalSession(self, node, wf)
@@ -137,6 +139,9 @@ class LocalSession:
                                  f"{p.stderr.strip()[-500:]}", stderr=p.stderr)
 
     def before_launch(self, specs: list[dict]) -> None:
+        if not self.wf["workdir"]:  # workdir: none: an empty folder of the workflow's
+            for s in specs:
+                os.makedirs(s["cwd"], exist_ok=True)
         with _MOUNT_LOCK:
             self.rt.ensure_mounts()
             self.rt.staged = _STAGED.setdefault(self.wf["id"], set())

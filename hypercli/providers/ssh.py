@@ -10,8 +10,9 @@ that is unreachable, refuses the key or has no ``python3`` is reported on its ow
 others go on.
 
 Per node and workflow (:class:`SSHSession`, in the node's scheduler thread):
-* the recipe's ``workdir`` is copied once to ``~/.hyper/work/<workflow>`` (a tar stream; the
-  state folder is left out when it lies inside the workdir);
+* the recipe's ``workdir`` is copied to ``~/.hyper/work/<workflow>``: only the contents the
+  node lacks, .gitignore and .hyperignore honoured (:mod:`hypercli.workdir`); ``hyper run``
+  does it for every node at once before the first task (:meth:`SSHProvider.sync_workdir`);
 * before a task of an experiment with ``after`` starts, the outputs of those experiments are
   copied to the node's ``~/.hyper/outputs/<workflow>/`` (``HYPER_OUTPUTS``);
 * the experiment's image is made present (:mod:`hypercli.ssh.images`);
@@ -32,6 +33,7 @@ import shutil
 import tarfile
 import threading
 from pathlib import Path
+from typing import Callable
 
 from hypercli import state as S
 from hypercli.errors import HyperError, InfraError, NodeError, UsageError
@@ -47,10 +49,7 @@ from hypercli.ssh.hostkeys import KnownHosts
 
 AGENT_HASH = hashlib.sha256(agent_source()).hexdigest()[:12]
 AGENT_REL = f".hyper/bin/agent-{AGENT_HASH}.py"
-WORKDIR_EXCLUDE = {".git", ".venv", "venv", "__pycache__", ".hyper", ".mypy_cache",
-                   ".pytest_cache", "node_modules"}
 BOOTSTRAP_TIMEOUT = 15.0  # s per connection step when first contacting a host (it may be booting)
-WORKDIR_MAX = 512 << 20  # bytes: a workdir larger than this is refused (use storage/mounts)
 
 
 def _targets(spec: ClusterSpec) -> list[Target]:
@@ -68,60 +67,11 @@ def _target_of(node: dict) -> Target:
     return Target(a["host"], a["port"], a["user"], a.get("identity_file"))
 
 
-def _same_dir(path: str, key: tuple[int, int] | None) -> bool:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return False
-    return (st.st_dev, st.st_ino) == key
-
-
-def _tar_dir(src: Path, arcname: str, skip: Path | None = None) -> bytes:
-    """A tar of a folder, skipping caches, VCS folders, files that vanish while it is read,
-    and the folder ``skip`` (the state folder, wherever it is: ``HYPER_HOME`` inside a
-    workdir).
-
-    The state folder is never read here: besides naming hosts, its SQLite file is open in this
-    process, and closing any other descriptor of it drops the process's POSIX locks on it, after
-    which another process closing its connection deletes the WAL this one still writes to,
-    losing every later commit (sqlite.org, "How To Corrupt An SQLite Database File", 2.2).
-
-    Raises:
-        UsageError: the folder holds over WORKDIR_MAX bytes.
-    """
-    buf = io.BytesIO()
-    total = 0
-    key = None
-    if skip is not None:
-        try:
-            st = os.stat(skip)
-            key = (st.st_dev, st.st_ino)
-        except OSError:
-            pass
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        tar.add(str(src), arcname=arcname, recursive=False)
-        for dirpath, dirs, files in os.walk(src):
-            dirs[:] = sorted(d for d in dirs if d not in WORKDIR_EXCLUDE
-                             and not _same_dir(os.path.join(dirpath, d), key))
-            rel = Path(dirpath).relative_to(src)
-            for name in sorted(dirs) + sorted(files):
-                path = Path(dirpath) / name
-                try:
-                    ti = tar.gettarinfo(str(path), f"{arcname}/{(rel / name).as_posix()}")
-                    if ti is None:  # sockets and the like
-                        continue
-                    total += ti.size
-                    if total > WORKDIR_MAX:
-                        raise UsageError(f"workdir {src} is over {WORKDIR_MAX >> 20} MiB",
-                                         "keep data in storage or mounts, not in the workdir")
-                    if ti.isreg():
-                        with open(path, "rb") as f:
-                            tar.addfile(ti, f)
-                    else:
-                        tar.addfile(ti)
-                except FileNotFoundError:
-                    continue
-    return buf.getvalue()
+def _manifest(wf: dict):
+    """The workdir manifest of a workflow (:mod:`hypercli.workdir`), built once per
+    process. Raises UsageError: the workdir is over its limit."""
+    from hypercli import workdir
+    return workdir.manifest(wf["id"], wf["workdir"], skip=S.home())
 
 
 #: tar streams of ended attempts' logs and outputs fetched at most this many times when one
@@ -261,6 +211,38 @@ class SSHProvider:
     def session(self, node: dict, wf: dict) -> "SSHSession":
         return SSHSession(self, node, wf)
 
+    def sync_workdir(self, nodes: list[dict], wf: dict,
+                     log: Callable[[str], None] = lambda s: None) -> dict:
+        """Copy the workflow's workdir to every node now, all at once (what each lacks,
+        :mod:`hypercli.workdir`), and say through ``log`` what was sent where. A node that
+        fails is reported and left to its session, which tries again before its first task.
+        Returns node name → :class:`hypercli.workdir.Sent` of the nodes done.
+
+        Raises:
+            UsageError: the workdir is over its limit (nothing is sent).
+        """
+        from hypercli.console import plural
+        from hypercli.workdir import human
+        if not wf["workdir"]:
+            return {}
+        m = _manifest(wf)
+        log(f"workdir {m.root}: {plural(m.files, 'file')}, {human(m.bytes)}"
+            + (f" ({m.ignored} ignored by .gitignore, .hyperignore and built-in rules)"
+               if m.ignored else ""))
+        by_name = {n["name"]: n for n in nodes}
+        res = fan_out(list(by_name), lambda name: SSHSession(self, by_name[name], wf)
+                      .sync_workdir(self.connection(name, _target_of(by_name[name]),
+                                                    by_name[name]["cluster"])))
+        for name, sent in sorted(res.ok.items()):
+            if sent.current:
+                log(f"  {name}: up to date")
+            else:
+                log(f"  {name}: sent {plural(sent.files, 'file')} ({human(sent.bytes)}), "
+                    f"{sent.kept} already there")
+        for name, e in sorted(res.failed.items()):
+            log(f"  {name}: not sent yet ({e}); tried again before its first task")
+        return dict(res.ok)
+
     def unmount(self, nodes: list[dict], paths: list[str]) -> list[str]:
         """Unmount the workflows' mounts on the nodes it can reach; returns what it did."""
         def one(node: dict) -> list[str]:
@@ -295,10 +277,15 @@ class SSHSession:
         self.conn().run(command, timeout=600)
 
     def _ensure_bundle(self, conn: Connection) -> None:
+        """Copy the node runtime there unless it is there. Asked first, sent only when
+        missing: a command that exits without reading its stdin closes the channel while a
+        1 MiB stdin is still being sent ("Socket is closed")."""
         digest, data = bundle()
         lib = f"{self.root}/lib/{digest}"
-        conn.run(f"test -d {lib} || {{ mkdir -p {lib}.tmp && tar -C {lib}.tmp -xf - && "
-                 f"mv {lib}.tmp {lib}; }}", stdin=data, timeout=120)
+        if conn.run(f"test -d {lib}", check=False).exit_code != 0:
+            conn.run(f"test -d {lib} || {{ mkdir -p {lib}.tmp && "
+                     f"tar -C {lib}.tmp -xf - && mv {lib}.tmp {lib}; }}; cat >/dev/null",
+                     stdin=data, timeout=120)
         self.bundled = True
 
     def conn(self) -> Connection:
@@ -306,9 +293,8 @@ class SSHSession:
 
     def before_launch(self, specs: list[dict]) -> None:
         conn = self.conn()
-        wid = self.wf["id"]
         if not self.synced:
-            self._sync_workdir(conn, wid)
+            self.sync_workdir(conn)
             self.synced = True
         if not self.bundled:
             self._ensure_bundle(conn)
@@ -324,8 +310,15 @@ class SSHSession:
             for exp in {e for s in specs for e in s.get("after", [])} - self.staged:
                 self._stage(conn, exp)
                 self.staged.add(exp)
-        for image in {s["image"] for s in specs if s.get("image")} - self.images:
-            images.ensure(conn, image)
+        for image, exp in {(s["image"], s["env"]["HYPER_EXPERIMENT"])
+                           for s in specs if s.get("image")}:
+            if image in self.images:
+                continue
+            from hypercli import registry
+            creds = registry.for_workflow(self.wf, exp)  # private registry: pulled with these
+            digest, _ = bundle()
+            images.ensure(conn, image, creds=creds,
+                          helper=f"PYTHONPATH={self.root}/lib/{digest} python3 -S")
             self.images.add(image)
 
     # -- checkpoints (file:// storage: kept on the node, mirrored here by the driver) ------
@@ -397,19 +390,33 @@ class SSHSession:
             self.mirrored[rel] = size
         return len(new)
 
-    def _sync_workdir(self, conn: Connection, wid: str) -> None:
-        """Copy the workdir to ``<root>/work/<wid>`` unless the same content is there (a
-        resumed run must not pull the folder from under its re-attached attempts); a changed
-        one is unpacked beside it and swapped in (running attempts keep their folder)."""
-        data = _tar_dir(Path(self.wf["workdir"]), wid, skip=S.home())
-        digest = hashlib.sha256(data).hexdigest()
-        w = f"{self.root}/work"
-        conn.run(f"mkdir -p {w} && if [ \"$(cat {w}/{wid}/.hyper-digest 2>/dev/null)\" != "
-                 f"{digest} ]; then rm -rf {w}/.{wid}.new && mkdir {w}/.{wid}.new && "
-                 f"tar -C {w}/.{wid}.new -xf - && echo {digest} > {w}/.{wid}.new/{wid}/"
-                 f".hyper-digest && rm -rf {w}/.{wid}.old && {{ mv {w}/{wid} {w}/.{wid}.old "
-                 f"2>/dev/null || true; }} && mv {w}/.{wid}.new/{wid} {w}/{wid}; "
-                 f"else cat > /dev/null; fi", stdin=data, timeout=600)
+    def sync_workdir(self, conn: Connection):
+        """Make ``<root>/work/<wid>`` hold the workdir, sending only the contents the node
+        lacks; a folder already built from the same files is left alone (a resumed run must
+        not pull it from under its re-attached attempts), a changed one is built beside it
+        and swapped in (running attempts keep their folder). With ``workdir: none``, an empty
+        folder. Returns :class:`hypercli.workdir.Sent` (None for none).
+        Raises UsageError (over the limit), NodeError, CommandFailed."""
+        from hypercli import workdir
+        wid = self.wf["id"]
+        if not self.wf["workdir"]:
+            conn.run(f"mkdir -p {self.root}/work/{shlex.quote(wid)}")
+            return None
+        if not self.bundled:
+            self._ensure_bundle(conn)
+        digest, _ = bundle()
+        python = f"PYTHONPATH={self.root}/lib/{digest} python3 -S"
+        m = _manifest(self.wf)
+        for tries in range(3):  # a file changed since the manifest was made: made again
+            try:
+                return workdir.sync(lambda cmd, data: conn.run(cmd, stdin=data,
+                                                               timeout=600).stdout,
+                                    python, self.root, wid, m)
+            except workdir.Changed as e:
+                if tries == 2:
+                    raise InfraError(f"workdir file {e} keeps changing while it is sent",
+                                     "leave it out with .hyperignore") from None
+                m = workdir.manifest(wid, self.wf["workdir"], skip=S.home(), fresh=True)
 
     def _stage(self, conn: Connection, exp: str) -> None:
         if self.storage is None:

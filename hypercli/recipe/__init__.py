@@ -157,9 +157,12 @@ def _recipe(ctx: _Ctx, root: MappingNode, base_dir: str, digest: str) -> Recipe:
     storage = None
     if "storage" in top:
         storage = _url(ctx, top["storage"], "storage", STORAGE_SCHEMES, base_dir)
-    workdir = base_dir
-    if "workdir" in top:
-        workdir = _local_path(base_dir, _str(ctx, top["workdir"], "workdir"))
+    workdir: str | None = base_dir
+    if "workdir" in top:  # none (or null): no folder is sent, tasks start in an empty one
+        if _value(ctx, top["workdir"].node) in (None, "none"):
+            workdir = None
+        else:
+            workdir = _local_path(base_dir, _str(ctx, top["workdir"], "workdir"))
     mounts, rw_mounts = ({}, frozenset())
     if "mounts" in top:
         mounts, rw_mounts = _mounts(ctx, top["mounts"], base_dir)

@@ -95,7 +95,8 @@ _CLUSTER_KEYS = ("provider", "name", "workers")
 
 def _cluster(ctx: _Ctx, item: _Item | None, recipe_name: str) -> ClusterSpec:
     if item is None:
-        return ClusterSpec(name=recipe_name, provider="local", workers=None, options={})
+        return ClusterSpec(name=recipe_name, provider="local", workers=None, options={},
+                           provider_given=False)
     keys = _mapping(ctx, item, "cluster", null_ok=True)
     provider = _str(ctx, keys["provider"], "cluster.provider") if "provider" in keys else "local"
     if provider not in PROVIDERS:
@@ -115,7 +116,8 @@ def _cluster(ctx: _Ctx, item: _Item | None, recipe_name: str) -> ClusterSpec:
     if provider == "ssh" and "hosts" not in options:
         ctx.fail("provider ssh needs hosts", item.line, "cluster.hosts",
                  "hosts: [user@10.0.0.5:22, ...]")
-    return ClusterSpec(name=name, provider=provider, workers=workers, options=options)
+    return ClusterSpec(name=name, provider=provider, workers=workers, options=options,
+                       provider_given="provider" in keys)
 
 
 def _local_path(base_dir: str, text: str) -> str:

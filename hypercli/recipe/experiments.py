@@ -10,6 +10,7 @@ from yaml.nodes import SequenceNode
 
 from hypercli import params
 from hypercli.recipe.parameters import _parameters
+from hypercli.recipe.registry_auth import registry_auth
 from hypercli.recipe.resources import resources
 from hypercli.recipe.specs import ExperimentSpec
 from hypercli.recipe.yamltree import (
@@ -38,7 +39,7 @@ MAX_TASKS = 1_000_000        #: largest number of tasks one recipe may make
 
 _EXPERIMENT_KEYS = ("command", "image", "parameters", "sampling", "samples", "after",
                     "retries", "env", "workers", "resources", "hardware", "nodes",
-                    "checkpoint_every", "engine")
+                    "checkpoint_every", "engine", "registry_auth")
 ENGINES = ("spark", "ray")   #: what ``engine:`` may name (hypercli/node/engine.py starts them)
 
 
@@ -112,7 +113,8 @@ def _experiment(ctx: _Ctx, name: str, item: _Item) -> tuple[ExperimentSpec, int,
         name=name, command=command, parameters=parameters, sampling=sampling, samples=samples,
         after=tuple(dict.fromkeys(a for a, _ in after)), retries=retries, image=image,
         env={k: v for k, (v, _) in env.items()}, workers=workers, line=item.line,
-        resources=resources(ctx, keys, f), checkpoint_every=every, engine=engine)
+        resources=resources(ctx, keys, f), checkpoint_every=every, engine=engine,
+        registry_auth=registry_auth(ctx, keys, f))
     return spec, count, after
 
 

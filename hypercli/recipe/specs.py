@@ -16,6 +16,8 @@ class ClusterSpec:
         options: the provider-specific keys given (``region``, ``hosts``, ...), plain values.
         grants: the object storage its nodes need (:func:`hypercli.recipe.access.
             storage_grants` of the recipe's ``storage`` and ``mounts``).
+        provider_given: the recipe names its provider (False: ``local`` by default, which
+            the defaults file may change, :func:`hypercli.config.apply`).
     """
 
     name: str
@@ -23,6 +25,7 @@ class ClusterSpec:
     workers: int | None
     options: dict
     grants: tuple = ()
+    provider_given: bool = True
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,8 @@ class ExperimentSpec:
         checkpoint_every: seconds between saves of a running attempt's ``HYPER_CHECKPOINT``.
         engine: ``"spark"`` or ``"ray"``, started across each task's nodes around its command
             (``hypercli/node/engine.py``), or None.
+        registry_auth: ``{"username", "password"}`` for the image's registry, each the text
+            written or ``${VAR}`` (:mod:`hypercli.registry`), or None.
     """
 
     name: str
@@ -87,6 +92,7 @@ class ExperimentSpec:
     resources: Resources = field(default_factory=Resources)
     checkpoint_every: float = 60.0
     engine: str | None = None
+    registry_auth: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -100,7 +106,8 @@ class Recipe:
         seed: seed of every random draw of the plan.
         cluster: where tasks run.
         storage: object store URL (relative ``file://`` paths made absolute), or None.
-        workdir: absolute folder tasks run in.
+        workdir: absolute folder tasks run in (copied to remote nodes), or None
+            (``workdir: none``: tasks start in an empty folder).
         mounts: absolute mount path → URL.
         rw_mounts: the mount paths mounted read-write (plain ``s3://`` only).
         experiments: name → :class:`ExperimentSpec`, in file order.
@@ -114,7 +121,7 @@ class Recipe:
     seed: int
     cluster: ClusterSpec
     storage: str | None
-    workdir: str
+    workdir: str | None
     mounts: dict
     rw_mounts: frozenset
     experiments: dict

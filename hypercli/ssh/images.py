@@ -5,7 +5,11 @@ Rule, per node and image:
 2. the image is named ``localhost/...`` (built here, in no registry) or the node's pull fails,
    and this machine has it → ``docker save`` here streamed over SSH into ``docker load``
    (no registry needed; measured ~130–160 MB/s between test hosts);
-3. otherwise the node pulls it; a failed pull is an error naming the image.
+3. otherwise the node pulls it; a failed pull is an error naming the image. The pull of a
+   private registry uses the experiment's ``registry_auth`` (sent on the channel's stdin, kept
+   on the node only during the pull), or, for Amazon ECR, Google Artifact Registry and Azure
+   Container Registry, the node's cloud identity (:mod:`hypercli.node.registry`). An image
+   of a registry the node can reach is never pushed from here.
 
 The local container CLI is ``$HYPER_DOCKER``, else ``docker`` when its engine answers, else
 ``podman``.
@@ -14,6 +18,7 @@ The local container CLI is ``$HYPER_DOCKER``, else ``docker`` when its engine an
 from __future__ import annotations
 
 import functools
+import json
 import os
 import shlex
 import shutil
@@ -91,9 +96,29 @@ def push(conn: Connection, image: str, chunk: int = 1 << 20) -> int:
     return sent
 
 
-def ensure(conn: Connection, image: str) -> str:
+def _pull(conn: Connection, image: str, creds: tuple[str, str] | None,
+          helper: str | None):
+    """The node's pull: plain ``docker pull``, or through the node runtime
+    (:mod:`hypercli.node.registry`) with ``creds`` on stdin, or with the node's cloud
+    identity for a cloud's registry."""
+    from hypercli.node.registry import cloud_of, registry_of
+    q = shlex.quote(image)
+    if helper and (creds or cloud_of(registry_of(image))):
+        body = json.dumps({"username": creds[0], "password": creds[1]} if creds else {})
+        return conn.run(f"{helper} -m hypercli.node.registry pull {q}",
+                        stdin=body.encode(), check=False, timeout=1800)
+    return conn.run(f"docker pull {q}", check=False, timeout=1800)
+
+
+def ensure(conn: Connection, image: str, *, creds: tuple[str, str] | None = None,
+           helper: str | None = None) -> str:
     """Make ``image`` present on the node (rule in the module docstring).
 
+    Args:
+        creds: (username, password) of the image's registry (an experiment's
+            ``registry_auth``), sent on the channel's stdin only.
+        helper: shell words running the node runtime's Python (``PYTHONPATH=... python3``);
+            needed for ``creds`` and for cloud registries' identities.
     Returns:
         "present", "pushed" or "pulled".
     Raises:
@@ -110,7 +135,7 @@ def ensure(conn: Connection, image: str) -> str:
     if image.startswith("localhost/") and local_has(image):
         push(conn, image)
         return "pushed"
-    pull = conn.run(f"docker pull {q}", check=False, timeout=1800)
+    pull = _pull(conn, image, creds, helper)
     if pull.exit_code == 0:
         return "pulled"
     if local_has(image):

@@ -43,6 +43,9 @@ from hypercli.errors import HyperError
 COOKIE = "hyper_ui_token"
 LOG_TAIL = 256 << 10  # bytes of each log stream a task page shows (the end)
 POLL_MS = 1500  # ms between a page's looks at its /api twin
+#: s after which a node's latest utilisation sample is not shown as current (agents sample
+#: every 5 s by default, hypercli.usage.SAMPLE_EVERY, and stop when their node is idle)
+SAMPLE_FRESH = 30.0
 STATIC = Path(__file__).parent / "static"
 
 
@@ -105,8 +108,12 @@ def workflows_data(state: S.State) -> dict:
         for n in state.nodes(c["name"]):
             last = state.samples(node=n["name"], nodes_only=True,
                                  since=time.time() - 3600)[-1:]
+            age = time.time() - last[0]["ts"] if last else None
             nodes.append({"name": n["name"], "status": n["status"], "slots": n["slots"],
-                          "sample": last[0]["data"] if last else None})
+                          "sample": last[0]["data"] if last else None,
+                          # an idle node's agent stops sampling: its last sample is old news
+                          "sample_age": age, "sample_fresh": age is not None and
+                          age <= SAMPLE_FRESH})
         clusters.append({"name": c["name"], "provider": c["provider"],
                          "status": c["status"], "nodes": nodes})
     return {"workflows": wfs, "clusters": clusters}
@@ -159,8 +166,10 @@ def results_data(state: S.State, wid: str, exp: str) -> dict:
     from hypercli.workflows import results
     wid, metric, rows = results(state, wid)
     rows = [r for r in rows if r["experiment"] == exp]
+    log = (state.workflow(wid).get("spec") or {}).get("log_params") or {}
     return {"workflow": wid, "experiment": exp, "metric": metric,
             "params": list(dict.fromkeys(k for r in rows for k in r["params"])),
+            "log_params": log.get(exp, []),  # drawn with log: true: plotted on log axes
             "metrics": list(dict.fromkeys(k for r in rows for k in r["metrics"])),
             "rows": [{"task": r["task"], "status": r["status"], "params": r["params"],
                       "metrics": r["metrics"]} for r in rows]}

@@ -12,8 +12,17 @@ let sortCol = null, sortAsc = false, last = null, lastKey = "";
 
 function numeric(vals) { return vals.every((v) => typeof v === "number"); }
 
-function dims(rows, key, get) {
+function dims(rows, key, get, log) {
   const vals = rows.map(get);
+  if (log && numeric(vals) && vals.every((v) => v > 0)) {
+    // parallel coordinates have no log axis: log10 of the values, ticked with the values
+    const lo = Math.floor(Math.log10(Math.min(...vals)));
+    const hi = Math.ceil(Math.log10(Math.max(...vals)));
+    const ticks = [];
+    for (let k = lo; k <= hi; k++) ticks.push(k);
+    return {label: plain(key) + " (log)", values: vals.map(Math.log10), tickvals: ticks,
+            ticktext: ticks.map((k) => fmtVal(Number("1e" + k)))};
+  }
   if (numeric(vals)) return {label: plain(key), values: vals};
   const cats = [...new Set(vals.map(String))];
   return {label: plain(key), values: vals.map((v) => cats.indexOf(String(v))),
@@ -44,9 +53,10 @@ function render(d) {
   const key = JSON.stringify(done.map((r) => [r.task, r.metrics[m]]));
   if (!m || key === lastKey) return;  // redraw the plots only when a point changed
   lastKey = key;
+  const logs = new Set(d.log_params || []);  // drawn with log: true: log axes
   Plotly.react(par, [{type: "parcoords",
     line: {color: done.map((r) => r.metrics[m]), showscale: true},
-    dimensions: [...d.params.map((p) => dims(done, p, (r) => r.params[p])),
+    dimensions: [...d.params.map((p) => dims(done, p, (r) => r.params[p], logs.has(p))),
                  {label: plain(m), values: done.map((r) => r.metrics[m])}]}],
     {margin: {t: 40, l: 60, r: 60}});
   performance.mark("parcoords");
@@ -57,7 +67,9 @@ function render(d) {
     xaxis: "x" + (i ? i + 1 : ""), yaxis: "y" + (i ? i + 1 : "")}));
   const layout = {grid: {rows: 1, columns: Math.max(1, d.params.length), pattern: "independent"},
                   yaxis: {title: {text: plain(m)}}, showlegend: false, margin: {t: 30}};
-  d.params.forEach((p, i) => { layout["xaxis" + (i ? i + 1 : "")] = {title: {text: plain(p)}}; });
+  d.params.forEach((p, i) => {
+    layout["xaxis" + (i ? i + 1 : "")] = {title: {text: plain(p)}, type: logs.has(p) ? "log" : "-"};
+  });
   Plotly.react(sc, traces, layout);
   performance.mark("scatter");
 }
