@@ -174,7 +174,8 @@ def workflow(ref: str) -> Workflow:
 
 def run(recipe: str | os.PathLike, *, detach: bool = False, new: bool = False,
         cluster: str | None = None, trust_new_hosts: bool = False,
-        log: Callable[[str], None] | None = None) -> Workflow:
+        log: Callable[[str], None] | None = None, env: dict | None = None,
+        env_file: str | os.PathLike | list | None = None) -> Workflow:
     """Run a recipe's workflow, as ``hyper run`` does: plan, bring the cluster up, resume the
     newest unfinished workflow of the recipe unless ``new``, and drive it to its end in this
     process. Interrupting it (Ctrl-C, a notebook's interrupt) leaves its tasks running and
@@ -189,13 +190,17 @@ def run(recipe: str | os.PathLike, *, detach: bool = False, new: bool = False,
         trust_new_hosts: pin the host keys of SSH hosts seen for the first time.
         log: gets the progress lines ``hyper run`` prints before its loop (nodes not
             brought up, what workdir was sent where).
+        env: name → value for every task, over the recipe's ``env:`` and ``env_file``
+            (``--env``); a value for a name in ``secrets:`` is used as that secret's value,
+            kept in memory only (:mod:`hypercli.envvars`).
+        env_file: a dotenv file, or a list of them (``--env-file``).
     Returns:
         the :class:`Workflow`; its ``status`` says how it ended (a failed task does not
         raise: ``status == "failed"``).
     Raises:
         RecipeError: the recipe is wrong (naming file, line and field).
         UsageError: another process drives this workflow, an unknown ``cluster``, a task
-            no node could hold.
+            no node could hold, a variable or secret that is not set.
         InfraError: no node came up, or every node was lost with work left.
     """
     from hypercli.workflows import drive, prepare_run
@@ -204,7 +209,9 @@ def run(recipe: str | os.PathLike, *, detach: bool = False, new: bool = False,
     try:
         wid, _, provider, nodes, lock = prepare_run(
             st, os.fspath(recipe), new=new, trust_new_hosts=trust_new_hosts, cluster=cluster,
-            log=say)
+            log=say, env=dict(env or {}),
+            env_files=[os.fspath(f) for f in ([env_file] if isinstance(
+                env_file, (str, os.PathLike)) else env_file or [])])
         if detach:
             from hypercli.driver import detach as detach_
             lock.release()

@@ -13,6 +13,9 @@ Rules:
     is left (Ctrl-C → leave, SIGTERM): it hands the workflow over instead of abandoning it.
   * Any ``hyper`` command that opens the state file starts the driver again when detached
     workflows are running and no driver is alive (:func:`ensure`).
+  * A workflow with a secret its environment lacks is not driven (it stays detached): a
+    driver gets the secrets in the environment of the command that starts it, and
+    :func:`ensure` starts none that would lack them (``hypercli/envvars.py``).
   * SIGTERM to the driver leaves every task running (a later driver re-attaches); a workflow
     whose run fails with an infrastructure error is no longer driven (``detached`` cleared, the
     error in its events) until ``hyper run`` or ``hyper run -d`` takes it again.
@@ -30,7 +33,7 @@ import threading
 import time
 
 from hypercli import state as S
-from hypercli.errors import HyperError
+from hypercli.errors import HyperError, UsageError
 from hypercli.locks import Lock, driver_lock_path, driver_pid
 
 IDLE_EXIT = 2.0  # s with nothing to drive before the driver exits
@@ -41,11 +44,16 @@ log = logging.getLogger("hypercli.driver")
 
 def start() -> int:
     """Start a driver process in a session of its own; returns its pid (it exits at once,
-    harmlessly, when another driver won the race)."""
+    harmlessly, when another driver won the race). Its environment is this process's, with
+    the secrets this process holds (``--env-file`` values, :func:`hypercli.envvars.
+    remembered`) added: in the environment, never on its command line or in a file."""
+    from hypercli.envvars import held
+    env = {**os.environ, **held()}
     out = open(S.home() / "driver.log", "ab")
     try:
         p = subprocess.Popen([sys.executable, "-m", "hypercli.driver"], stdin=subprocess.DEVNULL,
-                             stdout=out, stderr=out, start_new_session=True, close_fds=True)
+                             stdout=out, stderr=out, start_new_session=True, close_fds=True,
+                             env=env)
     finally:
         out.close()
     return p.pid
@@ -53,16 +61,36 @@ def start() -> int:
 
 def ensure(state: S.State) -> int | None:
     """Start the driver when detached workflows are running and none is alive; returns the
-    live (or new) driver's pid, or None when there is nothing to drive."""
-    if not state.detached_workflows():
+    live (or new) driver's pid, or None when there is nothing to drive (or nothing this
+    process's environment has every secret of)."""
+    from hypercli.envvars import available
+    detached = state.detached_workflows()
+    if not detached:
         return None
-    return driver_pid() or start()
+    pid = driver_pid()
+    if pid or not any(available(state.workflow(w)) for w in detached):
+        return pid  # a driver started here would lack a secret of each: left for later
+    return start()
 
 
 def detach(state: S.State, wid: str) -> int:
-    """Hand a workflow to the background driver (started if need be); returns its pid."""
+    """Hand a workflow to the background driver (started if need be); returns its pid.
+
+    Raises:
+        UsageError: a driver is alive whose environment lacks a secret of the workflow that
+            this process holds (it could not drive it; secrets are never written anywhere it
+            could read them from).
+    """
+    from hypercli.envvars import lacking, remembered
+    pid = driver_pid()
+    missing = lacking(pid, remembered(wid)) if pid else []
+    if missing:
+        raise UsageError(f"the background driver (pid {pid}) was started without the "
+                         f"secret {missing[0]} of {wid}, so it cannot drive it",
+                         f"export {missing[0]}=... and `hyper run` it again once the driver "
+                         "has ended, or run it in the foreground")
     state.set_workflow(wid, detached=1)
-    return driver_pid() or start()
+    return pid or start()
 
 
 class _Drive(threading.Thread):
@@ -121,13 +149,20 @@ def serve() -> int:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda signum, frame: stopping.append(signum))
     log.info("started for %s", S.home())
+    from hypercli.envvars import available
     state = S.State()
     drives: dict[str, _Drive] = {}
+    lacks: set[str] = set()  # workflows not driven for a secret not set here
     idle = time.monotonic()
     try:
         while not stopping:
             for wid in state.detached_workflows():
                 if wid in drives and drives[wid].is_alive():
+                    continue
+                if not available(state.workflow(wid)):  # stays detached for a later driver
+                    if wid not in lacks:
+                        lacks.add(wid)
+                        log.info("%s: not driven, a secret of it is not set here", wid)
                     continue
                 try:
                     lock = Lock(wid).acquire()

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from hypercli import params as P
 from hypercli.errors import RecipeError
 from hypercli.recipe import ExperimentSpec, Recipe, Resources
+from hypercli.recipe.environment import REFERENCE
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,8 @@ class TaskPlan:
         index: 0-based position within the experiment.
         params: name → value (str, int, float, bool).
         command: shell text with every ``{{placeholder}}`` replaced by a shell-quoted value.
-        env: extra environment variables, placeholders replaced verbatim (not quoted).
+        env: extra environment variables, placeholders replaced verbatim (not quoted),
+            ``${VAR}`` references replaced by their values; never a secret.
     """
 
     id: str
@@ -52,6 +54,8 @@ class ExperimentPlan:
         resources: what each task (each rank) needs of a node, ``Resources.as_dict()``.
         checkpoint_every: seconds between saves of ``HYPER_CHECKPOINT`` while a task runs.
         engine: ``"spark"`` or ``"ray"`` started across each task's nodes, or None.
+        secrets: names of the variables its tasks get from the submitting environment,
+            never recorded (:mod:`hypercli.envvars`).
     """
 
     name: str
@@ -63,6 +67,7 @@ class ExperimentPlan:
     resources: dict
     checkpoint_every: float = 60.0
     engine: str | None = None
+    secrets: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -95,7 +100,24 @@ def experiment_seed(seed: int, experiment: str) -> int:
     return int.from_bytes(h[:8], "big")
 
 
-def _tasks_of(exp: ExperimentSpec, seed: int) -> list[TaskPlan]:
+def _env_value(text: str, values: dict, lookups: dict) -> str:
+    """An env value with its placeholders rendered and each ``${VAR}`` replaced by
+    ``lookups[VAR]`` (``$${`` by ``${``). A variable's value is data: placeholders in it are
+    not rendered."""
+    if "${" not in text:
+        return P.render(text, values, quote=False)
+    out, pos = [], 0
+    for m in REFERENCE.finditer(text):
+        out.append(P.render(text[pos:m.start()], values, quote=False))
+        if m[1] is not None and m[1] not in lookups:  # hypercli.envvars.lookups checks first
+            raise RecipeError(f"${{{m[1]}}} has no value: {m[1]} is not set")
+        out.append("${" if m[1] is None else lookups[m[1]])
+        pos = m.end()
+    out.append(P.render(text[pos:], values, quote=False))
+    return "".join(out)
+
+
+def _tasks_of(exp: ExperimentSpec, seed: int, lookups: dict, extra: dict) -> list[TaskPlan]:
     try:
         draws = P.sample(exp.parameters, sampling=exp.sampling, samples=exp.samples,
                          seed=experiment_seed(seed, exp.name))
@@ -106,7 +128,8 @@ def _tasks_of(exp: ExperimentSpec, seed: int) -> list[TaskPlan]:
     for i, values in enumerate(draws):
         try:
             command = P.render(exp.command, values)
-            env = {k: P.render(v, values, quote=False) for k, v in exp.env.items()}
+            env = {k: _env_value(v, values, lookups) for k, v in exp.env.items()}
+            env.update(extra)
         except KeyError as e:
             raise RecipeError(f"placeholder {{{{{e.args[0]}}}}} names no parameter",
                               field=f"experiments.{exp.name}", line=exp.line) from None
@@ -114,13 +137,18 @@ def _tasks_of(exp: ExperimentSpec, seed: int) -> list[TaskPlan]:
     return out
 
 
-def build_plan(recipe: Recipe, shards: dict | None = None) -> Workflow:
+def build_plan(recipe: Recipe, shards: dict | None = None, lookups: dict | None = None,
+               extra: dict | None = None) -> Workflow:
     """Expand a validated recipe into its workflow.
 
     Args:
         recipe: from ``hypercli.recipe.load_recipe`` (with shard parameters resolved by
             ``hypercli.shards.resolve`` when it has any).
         shards: experiment → ShardPlan, from that same call.
+        lookups: VAR → value of every ``${VAR}`` the recipe's ``env:`` refers to
+            (:func:`hypercli.envvars.lookups`).
+        extra: variables every task gets over its ``env:`` (``--env``/``--env-file``,
+            :func:`hypercli.envvars.recorded`: no secret).
     Returns:
         the Workflow (experiments in ``recipe.order``).
     Raises:
@@ -130,16 +158,19 @@ def build_plan(recipe: Recipe, shards: dict | None = None) -> Workflow:
     h = hashlib.sha256()
     for name in recipe.order:
         exp = recipe.experiments[name]
-        exp_tasks = _tasks_of(exp, recipe.seed)
+        exp_tasks = _tasks_of(exp, recipe.seed, lookups or {}, extra or {})
         res = exp.resources.as_dict()
         experiments.append(ExperimentPlan(name, tuple(exp.after), exp.retries, exp.image,
                                           exp.workers, len(exp_tasks), res,
-                                          exp.checkpoint_every, exp.engine))
+                                          exp.checkpoint_every, exp.engine,
+                                          tuple(exp.secrets)))
         settings = [name, list(exp.after), exp.retries, exp.image, exp.workers]
         if exp.resources != Resources():  # default resources keep older workflows' digests
             settings.append(res)
         if exp.engine:
             settings.append({"engine": exp.engine})
+        if exp.secrets:  # names only: the values are never part of a plan
+            settings.append({"secrets": list(exp.secrets)})
         h.update(json.dumps(settings, sort_keys=True).encode())
         plan = (shards or {}).get(name)
         if plan is not None:

@@ -64,7 +64,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from hypercli import usage
+from hypercli import envvars, usage
 from hypercli.capacity import ENGINE_PORTS, free_of, never_fits, place_gang, shortfall
 from hypercli.errors import HyperError, InfraError, NodeError, os_reason
 from hypercli.node.client import AgentFailed, NodeCutOff, engine_source
@@ -396,6 +396,9 @@ class Scheduler:
                  on_interrupt: Callable[[], str] | None = None):
         self.state, self.wid, self.provider = state, workflow, provider
         self.wf = state.workflow(workflow)
+        #: experiment → {name: value} of its secrets: held in memory only, added to each
+        #: launch spec sent to a node (hypercli/envvars.py); UsageError when one is not set
+        self.secrets = envvars.for_workflow(self.wf)
         #: in every attempt id: another state file's workflow of the same name, on the same
         #: hosts, has other attempt ids (a node's agent answers a launch it knows with the
         #: state of that attempt); older workflows have none
@@ -554,6 +557,7 @@ class Scheduler:
         g = self.gangs.get((task["id"], number))
         size = len(g["nodes"]) if g else 1
         env = dict(task["env"])
+        env.update(self.secrets.get(task["experiment"]) or {})
         env.update({
             "HYPER_TASK_ID": task["id"], "HYPER_EXPERIMENT": task["experiment"],
             "HYPER_WORKFLOW": self.wid, "HYPER_ATTEMPT": str(number), "HYPER_NODE": node,

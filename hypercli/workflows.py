@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from hypercli import cluster as C
-from hypercli import registry
+from hypercli import envvars, registry
 from hypercli import state as S
 from hypercli.cluster import provider_of
 from hypercli.errors import HyperError, InfraError, UsageError
@@ -36,13 +36,19 @@ def default_storage() -> str:
     return "file://" + str(S.folder("storage"))
 
 
-def load(recipe_path: str) -> tuple[Recipe, Workflow]:
+def load(recipe_path: str, env=(), env_files=()) -> tuple[Recipe, Workflow]:
     """Read, validate and plan a recipe, with what it leaves out taken from the defaults
-    file (:func:`hypercli.config.apply`), listing the files of its shard parameters.
-    Raises RecipeError; StoreError when a dataset to split cannot be read."""
+    file (:func:`hypercli.config.apply`), listing the files of its shard parameters, its
+    ``env:`` references resolved from this process's environment and ``env`` (``--env``
+    items) / ``env_files`` (``--env-file`` paths) applied (:mod:`hypercli.envvars`; no
+    secret's value is read). Raises RecipeError; UsageError for a variable that is not set
+    or a bad ``--env``/``--env-file``; StoreError when a dataset to split cannot be read."""
     from hypercli.shards import resolve
-    recipe, shards = resolve(load_with_defaults(recipe_path))
-    return recipe, build_plan(recipe, shards)
+    recipe = load_with_defaults(recipe_path)
+    overrides, _ = envvars.from_options(env, env_files)
+    lookups = envvars.lookups(recipe, overrides)
+    recipe, shards = resolve(recipe)
+    return recipe, build_plan(recipe, shards, lookups, envvars.recorded(recipe, overrides))
 
 
 def load_with_defaults(recipe_path: str) -> Recipe:
@@ -81,7 +87,8 @@ def start_or_resume(state: S.State, recipe: Recipe, wf: Workflow, *, new: bool =
                                       "log_params": log_params(recipe),
                                       # references only, never a password's value
                                       "registry_auth": registry.stored(
-                                          registry.of_recipe(recipe), recipe.digest)})
+                                          registry.of_recipe(recipe), recipe.digest),
+                                      "secrets": envvars.stored(recipe)})  # names only
     for exp, plan in wf.shards.items():  # the file lists, kept beside the state file
         plan.save(wid, exp)
     return wid, False
@@ -498,18 +505,23 @@ def cluster_spec(name: str, provider: str, hosts: list[str], *, workers: int | N
 def prepare_run(state: S.State, recipe_path: str, *, new: bool = False,
                 trust_new_hosts: bool = False, cluster: str | None = None,
                 log: Callable[[str], None] = lambda s: None,
-                report: Callable[[str], None] | None = None):
+                report: Callable[[str], None] | None = None, env=(), env_files=()):
     """Everything ``hyper run`` does before its loop: plan, bring the cluster up (or, with
     ``cluster``, use that cluster as it is, whatever the recipe's ``cluster:`` says), check
     that its nodes can hold every experiment's tasks, pick the workflow and lock it. ``log``
     gets progress lines, ``report`` (default ``log``) one line per node that could not be
-    brought up. Returns (workflow id, resumed?, provider, nodes, lock).
+    brought up. ``env``/``env_files``: ``--env`` items and ``--env-file`` paths
+    (:mod:`hypercli.envvars`); the secrets' values are read here and kept in this process's
+    memory only. Returns (workflow id, resumed?, provider, nodes, lock).
 
     Raises:
         UsageError: ``cluster`` names no cluster that is up; a task no node could hold
-            (:func:`check_fits`).
+            (:func:`check_fits`); a variable or secret that is not set, a secret's value
+            given on the command line.
     """
-    recipe, wf = load(recipe_path)
+    recipe, wf = load(recipe_path, env, env_files)
+    overrides, literal = envvars.from_options(env, env_files)
+    secret_env = envvars.secret_values(envvars.secret_names(recipe), overrides, literal)
     if cluster is not None:
         row = state.cluster(cluster)
         if row is None or row["status"] != "up":
@@ -536,6 +548,7 @@ def prepare_run(state: S.State, recipe_path: str, *, new: bool = False,
     wid, resumed = start_or_resume(state, recipe, wf, new=new)
     lock = Lock(wid).acquire()
     registry.remember(wid, creds)  # in this process's memory only
+    envvars.remember(wid, secret_env)  # so are the secrets' values
     try:  # the workflow's own storage prefix (and this recipe's mounts) on its cluster
         if resumed and state.workflow(wid)["cluster"] != recipe.cluster.name:
             state.set_workflow(wid, cluster=recipe.cluster.name)  # resumed on another cluster
@@ -638,13 +651,17 @@ def wait(state: S.State, wid: str, *, interval: float = 0.5, timeout: float | No
     ``on_change`` gets the task counts (experiment → {status: n}) whenever they change.
 
     Raises:
-        UsageError: unknown workflow.
+        UsageError: unknown workflow; a driver must be started for it and a secret of it is
+            not set in this process's environment (the driver would get none).
         TimeoutError: ``timeout`` (s) passed first.
     """
     from hypercli.driver import ensure
     end = None if timeout is None else time.monotonic() + timeout
     last = None
     while True:
+        wf = state.workflow(wid)
+        if wf.get("detached") and wf["status"] == "running" and not driver_pid():
+            envvars.for_workflow(wf)  # asked again: the driver started next gets them
         ensure(state)
         status = state.workflow(wid)["status"]
         if on_change is not None:

@@ -13,17 +13,35 @@ from hypercli.cli.common import console, open_state, plural, print_json, text
 from hypercli.errors import HyperError
 
 
+def env_options(f):
+    """``--env NAME[=VALUE]`` and ``--env-file FILE``, both repeatable
+    (:mod:`hypercli.envvars`)."""
+    f = click.option("--env-file", "env_files", multiple=True, metavar="FILE",
+                     type=click.Path(dir_okay=False),
+                     help="Variables for every task from a dotenv file (repeatable; later "
+                          "files win).")(f)
+    return click.option("--env", "env", multiple=True, metavar="NAME[=VALUE]",
+                        help="A variable for every task, over the recipe's env: and "
+                             "--env-file; NAME alone takes this shell's value (repeatable)."
+                        )(f)
+
+
 # -- plan ---------------------------------------------------------------------------------
 @click.command()
 @click.argument("recipe", type=click.Path(dir_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print the tasks as JSON.")
-def plan(recipe, as_json):
-    """Show the tasks RECIPE would run, without running anything."""
+@env_options
+def plan(recipe, as_json, env, env_files):
+    """Show the tasks RECIPE would run, without running anything (a secret's value is shown
+    as ***)."""
+    from hypercli.envvars import masked
     from hypercli.workflows import load
-    r, wf = load(recipe)
+    r, wf = load(recipe, env, env_files)
+    hidden = {e.name: e.secrets for e in wf.experiments}
     if as_json:
         print_json([{"task": t.id, "experiment": t.experiment, "params": t.params,
-                      "command": t.command} for t in wf.tasks])
+                      "command": t.command, "env": masked(t.env, hidden[t.experiment])}
+                    for t in wf.tasks])
         return
     from rich.table import Table
     con = console()
@@ -34,6 +52,11 @@ def plan(recipe, as_json):
         after = f" after {', '.join(e.after)}" if e.after else ""
         con.print(text((e.name, "bold"), f": {plural(e.tasks, 'task')}, retries {e.retries}"
                        f"{after}"))
+        first = next((t for t in wf.tasks if t.experiment == e.name), None)
+        shown = masked(first.env if first else {}, e.secrets)
+        if shown:
+            con.print(text("  env: " + " ".join(f"{k}={v}" for k, v in sorted(shown.items()))),
+                      soft_wrap=True)
     table = Table(box=None)
     for col in ("task", "command"):
         table.add_column(col, overflow="fold")
@@ -120,8 +143,12 @@ def _ask_leave_or_cancel() -> str:
               help="Hand the workflow to the background driver and return at once.")
 @click.option("--wait", is_flag=True,
               help="As --detach, then wait for the end and exit with its result (for CI).")
-def run(recipe, new, on_interrupt, trust_new_hosts, cluster, detach, wait):
+@env_options
+def run(recipe, new, on_interrupt, trust_new_hosts, cluster, detach, wait, env, env_files):
     """Run RECIPE's workflow to its end (resuming an unfinished one), with live progress.
+
+    A recipe's secrets: are read from this shell's environment (or --env-file) each time,
+    never stored; a resumed run needs them again.
 
     Ctrl-C asks whether to leave the tasks running (the background driver goes on
     scheduling them; `hyper attach` shows them again) or to cancel them.
@@ -135,7 +162,7 @@ def run(recipe, new, on_interrupt, trust_new_hosts, cluster, detach, wait):
             state, recipe, new=new, trust_new_hosts=trust_new_hosts, cluster=cluster,
             log=lambda line: con.print(text(line), soft_wrap=True),
             report=lambda line: err.print(text(("not up:", "yellow"), f" {line}"),
-                                          soft_wrap=True))
+                                          soft_wrap=True), env=env, env_files=env_files)
     except Driven as e:
         from hypercli.driver import driver_pid
         if str(driver_pid()) != e.pid:

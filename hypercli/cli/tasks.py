@@ -49,14 +49,17 @@ def ps(workflow, as_json):
         if not rows:
             click.echo("no workflows yet; `hyper run RECIPE` starts one")
         return
-    wid = state.workflow(workflow)["id"]
+    from hypercli.envvars import shown_env
+    wf_row = state.workflow(workflow)
+    wid = wf_row["id"]
     since = undriven(state, wid)
     observed = observe(state, wid) if since is not None else {}
     live = {a["task"]: a for a in state.attempts(wid)}
     rows = [{"task": t["id"], "experiment": t["experiment"], "status": t["status"],
              "attempts": t["attempts"], "node": (live.get(t["id"]) or {}).get("node"),
              "params": t["params"], "metrics": t["metrics"] or {},
-             "waiting": t["wait"] if t["status"] == "pending" else None}
+             "waiting": t["wait"] if t["status"] == "pending" else None,
+             "env": shown_env(wf_row, t)}  # a secret as ***
             for t in state.tasks(wid)]
     times = task_times(state, wid)
     fresh, node_gpus = time.time() - 60, {}

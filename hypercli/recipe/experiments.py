@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-import datetime
 import heapq
 from typing import NoReturn
 
 from yaml.nodes import SequenceNode
 
 from hypercli import params
+from hypercli.recipe import environment
 from hypercli.recipe.parameters import _parameters
 from hypercli.recipe.registry_auth import registry_auth
 from hypercli.recipe.resources import resources
 from hypercli.recipe.specs import ExperimentSpec
 from hypercli.recipe.yamltree import (
     _EXPERIMENT_NAME,
-    _IDENT,
     _check_keys,
     _Ctx,
     _finite,
@@ -23,14 +22,12 @@ from hypercli.recipe.yamltree import (
     _int,
     _is_number,
     _Item,
-    _kind,
     _line,
     _mapping,
     _show,
     _str,
     _strings,
     _suggest,
-    _value,
 )
 
 MAX_TASKS = 1_000_000        #: largest number of tasks one recipe may make
@@ -39,7 +36,7 @@ MAX_TASKS = 1_000_000        #: largest number of tasks one recipe may make
 
 _EXPERIMENT_KEYS = ("command", "image", "parameters", "sampling", "samples", "after",
                     "retries", "env", "workers", "resources", "hardware", "nodes",
-                    "checkpoint_every", "engine", "registry_auth")
+                    "checkpoint_every", "engine", "registry_auth", "secrets")
 ENGINES = ("spark", "ray")   #: what ``engine:`` may name (hypercli/node/engine.py starts them)
 
 
@@ -84,7 +81,9 @@ def _experiment(ctx: _Ctx, name: str, item: _Item) -> tuple[ExperimentSpec, int,
         after = _strings(ctx, keys["after"], f"{f}.after", single_ok=True, empty_ok=True)
     retries = _int(ctx, keys["retries"], f"{f}.retries", 0, 100) if "retries" in keys else 0
     image = _str(ctx, keys["image"], f"{f}.image") if "image" in keys else None
-    env = _env(ctx, keys["env"], f"{f}.env") if "env" in keys else {}
+    env = environment.env(ctx, keys["env"], f"{f}.env") if "env" in keys else {}
+    secrets = (environment.secrets(ctx, keys["secrets"], f"{f}.secrets", env)
+               if "secrets" in keys else ())
     workers = _int(ctx, keys["workers"], f"{f}.workers", lo=1) if "workers" in keys else None
     sharded = [k for k, v in parameters.items() if isinstance(v, params.Shards)]
     if len(sharded) > 1:
@@ -114,7 +113,7 @@ def _experiment(ctx: _Ctx, name: str, item: _Item) -> tuple[ExperimentSpec, int,
         after=tuple(dict.fromkeys(a for a, _ in after)), retries=retries, image=image,
         env={k: v for k, (v, _) in env.items()}, workers=workers, line=item.line,
         resources=resources(ctx, keys, f), checkpoint_every=every, engine=engine,
-        registry_auth=registry_auth(ctx, keys, f))
+        registry_auth=registry_auth(ctx, keys, f), secrets=secrets)
     return spec, count, after
 
 
@@ -138,34 +137,6 @@ def _sampling(ctx: _Ctx, item: _Item, field: str) -> str:
         ctx.fail(f"sampling must be grid or random, not {_show(v)}", item.line, field,
                  _suggest(v, ["grid", "random"], "choices"))
     return v
-
-
-def _env(ctx: _Ctx, item: _Item, field: str) -> dict:
-    """name → (value text, line). Numbers and dates keep the text as written (1.10 stays
-    "1.10"); booleans become "true"/"false"."""
-    out = {}
-    for var, it in _mapping(ctx, item, field, null_ok=True).items():
-        f = f"{field}.{var}"
-        if not _IDENT.fullmatch(var):
-            ctx.fail(f"{_show(var)} is not a valid variable name", it.line, f,
-                     "letters, digits and '_', not starting with a digit")
-        if var.startswith("HYPER_"):
-            ctx.fail(f"{var} is reserved: hyper sets HYPER_ variables itself", it.line, f,
-                     "choose another name")
-        v = _value(ctx, it.node)
-        if isinstance(v, bool):
-            text = "true" if v else "false"
-        elif isinstance(v, str):
-            text = v
-        elif isinstance(v, (int, float, datetime.date)):
-            text = it.node.value
-        else:
-            ctx.fail(f"{var} must be a string, number or boolean, not {_kind(v)}", it.line, f,
-                     'use "" for an empty value' if v is None else None)
-        if "\x00" in text:
-            ctx.fail(f"{var} must not contain a NUL character", it.line, f)
-        out[var] = (text, it.line)
-    return out
 
 
 def _check_placeholders(ctx: _Ctx, text: str, parameters: dict, line: int, field: str) -> None:

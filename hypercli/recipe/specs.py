@@ -67,7 +67,8 @@ class ExperimentSpec:
         after: names of the experiments that must finish first.
         retries: extra attempts of a failed task, 0..100.
         image: container image, or None to run on the node itself.
-        env: variable name → value (str); values may hold placeholders.
+        env: variable name → value (str); values may hold placeholders and ``${VAR}``
+            references to the submitting environment (:mod:`hypercli.recipe.environment`).
         workers: most tasks of this experiment running at once, or None for no limit.
         line: 1-based line of the experiment's key in the file.
         resources: what each task needs of a node (:class:`Resources`).
@@ -76,6 +77,8 @@ class ExperimentSpec:
             (``hypercli/node/engine.py``), or None.
         registry_auth: ``{"username", "password"}`` for the image's registry, each the text
             written or ``${VAR}`` (:mod:`hypercli.registry`), or None.
+        secrets: names of variables whose values come from the submitting environment and
+            are never recorded (:mod:`hypercli.envvars`).
     """
 
     name: str
@@ -93,6 +96,7 @@ class ExperimentSpec:
     checkpoint_every: float = 60.0
     engine: str | None = None
     registry_auth: dict | None = None
+    secrets: tuple = ()
 
 
 @dataclass(frozen=True)

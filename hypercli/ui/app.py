@@ -153,7 +153,9 @@ def task_data(state: S.State, wid: str, tid: str) -> dict:
             error = e.message
     samples = [{"ts": s["ts"], **s["data"]} for a in attempts[-1:]
                for s in state.samples(attempt=a["id"])]
+    from hypercli.envvars import shown_env
     return {"task": tid, "workflow": wid,
+            "env": shown_env(state.workflow(wid), state.task(wid, tid)),  # a secret as ***
             "attempts": [{k: a[k] for k in ("id", "number", "node", "status", "exit_code",
                                              "error", "started_at", "ended_at")}
                          for a in attempts],
