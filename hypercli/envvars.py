@@ -36,6 +36,9 @@ _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _CACHE: dict[str, dict[str, str]] = {}
 _LOCK = threading.Lock()
 MASK = "***"  #: how a secret's value is shown
+#: most bytes of one experiment's secrets: a container reads them from a pipe the node's
+#: agent fills in one write, which must fit the pipe's buffer (64 KiB on Linux, pipe(7))
+MAX_BYTES = 32 << 10
 
 
 def _check_name(name: str, where: str) -> None:
@@ -163,6 +166,12 @@ def secret_values(names: Mapping[str, Iterable[str]], overrides: Mapping[str, st
                                  f"export {s}=... before `hyper run` (secrets are never "
                                  "stored: every run that drives the workflow asks for them)")
             out.setdefault(exp, {})[s] = value
+        size = sum(len(k) + len(v.encode(errors="surrogateescape")) + 12
+                   for k, v in out.get(exp, {}).items())
+        if size > MAX_BYTES:
+            raise UsageError(f"the secrets of experiment {exp} hold {size} bytes, more than "
+                             f"{MAX_BYTES}", "put a large credential in a file the task "
+                             "fetches, and its key in a secret")
     return out
 
 

@@ -557,7 +557,6 @@ class Scheduler:
         g = self.gangs.get((task["id"], number))
         size = len(g["nodes"]) if g else 1
         env = dict(task["env"])
-        env.update(self.secrets.get(task["experiment"]) or {})
         env.update({
             "HYPER_TASK_ID": task["id"], "HYPER_EXPERIMENT": task["experiment"],
             "HYPER_WORKFLOW": self.wid, "HYPER_ATTEMPT": str(number), "HYPER_NODE": node,
@@ -598,6 +597,8 @@ class Scheduler:
                 "checkpoint_every": exp.get("checkpoint_every") or 60}
         if files:
             spec["files"] = files
+        if self.secrets.get(task["experiment"]):  # sent to the node's agent, kept nowhere
+            spec["secrets"] = dict(self.secrets[task["experiment"]])
         if exp.get("engine"):
             spec["engine"] = {"kind": exp["engine"], "source": engine_source()}
         if size > 1:

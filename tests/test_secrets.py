@@ -353,3 +353,79 @@ def test_python_api_takes_env_and_secrets(tmp_path, hyper_home, monkeypatch):
     assert wf.status == "succeeded"
     _assert_task_saw(hyper_home, wf.id, secret)
     assert not _leaks(secret, hyper_home)
+
+
+# -- SSH test hosts, and a container on one ---------------------------------------------------
+
+GATED = """d=$(dirname "$HYPER_METRICS")
+printf %s "$HF_TOKEN" | sha256sum | cut -c1-64 > "$HYPER_OUTPUT/sha"
+touch "$d/started"
+while [ ! -e "$d/go" ]; do sleep 0.1; done
+"""
+
+
+def _run_gated_on_host(tmp_path, ssh_hosts, host, experiment: dict, secret: str,
+                       skip_during: tuple = ()) -> str:
+    """Run one gated task of ``experiment`` on ``host`` in this process; while it waits,
+    check that no file of the host (but ``skip_during``), of ``$HYPER_HOME`` and no process's
+    command line holds the secret; then let it end. Returns the workflow id."""
+    from test_ssh import ssh_recipe
+
+    from hypercli.scheduler import Scheduler
+    from hypercli.state import State
+    from hypercli.workflows import prepare_run
+    path = ssh_recipe(tmp_path, ssh_hosts, [host], {"box": experiment}, name="sec")
+    state = State()
+    wid, _, provider, nodes, lock = prepare_run(state, str(path), trust_new_hosts=True)
+    done: dict = {}
+    t = threading.Thread(target=lambda: done.update(s=Scheduler(state, wid, provider,
+                                                                  nodes).run()))
+    t.start()
+    tasks = host.root / "home" / ".hyper" / "tasks"
+    try:
+        started = wait_for(lambda: list(tasks.glob("*/started")), timeout=120,
+                           what="the task waiting on its node")
+        home = Path(os.environ["HYPER_HOME"])
+        leaks = _leaks(secret, host.root, home, skip=skip_during)
+        assert not leaks, leaks
+    finally:
+        for folder in tasks.glob("*"):
+            (folder / "go").touch()
+        t.join(timeout=180)
+        lock.release()
+    assert not t.is_alive() and done["s"].exit_code == 0, \
+        [(a["id"], a["status"], a["error"]) for a in state.attempts(wid)]
+    assert started
+    return wid
+
+
+def test_ssh_host_gets_the_secret_over_the_channel_only(ssh_hosts, tmp_path, hyper_home,
+                                                       monkeypatch):
+    secret = _value()
+    monkeypatch.setenv("HF_TOKEN", secret)
+    host = ssh_hosts.start(1)[0]
+    wid = _run_gated_on_host(tmp_path, ssh_hosts, host,
+                             {"secrets": ["HF_TOKEN"], "command": GATED}, secret)
+    assert (hyper_home / "storage" / wid / "box-0000" / "sha").read_text().strip() == \
+        _sha(secret)
+    leaks = _leaks(secret, host.root, hyper_home)
+    assert not leaks, leaks
+
+
+def test_container_gets_the_secret_by_name_not_on_its_command_line(
+        ssh_hosts, tiny_image, tmp_path, hyper_home, monkeypatch):
+    """``docker run -e HF_TOKEN``: the value is in the runtime's environment; no command
+    line holds it while the container runs, no file of the node outside the runtime's own
+    store holds it then, and nothing at all on the node after (the container is removed)."""
+    from sshhosts import TINY_IMAGE, load_image
+    secret = _value() + "'$(id) \\n\n\"%s"  # quotes, a substitution, a line break: data
+    monkeypatch.setenv("HF_TOKEN", secret)
+    host = ssh_hosts.start(1)[0]
+    load_image(host, tiny_image)
+    wid = _run_gated_on_host(tmp_path, ssh_hosts, host,
+                             {"image": TINY_IMAGE, "secrets": ["HF_TOKEN"], "command": GATED},
+                             secret, skip_during=(host.root / "containers",))
+    assert (hyper_home / "storage" / wid / "box-0000" / "sha").read_text().strip() == \
+        _sha(secret)
+    leaks = _leaks(secret, host.root, hyper_home)
+    assert not leaks, leaks

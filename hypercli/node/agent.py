@@ -62,7 +62,9 @@ Requests (``{"id": N, "op": OP, ...}``) and responses (``{"id": N, "ok": true, .
                                     GLOO_SOCKET_IFNAME and
                                     NCCL_SOCKET_IFNAME are set to its interface),
                                     limits: {cpus, memory} (container limits), engine (see
-                                    above)); an attempt with an image on a node whose
+                                    above), secrets: {NAME: value} (never written: put in
+                                    the task's environment, or for a container sent on
+                                    its stdin, see SECRETS_PROLOGUE)); an attempt with an image on a node whose
                                     container runtime fails ``docker info`` is not started:
                                     state "refused" + error + lacks "containers"; with
             ids: [id]?, wait: s?    wait > 0 it then waits as ``poll`` does, over the launched
@@ -166,6 +168,12 @@ wait "$side" 2>/dev/null
 save
 exit "$code"
 """
+#: a container's first command when its task has secrets: ``export NAME='value'`` lines
+#: read from stdin (the agent's pipe, closed after them), then the task. So a secret's value
+#: is on no command line and in no file, not even the container runtime's own store
+#: (podman keeps ``-e`` values in its state database after the container is removed).
+SECRETS_PROLOGUE = ('s=; while IFS= read -r l || [ -n "$l" ]; do s="$s$l\n"; done; '
+                    'eval "$s"; exec "$@"')  # builtins only: any image with a shell
 SAMPLES_MAX = 720  # samples buffered at most between two answers (1 h at 5 s)
 GPU_QUERY = ("--query-gpu=index,utilization.gpu,memory.used,memory.total,temperature.gpu,"
              "power.draw")
@@ -585,6 +593,9 @@ class Agent:
         os.write(lock, ("set -e\n" + spec["script"] + "\n").encode())
         env = dict(self.base_env)
         env.update(spec.get("env") or {})
+        secrets = spec.get("secrets") or {}
+        if not spec.get("image"):  # in the task's environment only (a container: its stdin)
+            env.update(secrets)
         env["HYPER_METRICS"] = os.path.join(d, "metrics.jsonl")
         if engine:
             env.update(HYPER_ENGINE=engine["kind"], HYPER_ENGINE_ATTEMPT=attempt_id,
@@ -609,7 +620,12 @@ class Agent:
             argv = _command(d, spec, env)
             if ck:
                 argv = ["/bin/sh", "-c", CHECKPOINT_WRAPPER, "hyper-task"] + argv
-            proc = self._spawn(d, argv, env, cwd, new_session=True)
+            feed = None
+            if spec.get("image") and secrets:
+                import shlex
+                feed = "".join("export %s=%s\n" % (k, shlex.quote(v))
+                               for k, v in sorted(secrets.items())).encode()
+            proc = self._spawn(d, argv, env, cwd, new_session=True, feed=feed)
         except Exception as e:
             _note(d, "cannot start the task: %s" % e)
             _write_json(os.path.join(d, "pid"), {"pid": None, "started": started})
@@ -675,14 +691,27 @@ class Agent:
         return error
 
     @staticmethod
-    def _spawn(d, argv, env, cwd, new_session):
+    def _spawn(d, argv, env, cwd, new_session, feed=None):
         """The command as a child of this agent, output appended to the attempt's logs
-        (``vfork``: no copy of this process is made)."""
+        (``vfork``: no copy of this process is made); ``feed`` (bytes, at most a pipe's
+        buffer: the secrets' exports) is written to its stdin, which is then closed."""
         import subprocess
         with open(os.path.join(d, "stdout"), "ab") as out, \
                 open(os.path.join(d, "stderr"), "ab") as err:
-            return subprocess.Popen(argv, cwd=cwd or None, env=env, stdout=out, stderr=err,
-                                    stdin=subprocess.DEVNULL, start_new_session=new_session)
+            proc = subprocess.Popen(argv, cwd=cwd or None, env=env, stdout=out, stderr=err,
+                                    stdin=subprocess.DEVNULL if feed is None else
+                                    subprocess.PIPE, start_new_session=new_session)
+        if feed is not None:
+            try:
+                proc.stdin.write(feed)
+            except OSError:  # it ended at once: its exit says why
+                pass
+            finally:
+                try:
+                    proc.stdin.close()
+                except OSError:
+                    pass
+        return proc
 
     def _reap(self):
         """Collect the tasks (and ``finish`` commands) of this agent that ended."""
@@ -1146,7 +1175,8 @@ def _command(d, spec, env):
 
     In a container the attempt folder, the output folder and the working folder are bound at
     the same paths, so every ``HYPER_*`` path means the same inside and out; ``env`` names are
-    passed with ``-e NAME`` (values come from the environment, never the command line).
+    passed with ``-e NAME`` (values come from the environment, never the command line);
+    ``secrets`` on the container's stdin (SECRETS_PROLOGUE).
     """
     shell = "/bin/bash" if os.path.exists("/bin/bash") else "/bin/sh"
     script = os.path.join(d, "script.sh")
@@ -1181,7 +1211,11 @@ def _command(d, spec, env):
         names += ["HYPER_ENGINE", "HYPER_ENGINE_ATTEMPT", "HYPER_ENGINE_DIR"]
     for k in names:
         argv += ["-e", k]
-    return argv + [spec["image"]] + (["python3", engine] if engine else []) + ["sh", script]
+    if spec.get("secrets"):  # read from stdin inside the container (SECRETS_PROLOGUE)
+        argv += ["-i", spec["image"], "sh", "-c", SECRETS_PROLOGUE, "hyper-secrets"]
+    else:
+        argv += [spec["image"]]
+    return argv + (["python3", engine] if engine else []) + ["sh", script]
 
 
 def main(argv):
