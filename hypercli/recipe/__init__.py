@@ -18,7 +18,8 @@ The checks are split by section of the file: :mod:`.yamltree` (the node tree and
 values), :mod:`.cluster` (``cluster``, ``storage``, ``mounts``), :mod:`.experiments` (each
 experiment and the ``after`` DAG), :mod:`.parameters`, and :mod:`.resources` (what a task
 needs of a node: CPUs, memory, GPUs, and how many nodes); :mod:`.specs` holds the frozen
-values they build, and :mod:`.access` derives what object storage the cluster's nodes need.
+values they build, :mod:`.environment` checks ``env:`` and ``secrets:``, and :mod:`.access`
+derives what object storage the cluster's nodes need.
 """
 
 from __future__ import annotations
