@@ -64,8 +64,9 @@ Requests (``{"id": N, "op": OP, ...}``) and responses (``{"id": N, "ok": true, .
                                     limits: {cpus, memory} (container limits), engine (see
                                     above), secrets: {NAME: value} (never written: put in
                                     the task's environment, or for a container sent on
-                                    its stdin, see SECRETS_PROLOGUE)); an attempt with an image on a node whose
-                                    container runtime fails ``docker info`` is not started:
+                                    its stdin, see SECRETS_PROLOGUE)); an attempt with
+                                    an image on a node whose container runtime fails
+                                    ``docker info`` is not started:
                                     state "refused" + error + lacks "containers"; with
             ids: [id]?, wait: s?    wait > 0 it then waits as ``poll`` does, over the launched
                                     attempts and ``ids``, and answers with all their states
