@@ -364,6 +364,20 @@ while [ ! -e "$d/go" ]; do sleep 0.1; done
 """
 
 
+#: attempt 1 saves a checkpoint, waits, fails; attempt 2 restores it (the restore runs before
+#: the container, which must still get its secrets on stdin) and succeeds
+RETRIED = """d=$(dirname "$HYPER_METRICS")
+printf %s "$HF_TOKEN" | sha256sum | cut -c1-64 > "$HYPER_OUTPUT/sha"
+if [ "$HYPER_ATTEMPT" = 1 ]; then
+  echo saved > "$HYPER_CHECKPOINT/state"
+  touch "$d/started"
+  while [ ! -e "$d/go" ]; do sleep 0.1; done
+  exit 3
+fi
+[ "$(cat "$HYPER_CHECKPOINT/state")" = saved ]
+"""
+
+
 def _run_gated_on_host(tmp_path, ssh_hosts, host, experiment: dict, secret: str,
                        skip_during: tuple = ()) -> str:
     """Run one gated task of ``experiment`` on ``host`` in this process; while it waits,
@@ -423,8 +437,11 @@ def test_container_gets_the_secret_by_name_not_on_its_command_line(
     host = ssh_hosts.start(1)[0]
     load_image(host, tiny_image)
     wid = _run_gated_on_host(tmp_path, ssh_hosts, host,
-                             {"image": TINY_IMAGE, "secrets": ["HF_TOKEN"], "command": GATED},
-                             secret, skip_during=(host.root / "containers",))
+                             {"image": TINY_IMAGE, "secrets": ["HF_TOKEN"], "retries": 1,
+                              "command": RETRIED}, secret,
+                             skip_during=(host.root / "containers",))
+    from hypercli.state import State
+    assert [a["status"] for a in State().attempts(wid)] == ["failed", "succeeded"]
     assert (hyper_home / "storage" / wid / "box-0000" / "sha").read_text().strip() == \
         _sha(secret)
     leaks = _leaks(secret, host.root, hyper_home)

@@ -149,7 +149,8 @@ save() {
   done
 }
 if [ -n "$HYPER_CKPT_RESTORE" ]; then
-  sh -c "$HYPER_CKPT_RESTORE" || { echo "hyper: restoring the checkpoint failed" >&2; exit 75; }
+  sh -c "$HYPER_CKPT_RESTORE" </dev/null || {  # stdin: the task's (a container's secrets)
+    echo "hyper: restoring the checkpoint failed" >&2; exit 75; }
 fi
 (
   n=0; noticed=
