@@ -112,15 +112,21 @@ def lookups(recipe, overrides: Mapping[str, str] | None = None,
     (``--env``/``--env-file``) over ``environ`` (default ``os.environ``).
 
     Raises:
-        UsageError: a variable that is not set, naming it and the field that refers to it.
+        UsageError: a variable that is not set, naming it and the field that refers to it;
+            a reference to a secret of another experiment.
     """
     from hypercli.recipe.environment import references
     environ = os.environ if environ is None else environ
     overrides = overrides or {}
+    hidden = {s: e for e, names in secret_names(recipe).items() for s in names}
     out: dict[str, str] = {}
     for name, exp in recipe.experiments.items():
         for var, text in exp.env.items():
             for ref in references(text):
+                if ref in hidden:  # the recipe check catches it within one experiment
+                    raise UsageError(f"experiments.{name}.env.{var} refers to {ref}, a secret "
+                                     f"of experiment {hidden[ref]}: its value would be "
+                                     "recorded", f"add {ref} to the secrets of {name} instead")
                 value = overrides.get(ref, environ.get(ref))
                 if value is None:
                     how = (f"passes {ref} through" if text == "${%s}" % ref

@@ -177,6 +177,24 @@ def test_missing_variables_are_exit_2_naming_them(tmp_path, hyper_home, hyper, m
     assert not (hyper_home / "state.db").exists() or "envs" not in hyper("ps").stdout
 
 
+def test_a_secret_of_one_experiment_is_not_recorded_by_another(tmp_path, hyper_home,
+                                                                monkeypatch):
+    from hypercli.workflows import load
+    path = tmp_path / "r.yaml"
+    path.write_text("name: x\nexperiments:\n  a: {command: 'true', secrets: [TOKEN]}\n"
+                    "  b: {command: 'true', env: [TOKEN]}\n")
+    monkeypatch.setenv("TOKEN", _value())
+    with pytest.raises(UsageError) as e:
+        load(str(path))
+    assert "experiments.b.env.TOKEN" in str(e.value) and "secret of experiment a" in str(e.value)
+    path.write_text("name: x\nexperiments:\n  a: {command: 'true', secrets: [TOKEN]}\n"
+                    "  b: {command: 'true'}\n")
+    envf = tmp_path / "s.env"
+    envf.write_text(f"TOKEN={os.environ['TOKEN']}\nOTHER=1\n")
+    _, wf = load(str(path), [], [str(envf)])  # a file's secret is recorded for no task
+    assert [t.env for t in wf.tasks] == [{"OTHER": "1"}, {"OTHER": "1"}]
+
+
 def test_secret_value_on_the_command_line_is_refused(tmp_path, hyper_home, hyper,
                                                      monkeypatch):
     path = tmp_path / "r.yaml"
