@@ -311,6 +311,41 @@ def test_secret_from_an_env_file_reaches_a_detached_run(tmp_path, hyper_home, hy
             os.kill(pid, signal.SIGKILL)
 
 
+def test_a_live_driver_without_the_secret_is_not_handed_the_workflow(tmp_path, hyper_home,
+                                                                      hyper, monkeypatch):
+    """``hyper run -d --env-file`` while a background driver started without the secret is
+    alive: refused (exit 2), since it could not drive it; run in the foreground it runs."""
+    from hypercli.driver import driver_pid
+    secret = _value()
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv("PLAIN", "p")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "o.yaml").write_text(f"name: o\ncluster: {{workers: 1}}\nexperiments:\n"
+                                  f"  w: {{command: 'while [ ! -e {other}/go ]; do sleep 0.1; "
+                                  f"done'}}\n")
+    path, gate = _local_recipe(tmp_path)
+    (gate / "go").touch()
+    envf = tmp_path / "s.env"
+    envf.write_text(f"HF_TOKEN={secret}\n")
+    try:
+        assert hyper("run", "-d", other / "o.yaml").returncode == 0
+        pid = wait_for(driver_pid, what="the background driver")
+        r = hyper("run", "-d", path, "--env-file", envf)
+        assert r.returncode == 2 and f"driver (pid {pid})" in r.stderr, r.stdout + r.stderr
+        assert "HF_TOKEN" in r.stderr and secret not in r.stdout + r.stderr
+        (other / "go").touch()
+        r = hyper("run", path, "--env-file", envf, timeout=180)
+        assert r.returncode == 0, r.stdout + r.stderr
+        _assert_task_saw(hyper_home, "sec-1", secret)
+        assert not _leaks(secret, hyper_home)
+    finally:
+        (other / "go").touch()
+        pid = driver_pid()
+        if pid:
+            os.kill(pid, signal.SIGKILL)
+
+
 def test_resumed_runs_ask_for_the_secret_again(tmp_path, hyper_home, hyper, monkeypatch):
     """A killed ``hyper run`` resumed, and ``hyper attach`` after the background driver was
     killed, read the secret from their own environment: missing, exit 2 naming it; given,
