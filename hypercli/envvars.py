@@ -15,8 +15,9 @@ An experiment's ``secrets: [NAME, ...]`` are not: their values are taken from ``
 or this process's environment when the workflow is submitted (:func:`secret_values`), kept in
 this process's memory only (:func:`remember`), and added to each attempt's launch spec when it
 is sent to the node's agent (:func:`for_workflow`): on the SSH channel's stdin, or the local
-agent's pipe. The agent puts them in the task's environment (and passes them into a container
-as ``-e NAME``, the value in the container runtime's environment, never its command line).
+agent's pipe. The agent puts them in the task's environment; a container reads them from
+its stdin, which the agent fills and closes, before its command starts (not ``-e NAME``:
+podman keeps ``-e`` values in its state database after the container is removed).
 The state file keeps the names only (:func:`stored`). A process that drives the workflow later
 (a resumed ``hyper run``, the background driver) asks its own environment again, and refuses
 to go on, naming the variable, when it is not set. A secret's value on the command line
