@@ -75,7 +75,8 @@ def start_or_resume(state: S.State, recipe: Recipe, wf: Workflow, *, new: bool =
         if last["digest"] == wf.digest:
             return last["id"], True
         raise UsageError(f"workflow {last['id']} of recipe {wf.name} has not ended and was "
-                         "planned from a different version of the recipe",
+                         "planned from a different version of the recipe (or other values "
+                         "of its env: variables, --env or --env-file)",
                          f"`hyper run --new` starts another, `hyper cancel {last['id']}` "
                          "ends it")
     storage = recipe.storage or default_storage()

@@ -195,6 +195,26 @@ def test_a_secret_of_one_experiment_is_not_recorded_by_another(tmp_path, hyper_h
     assert [t.env for t in wf.tasks] == [{"OTHER": "1"}, {"OTHER": "1"}]
 
 
+def test_a_run_resumes_only_with_the_same_values(tmp_path, hyper_home, monkeypatch):
+    """The recorded values are part of the plan: ``hyper run`` again with another ``--env``
+    value is refused, naming the variables; with the same ones it resumes."""
+    from hypercli.state import State
+    from hypercli.workflows import prepare_run
+    path, gate = _local_recipe(tmp_path)
+    monkeypatch.setenv("HF_TOKEN", _value())
+    state = State()
+    wid, resumed, _, _, lock = prepare_run(state, str(path), env=["PLAIN=one"])
+    lock.release()
+    with pytest.raises(UsageError) as e:
+        prepare_run(state, str(path), env=["PLAIN=two"])
+    assert e.value.exit_code == 2 and "--env" in str(e.value)
+    monkeypatch.setenv("HF_TOKEN", _value())  # a secret is no part of the plan
+    wid2, resumed, _, _, lock = prepare_run(state, str(path), env=["PLAIN=one"])
+    lock.release()
+    assert (wid2, resumed) == (wid, True)
+    state.close()
+
+
 def test_secret_value_on_the_command_line_is_refused(tmp_path, hyper_home, hyper,
                                                      monkeypatch):
     path = tmp_path / "r.yaml"
