@@ -20,6 +20,7 @@ import pytest
 from conftest import ROOT, hyper_cmd, wait_for
 from hypercli.errors import RecipeError, UsageError
 from hypercli.recipe import parse_recipe
+from test_ui import browser  # noqa: F401  (the headless Chromium fixture)
 
 
 def _value() -> str:
@@ -519,3 +520,30 @@ def test_container_gets_the_secret_by_name_not_on_its_command_line(
         _sha(secret)
     leaks = _leaks(secret, host.root, hyper_home)
     assert not leaks, leaks
+
+
+# -- the dashboard ------------------------------------------------------------------------
+
+def test_dashboard_shows_a_secret_as_stars(browser, tmp_path, hyper_home, hyper):
+    from test_ui import start_ui, stop
+    secret = _value()
+    path, gate = _local_recipe(tmp_path)
+    (gate / "go").touch()
+    env = dict(os.environ, HF_TOKEN=secret, PLAIN="plain-value")
+    r = subprocess.run([*hyper_cmd(), "run", str(path)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stdout + r.stderr
+    ui, url = start_ui()
+    try:
+        base = url.split("/?", 1)[0]
+        browser.get(url)
+        browser.get(f"{base}/w/sec-1/t/work-0000")
+        rows = wait_for(lambda: browser.execute_script(
+            "return [...document.querySelectorAll('#main table tr')].map("
+            "r => [...r.querySelectorAll('td')].map(e => e.textContent))"
+            ".filter(c => c.length == 2)"), timeout=30, what="the environment table")
+        assert ["HF_TOKEN", "***"] in rows and ["PLAIN", "plain-value"] in rows, rows
+        assert secret not in browser.page_source
+    finally:
+        stop(ui)
+    assert not _leaks(secret, hyper_home)

@@ -1,10 +1,12 @@
-// A task: attempts, logs (live while it runs) and utilisation charts.
+// A task: attempts, its environment (a secret as ***), logs (live while it runs) and
+// utilisation charts.
 "use strict";
 let drawn = false;
 const main = document.getElementById("main");
-const at = el("div", {}), out = el("pre", {id: "stdout"}), err = el("pre", {id: "stderr"});
+const at = el("div", {}), envt = el("div", {}), out = el("pre", {id: "stdout"}), err = el("pre", {id: "stderr"});
 const cpu = el("div", {class: "plot", id: "cpu"}), mem = el("div", {class: "plot", id: "mem"});
-main.append(el("h2", {text: "Attempts"}), at, el("h2", {text: "stdout"}), out,
+main.append(el("h2", {text: "Attempts"}), at, el("h2", {text: "Environment"}), envt,
+            el("h2", {text: "stdout"}), out,
             el("h2", {text: "stderr"}), err, el("h2", {text: "Utilisation"}), cpu, mem);
 poll((d) => {
   if (d.error) { main.replaceChildren(el("p", {text: d.error})); return; }
@@ -12,6 +14,7 @@ poll((d) => {
     d.attempts.map((a) => [a.number, a.node, el("span", {class: "status-" + a.status, text: a.status}),
                            a.exit_code === null ? "" : a.exit_code, a.error || "",
                            fmtTime(a.started_at), fmtTime(a.ended_at)])));
+  envt.replaceChildren(table(["variable", "value"], Object.entries(d.env || {}).sort()));
   const follow = out.scrollTop + out.clientHeight >= out.scrollHeight - 4;
   out.textContent = d.logs.stdout + (d.log_error ? "\n[" + d.log_error + "]" : "");
   err.textContent = d.logs.stderr;
