@@ -158,12 +158,14 @@ def run(recipe, new, on_interrupt, trust_new_hosts, cluster, detach, wait):
         live = Live(console=con, refresh_per_second=4, transient=False)
         live.start()
     last = [0.0, ""]
-    shown = [0]  # scheduler notices printed so far
+    shown = [0, 0]  # scheduler notices and lines printed so far
 
     def progress(sched):
-        for note in sched.notices[shown[0]:]:  # idle GPUs, full disks, OOM kills
+        for note in sched.notices[shown[0]:]:  # idle GPUs, full disks, OOM kills, time limits
             con.print(text(("warning:", "yellow"), f" {note}"), soft_wrap=True)
-        shown[0] = len(sched.notices)
+        for line in sched.lines[shown[1]:]:  # restarts: a node lost, a rank failed
+            con.print(text(line), soft_wrap=True)
+        shown[:] = [len(sched.notices), len(sched.lines)]
         if live is not None:
             live.update(_progress_table(sched))
             return
@@ -199,9 +201,11 @@ def run(recipe, new, on_interrupt, trust_new_hosts, cluster, detach, wait):
         con.print(f"workflow {wid}: {counts}")
         if summary.exit_code == 0:
             con.print(f"`hyper results {wid}` shows the metrics")
-        else:
+        elif summary.counts.get("failed"):
             _show_failure(state, wid, con)
             con.print(f"`hyper ps {wid}` and `hyper logs {wid}/TASK` show what failed")
+        else:  # cancelled: nothing failed
+            con.print(f"`hyper ps {wid}` shows its tasks")
     sys.exit(summary.exit_code)
 
 
@@ -217,21 +221,26 @@ def _show_failure(state, wid: str, con, lines: int = 10) -> None:
         return
     shown = ", ".join(failed[:20]) + (f", … ({len(failed)} in all)" if len(failed) > 20 else "")
     con.print(text(("failed:", "bold red"), f" {shown}"), soft_wrap=True)
-    if attempt is not None and tail:
+    if attempt is None:
+        return
+    gang = any(a["rank"] for a in state.attempts(wid, attempt["task"]))
+    rank = f", rank {attempt['rank']}" if gang else ""  # the rank that failed on its own
+    if tail:
         con.print(f"last {plural(len(tail), 'line')} of {attempt['task']}'s stderr (attempt "
-                  f"{attempt['number']}, {_ended_how(attempt)}):")
+                  f"{attempt['number']}{rank}, {_ended_how(attempt)}):")
         for line in tail:
             con.print(text(f"  {line}"), soft_wrap=True)
-    elif attempt is not None:
+    else:
         why = attempt["error"] or _ended_how(attempt)
         con.print(text(f"{attempt['task']} wrote nothing on stderr (attempt "
-                       f"{attempt['number']}: {why})"), soft_wrap=True)
+                       f"{attempt['number']}{rank}: {why})"), soft_wrap=True)
 
 
 def _ended_how(attempt: dict) -> str:
     """``exit code 3``; for an attempt that has no exit code (lost, never started), its
     status and the reason recorded."""
-    if attempt.get("exit_code") is not None:
+    if attempt.get("exit_code") is not None and not (attempt.get("error") or "").startswith(
+            "timed out"):
         return f"exit code {attempt['exit_code']}"
     return f"{attempt['status']}: {attempt['error']}" if attempt.get("error") else \
         f"{attempt['status']}, no exit code"

@@ -76,6 +76,8 @@ class ExperimentSpec:
             (``hypercli/node/engine.py``), or None.
         registry_auth: ``{"username", "password"}`` for the image's registry, each the text
             written or ``${VAR}`` (:mod:`hypercli.registry`), or None.
+        timeout: seconds an attempt may run before it is stopped and counted as a failure,
+            or None for no limit.
     """
 
     name: str
@@ -93,6 +95,7 @@ class ExperimentSpec:
     checkpoint_every: float = 60.0
     engine: str | None = None
     registry_auth: dict | None = None
+    timeout: float | None = None
 
 
 @dataclass(frozen=True)
