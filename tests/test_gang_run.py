@@ -5,6 +5,7 @@ and `hyper cancel` say of a gang, and what a task's environment holds (and does 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 
 import pytest
@@ -221,3 +222,21 @@ def test_internal_variables_stay_out_of_the_task(hyper_home, write_recipe, tmp_p
     assert "HYPER_HOME" not in env
     assert env["HYPER_GPUS_PER_NODE"] == "0"
 
+
+
+def test_checkpoint_lines_do_not_count_the_manifest_as_the_folders_bytes(hyper_home,
+                                                                         write_recipe):
+    path = write_recipe("""
+        name: small
+        cluster: {workers: 1}
+        experiments:
+          e: {command: 'printf 0123456789abcdef > "$HYPER_CHECKPOINT/state"'}
+    """)
+    state, summary = run_recipe(path)
+    assert summary.exit_code == 0
+    [a] = state.attempts(summary.workflow, "e-0000")
+    err = (hyper_home / "local" / "tasks" / a["id"] / "stderr").read_text()
+    [line] = [ln for ln in err.splitlines() if ln.startswith("checkpoint:")]
+    assert "16 bytes changed of 16 bytes" in line and "uploaded with its manifest" in line
+    for n, total in re.findall(r"(\d+) of (\d+) bytes uploaded", err):
+        assert int(n) <= int(total), line

@@ -157,3 +157,63 @@ def test_a_hung_rendezvous_is_stopped_at_its_time_limit(ssh_hosts, tmp_path, hyp
     for h in hosts:  # nothing of the hung attempt is left on any host
         left = h.run("pgrep -f '[i]nit_process_group' || true").stdout.split()
         assert left == [], (h.name, left)
+
+
+def test_tutorial_style_training_resumes_from_its_snapshot_after_a_host_is_killed(
+        ssh_hosts, tmp_path, hyper_home):
+    """recipes/ddp-snapshot.yaml as it is (torchrun, DDP, a relative snapshot.pt saved every 2
+    epochs) on a gang of 2 with a spare host: rank 1's host is killed once a snapshot was
+    saved; the gang restarts on the spare and resumes from a saved epoch, not from 0."""
+    need_torch()
+    import re
+
+    import yaml
+    from conftest import ROOT
+    hosts = ssh_hosts.start(3)
+    recipe = yaml.safe_load((ROOT / "recipes" / "ddp-snapshot.yaml").read_text())
+    exp = recipe["experiments"]["train"]
+    # Debian's torchrun 1.13 fails on Python 3.11 unless given --redirects/--tee other than 0
+    exp["command"] = exp["command"].replace("torchrun ", "torchrun --redirects 1 --tee 1 ") \
+        .replace("--epochs 30", "--epochs 40").replace("--save-every 2",
+                                                      "--save-every 2 --pause 0.3")
+    exp["checkpoint_every"] = 1
+    path = ssh_recipe(tmp_path, ssh_hosts, hosts, {"train": exp},
+                      workdir=str(ROOT / "recipes"))
+    seen = {}
+
+    def kill_after_a_snapshot():
+        def rank(r):
+            try:
+                return [a for a in State().attempts("lab-1", status=["running"])
+                        if a["rank"] == r and a["number"] == 1]
+            except Exception:
+                return []
+        [r0] = wait_for(lambda: rank(0), timeout=120, what="rank 0 running")
+        [r1] = wait_for(lambda: rank(1), timeout=120, what="rank 1 running")
+        copy = hyper_home / "logs" / r0["id"] / "stdout"
+        wait_for(lambda: copy.exists() and "Epoch 5 | Training snapshot saved" in
+                 copy.read_text(), timeout=240, what="a snapshot of epoch 5")
+        kept = hyper_home / "storage" / "lab-1" / ".checkpoints" / "train-0000"
+        wait_for(lambda: len(list(kept.glob("gen/*.json"))) >= 2, timeout=60,
+                 what="the snapshot saved by hypercli")
+        seen["node"] = r1["node"]
+        hosts[int(r1["node"].rsplit("-", 1)[1])].kill()
+    t = threading.Thread(target=kill_after_a_snapshot)
+    t.start()
+    state, summary = run_in_process(path)
+    t.join()
+    assert summary.exit_code == 0
+    by = {(a["number"], a["rank"]): a for a in state.attempts("lab-1", "train-0000")}
+    assert by[(1, 1)]["status"] == "lost" and by[(1, 1)]["node"] == seen["node"]
+    assert [by[(2, r)]["status"] for r in (0, 1)] == ["succeeded"] * 2
+    assert seen["node"] not in {by[(2, r)]["node"] for r in (0, 1)}  # the spare took it
+    first = (hyper_home / "logs" / by[(1, 0)]["id"] / "stdout").read_text()
+    saved = [int(n) + 1 for n in re.findall(r"Epoch (\d+) \| Training snapshot saved", first)]
+    second = (hyper_home / "logs" / by[(2, 0)]["id"] / "stdout").read_text()
+    [resumed] = [int(n) for n in re.findall(r"Resuming training from snapshot at epoch (\d+)",
+                                            second)]
+    assert resumed in saved and resumed >= 6, (resumed, saved)  # a complete epoch's snapshot
+    epochs = [int(n) for n in re.findall(r"\[rank 0\] epoch (\d+) ", second)]
+    assert epochs == list(range(resumed, 40))  # it went on from there, not from 0
+    m = state.task("lab-1", "train-0000")["metrics"]
+    assert m["resumed_from_epoch"] == resumed and m["epochs"] == 40
