@@ -217,3 +217,33 @@ def test_tutorial_style_training_resumes_from_its_snapshot_after_a_host_is_kille
     assert epochs == list(range(resumed, 40))  # it went on from there, not from 0
     m = state.task("lab-1", "train-0000")["metrics"]
     assert m["resumed_from_epoch"] == resumed and m["epochs"] == 40
+
+
+def test_a_gang_left_without_enough_nodes_says_they_were_lost(ssh_hosts, tmp_path, hyper_home):
+    """No spare: a gang of 2 on 2 hosts, one killed. The run ends naming the lost node as the
+    cause, not the nodes' resources."""
+    from hypercli.errors import InfraError
+    hosts = ssh_hosts.start(2)
+    path = ssh_recipe(tmp_path, ssh_hosts, hosts, {"train": {
+        "nodes": 2, "retries": 1, "command": "sleep 120"}})
+    killed = {}
+
+    def kill_rank_1():
+        def rank1():
+            try:
+                return [a for a in State().attempts("lab-1", status=["running"])
+                        if a["rank"] == 1]
+            except Exception:
+                return []
+        [a] = wait_for(rank1, timeout=60, what="rank 1 running")
+        killed["node"] = a["node"]
+        hosts[int(a["node"].rsplit("-", 1)[1])].kill()
+    t = threading.Thread(target=kill_rank_1)
+    t.start()
+    with pytest.raises(InfraError) as e:
+        run_in_process(path)
+    t.join()
+    text = str(e.value)
+    assert (f"experiment train cannot run on the nodes left: it needs 2 nodes and 1 is left "
+            f"after {killed['node']} was lost") in text, text
+    assert "largest" not in text and "resources" not in (e.value.hint or "")
