@@ -203,6 +203,12 @@ def test_a_failed_rank_restarts_the_gang_with_one_line(hyper_home, write_recipe,
     assert line.startswith("train-0000: rank 1 failed (exit code 9) → gang restarted, "
                            "attempt 2/3 on "), line
     assert "show what failed" not in r.stdout
+    marker.unlink()  # the same again, run by the background driver and watched with --wait
+    r = hyper("run", "--new", "--wait", path, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    [line] = [ln for ln in r.stdout.splitlines() if "restarted" in ln]
+    assert line.startswith("train-0000: rank 1 failed (exit code 9) → gang restarted, "
+                           "attempt 2/3 on "), line
 
 
 def test_internal_variables_stay_out_of_the_task(hyper_home, write_recipe, tmp_path):

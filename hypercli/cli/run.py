@@ -267,9 +267,17 @@ def _attach(state, wid: str, interval: float = 0.5) -> int:
     from hypercli.workflows import wait
     view = _View(state, wid)
     con = console()
+    seen = [max((e["id"] for e in state.events(wid, limit=1)), default=0)]
+
+    def changed(counts) -> None:
+        # the driver's lines since, as `hyper run` prints them: restarts and time limits
+        for e in state.events(wid):
+            if e["id"] > seen[0] and e["kind"] == "attempt" and e["task"] and not e["attempt"]:
+                con.print(text(e["message"]), soft_wrap=True)
+        seen[0] = max([seen[0]] + [e["id"] for e in state.events(wid, limit=1)])
+        con.print(text(_line(view)))
     try:  # a line whenever the counts change; a driver that died is started again
-        status = wait(state, wid, interval=interval,
-                      on_change=lambda c: con.print(text(_line(view))))
+        status = wait(state, wid, interval=interval, on_change=changed)
     except KeyboardInterrupt:
         con.print(f"stopped watching; {wid} goes on (`hyper attach {wid}`)")
         return 130
