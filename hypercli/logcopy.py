@@ -51,13 +51,13 @@ def pull(client, ids: list[str]) -> None:
     """
     for aid in ids:
         d = copy_dir(aid)
-        d.mkdir(exist_ok=True, mode=0o700)
         mark = {"at": None, "behind": 0}
         for stream in ("stdout", "stderr"):
             path = d / stream
             offset = _size(path)
             r = client.read(aid, stream, offset, READ_LIMIT)
             if r["data"]:
+                d.mkdir(exist_ok=True, mode=0o700)
                 fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW
                              | os.O_CLOEXEC, 0o600)
                 try:
@@ -65,6 +65,8 @@ def pull(client, ids: list[str]) -> None:
                 finally:
                     os.close(fd)
             mark["behind"] += max(0, int(r.get("size") or 0) - r["offset"])
+        if not d.is_dir():  # nothing written yet: nothing to keep
+            continue
         mark["at"] = time.time()
         tmp = d / f".{MARK}.tmp"
         tmp.write_text(json.dumps(mark))
@@ -95,3 +97,13 @@ def note(attempt: dict) -> str | None:
     return (f"node {attempt['node']} cannot be reached: this is the copy kept here while the "
             f"attempt ran, last brought up to date at {when}{lag}{more}; what it wrote after "
             "that is missing")
+
+
+def complete(ids) -> None:
+    """The whole logs of these attempts were brought back: their copies are complete (the
+    record of the last look goes)."""
+    for aid in ids:
+        try:
+            os.unlink(copy_dir(aid) / MARK)
+        except FileNotFoundError:
+            pass

@@ -192,6 +192,8 @@ class NodeWorker(threading.Thread):
         if ended and collect and self.session is not None:
             try:
                 self.session.after_end(ended)
+                if self.stream_logs:
+                    logcopy.complete(ended)
             except NodeError:
                 raise
             except (HyperError, OSError, tarfile.TarError) as e:  # node fine, results not
@@ -811,7 +813,8 @@ class Scheduler:
             self._notice("attempt", f"{a['task']} (attempt {a['number']}) was {st['oom']}",
                          node=a["node"], attempt=a["id"], task=a["task"])
         self.live.pop(a["id"], None)
-        if status == "lost" and g["cause"] is None:
+        if status == "lost" and "restart_why" not in g:  # the cause, even when a rank that
+            # saw its peer go failed first
             g["restart_why"] = f"node {a['node']} lost ({self.lost_why.get(a['node'], why)})"
         self._rank_ended(g, a.get("rank") or 0, status, st.get("metrics"), code)
         others = [x for x in self.live.values() if (x["task"], x["number"]) == key]

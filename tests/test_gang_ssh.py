@@ -217,6 +217,11 @@ def test_tutorial_style_training_resumes_from_its_snapshot_after_a_host_is_kille
     assert epochs == list(range(resumed, 40))  # it went on from there, not from 0
     m = state.task("lab-1", "train-0000")["metrics"]
     assert m["resumed_from_epoch"] == resumed and m["epochs"] == 40
+    # the restart is told as the loss of the node, even when rank 0 failed first on its own
+    # as gloo saw its peer go
+    lines = [e["message"] for e in state.events("lab-1") if "restarted" in e["message"]]
+    assert lines == [f"train-0000: node {seen['node']} lost (host unreachable) → gang "
+                     f"restarted, attempt 2/2 on {by[(2, 0)]['node']}, {by[(2, 1)]['node']}"]
 
 
 def test_a_gang_left_without_enough_nodes_says_they_were_lost(ssh_hosts, tmp_path, hyper_home):
