@@ -26,6 +26,9 @@ Rules (paper section III-D for the re-run of lost work):
   * A failed attempt (exit code ≠ 0) or a lost one (its node, or the agent that started it, died)
     gives the task a new attempt with the same arguments while failed + lost attempts ≤
     ``retries``.
+  * An attempt that runs longer than its experiment's ``timeout:`` (s from its launch) is
+    stopped, every rank (SIGTERM, then SIGKILL after CANCEL_GRACE s), and counts as a failure
+    whose error says it timed out.
   * A task out of attempts fails its experiment; the experiments after it are skipped.
   * The first successful attempt of a task wins: a later success of the same task is recorded
     as ``superseded`` and changes nothing.
@@ -64,7 +67,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from hypercli import envvars, usage
+from hypercli import envvars, logcopy, usage
 from hypercli.capacity import ENGINE_PORTS, free_of, never_fits, place_gang, shortfall
 from hypercli.errors import HyperError, InfraError, NodeError, os_reason
 from hypercli.node.client import AgentFailed, NodeCutOff, engine_source
@@ -86,6 +89,27 @@ LOST_AFTER = 3.0
 FENCE_RETRY = 5.0  # s between reconnect tries to a lost node (to fence it when it is back)
 #: s a cloud node that the cloud still reports running may stay unreachable before it is lost
 LOST_AFTER_RUNNING = 30.0
+CANCEL_GRACE = 5.0  # s a stopped attempt gets between SIGTERM and SIGKILL on its node
+
+
+def _lost_words(kind: str, text: str) -> str:
+    """Why a node was lost, in a few words, for the line a restart prints (the whole text
+    is in the node's events)."""
+    if kind == "crash":
+        return "its node thread failed"
+    for word, words in (("preempted", "preempted"), ("gone", "terminated by the cloud"),
+                        ("cut off", "cut off the network")):
+        if word in text:
+            return words
+    return "host unreachable"
+
+
+def _seconds(s: float) -> str:
+    """A time limit as written back to the user: ``90 s``, ``30 min``, ``2 h``."""
+    for unit, size in (("h", 3600), ("min", 60)):
+        if s >= size and s % size == 0:
+            return f"{s / size:g} {unit}"
+    return f"{s:g} s"
 
 
 class NodePreempted(NodeError):
@@ -128,6 +152,10 @@ class NodeWorker(threading.Thread):
         # ended attempts' logs up to this many bytes come back in the agent's answer
         limit = getattr(session, "inline_bytes", 0)
         self._inline = {"inline": limit} if limit else {}
+        #: the node keeps the logs (they come back at the end): its running attempts' logs
+        #: are copied here as they are written (hypercli/logcopy.py), kept if it is lost
+        self.stream_logs = bool(limit)
+        self.streamed_at = 0.0
         every = usage.sample_every()
         if every:  # the agent samples while it has work, answers carry the samples
             self._inline["sample"] = every
@@ -164,6 +192,8 @@ class NodeWorker(threading.Thread):
         if ended and collect and self.session is not None:
             try:
                 self.session.after_end(ended)
+                if self.stream_logs:
+                    logcopy.complete(ended)
             except NodeError:
                 raise
             except (HyperError, OSError, tarfile.TarError) as e:  # node fine, results not
@@ -221,7 +251,8 @@ class NodeWorker(threading.Thread):
         if op == "watch":
             self.watch.update(payload)
         elif op in ("cancel", "fence"):
-            r = self.client.call("cancel", ids=list(payload), grace=5, **self._inline)
+            r = self.client.call("cancel", ids=list(payload), grace=CANCEL_GRACE,
+                                 **self._inline)
             self._take_samples(r)
             self._report(r["states"], collect=op == "cancel")
         return False
@@ -272,6 +303,10 @@ class NodeWorker(threading.Thread):
             done = {k: v for k, v in r["states"].items() if v["state"] != "running"}
             if done:
                 self._report(done)
+        if self.stream_logs and self.watch and not self.stopping and \
+                time.monotonic() - self.streamed_at >= logcopy.STREAM_EVERY:
+            self.streamed_at = time.monotonic()
+            logcopy.pull(self.client, sorted(self.watch))
 
     def run(self) -> None:
         try:
@@ -435,6 +470,15 @@ class Scheduler:
         self.notices: list[str] = []
         self.compacted = time.time()
         self.interrupted: list = []  # signals (or stop()) that ask the run to end
+        #: experiment → s an attempt may run before it is stopped (``timeout:``)
+        self.timeouts: dict[str, float] = (self.wf.get("spec") or {}).get("timeouts") or {}
+        self.deadlines: dict[tuple, float] = {}  # (task, attempt number) → unix s
+        self.lost_why: dict[str, str] = {}  # node → why it was lost, in a few words
+        self.restarts: dict[str, str] = {}  # task → why its last attempt ended (to retry it)
+        #: lines for the progress display: a task restarted after a node was lost, a rank
+        #: failed or a time limit passed (``train-0000: node lab-0 lost (host unreachable) →
+        #: gang restarted, attempt 2/2 on lab-1, lab-2``), oldest first
+        self.lines: list[str] = []
 
     def _worker(self, n: dict) -> NodeWorker:
         probe = getattr(self.provider, "probe", None)
@@ -490,6 +534,9 @@ class Scheduler:
             self.gangs[key] = g
             if g["cause"] in ("failed", "lost") and len(g["ended"]) == len(rows):
                 self.failures[key[0]] = self.failures.get(key[0], 0) + 1
+            limit = self.timeouts.get(self.tasks[key[0]]["experiment"])
+            if limit and len(g["ended"]) < len(rows):
+                self.deadlines[key] = min(r["created_at"] for r in rows) + limit
         lost = []
         for a in self.state.attempts(self.wid, status=LIVE_ATTEMPT):
             w = self.workers.get(a["node"])
@@ -564,6 +611,7 @@ class Scheduler:
             "HYPER_PARAMS": json.dumps(task["params"], ensure_ascii=False),
             "HYPER_GPUS": ",".join(map(str, gpus)), "HYPER_CPUS": f"{claim.get('cpus', 1):g}",
             "HYPER_NODE_RANK": str(rank), "HYPER_NUM_NODES": str(size),
+            "HYPER_GPUS_PER_NODE": str(len(gpus)),
         })
         if gpus or (row.get("info") or {}).get("gpus"):  # exactly its own GPUs, or none
             env["NVIDIA_VISIBLE_DEVICES"] = ",".join(map(str, gpus)) or "void"
@@ -588,7 +636,10 @@ class Scheduler:
             env.update({"HYPER_NODE_IPS": "\n".join(ips), "HYPER_NODE_IP": ips[rank],
                         "HYPER_MASTER_ADDR": ips[0],
                         "HYPER_MASTER_PORT": port, "MASTER_ADDR": ips[0], "MASTER_PORT": port,
-                        "WORLD_SIZE": str(size), "RANK": str(rank), "NODE_RANK": str(rank)})
+                        "WORLD_SIZE": str(size), "RANK": str(rank), "NODE_RANK": str(rank),
+                        # torchrun's names for one process per node (pytorch.org, torchrun
+                        # "Environment Variables"): a script launched without it finds them
+                        "GROUP_RANK": str(rank), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
             slots = max(1, len(gpus))
             files["HYPER_HOSTFILE"] = "".join(f"{ip} slots={slots}\n" for ip in ips)
         spec = {"id": a["id"], "script": task["command"], "env": env, "cwd": cwd,
@@ -701,9 +752,17 @@ class Scheduler:
             claims = [free[n].take(need, port=ports if r == 0 else 0)
                       for r, n in enumerate(nodes)]
             self.gangs[(task["id"], number)] = self._new_gang(nodes, claims[0].get("port"))
+            if self.timeouts.get(name):
+                self.deadlines[(task["id"], number)] = time.time() + self.timeouts[name]
             self._set(task, "running")
             task["attempts"] = number
             running += 1
+            why = self.restarts.pop(task["id"], None)
+            if why:
+                line = (f"{task['id']}: {why} → {'gang ' if gang else ''}restarted, attempt "
+                        f"{number}/{exp['retries'] + 1} on {', '.join(nodes)}")
+                self.lines.append(line)
+                self.state.event("attempt", line, workflow=self.wid, task=task["id"])
             for rank, node in enumerate(nodes):
                 aid = f"{self.wid}.{task['id']}.{number}{self.token}" + (
                     f"-r{rank}" if gang else "")
@@ -744,6 +803,8 @@ class Scheduler:
             why = self._lost_why(a["node"])
         key = (a["task"], a["number"])
         g = self.gangs.setdefault(key, self._new_gang([a["node"]], None))
+        if status == "cancelled" and g.get("timed_out"):  # stopped at its time limit
+            status, why = "failed", why or g["cause_text"]
         if status == "cancelled" and g["cause"] and task["status"] not in TERMINAL_TASK:
             why = why or f"stopped with its gang: {g['cause_text']}"
         upd = {"id": a["id"], "status": status, "exit_code": code,
@@ -757,6 +818,9 @@ class Scheduler:
             self._notice("attempt", f"{a['task']} (attempt {a['number']}) was {st['oom']}",
                          node=a["node"], attempt=a["id"], task=a["task"])
         self.live.pop(a["id"], None)
+        if status == "lost" and "restart_why" not in g:  # the cause, even when a rank that
+            # saw its peer go failed first
+            g["restart_why"] = f"node {a['node']} lost ({self.lost_why.get(a['node'], why)})"
         self._rank_ended(g, a.get("rank") or 0, status, st.get("metrics"), code)
         others = [x for x in self.live.values() if (x["task"], x["number"]) == key]
         if g["cause"] and others and not g.get("stopping"):
@@ -766,6 +830,7 @@ class Scheduler:
                     self.workers[x["node"]].submit("cancel", [x["id"]])
         if others:
             return upd, None
+        self.deadlines.pop(key, None)
         outcome = g["cause"] or ("superseded" if status == "superseded" else "succeeded")
         if outcome == "superseded" or task["status"] in TERMINAL_TASK:
             return upd, None
@@ -782,12 +847,36 @@ class Scheduler:
             return upd, {"id": task["id"], "status": "pending"}
         self.failures[task["id"]] = self.failures.get(task["id"], 0) + 1
         if self.failures[task["id"]] <= self.exps[task["experiment"]]["retries"]:
+            self.restarts[task["id"]] = g.get("restart_why") or g["cause_text"] or outcome
             self._set(task, "pending")
             self.queue[task["experiment"]].appendleft(task["id"])
             return upd, {"id": task["id"], "status": "pending"}
         self._set(task, "failed")
         return upd, {"id": task["id"], "status": "failed", "metrics": g["metrics"],
                      "ended_at": now}
+
+    def _check_timeouts(self) -> None:
+        """Stop every attempt that has run longer than its experiment's ``timeout:``: all its
+        ranks are cancelled on their nodes (SIGTERM, then SIGKILL after the agent's grace)
+        and the attempt counts as one failure (retried within ``retries``)."""
+        now = time.time()
+        for key, deadline in list(self.deadlines.items()):
+            if now < deadline:
+                continue
+            del self.deadlines[key]
+            g = self.gangs.get(key)
+            ranks = [a for a in self.live.values() if (a["task"], a["number"]) == key]
+            if g is None or g["cause"] or not ranks:
+                continue
+            limit = self.timeouts[self.tasks[key[0]]["experiment"]]
+            g.update(cause="failed", timed_out=True, stopping=True,
+                     cause_text=f"timed out after {_seconds(limit)}")
+            self._notice("attempt", f"{key[0]} (attempt {key[1]}) timed out after "
+                         f"{_seconds(limit)}: stopping it (SIGTERM, then SIGKILL after "
+                         f"{CANCEL_GRACE:g} s)", task=key[0])
+            for a in ranks:
+                if a["node"] in self.up:
+                    self.workers[a["node"]].submit("cancel", [a["id"]])
 
     def _lost_why(self, node: str) -> str:
         """Why an attempt its node's agent reports lost (no exit status, and nothing runs
@@ -847,6 +936,7 @@ class Scheduler:
         payload_text = payload if isinstance(payload, str) else ""
         if kind in ("lost", "crash"):
             self.state.event("node", f"{kind}: {payload}", workflow=self.wid, node=node)
+            self.lost_why[node] = _lost_words(kind, payload_text)
             self.state.set_node_status(node, "lost")
             if kind == "lost":
                 self._replace(node, payload_text)
@@ -931,6 +1021,19 @@ class Scheduler:
                     why = f"it {need} and too few nodes left have it: " + "; ".join(
                         f"{n}: {e}" for n, _, e in lacked)
                 if why and not self.state.claims(self.up):
+                    lost = sorted(set(self.nodes) - self.up)
+                    if lost and not lacked and not never_fits(
+                            self.exps[name].get("resources") or {},
+                            {n: free_of(self.nodes[n], []) for n in self.nodes}):
+                        # it fitted the whole cluster: the lost nodes are the cause
+                        ranks = int((self.exps[name].get("resources") or {}).get("nodes") or 1)
+                        raise InfraError(
+                            f"experiment {name} cannot run on the nodes left: it needs "
+                            f"{ranks} node{'s' if ranks != 1 else ''} and {len(self.up)} "
+                            f"{'is' if len(self.up) == 1 else 'are'} left after "
+                            f"{', '.join(lost)} {'was' if len(lost) == 1 else 'were'} lost",
+                            "`hyper status` shows the nodes; when they are back (or the "
+                            "cluster has others), `hyper run` again resumes")
                     raise InfraError(f"experiment {name} cannot run on the nodes left: {why}",
                                      "`hyper status` shows the nodes; `hyper run` again "
                                      "resumes")
@@ -1026,6 +1129,8 @@ class Scheduler:
                         self.cancel()
                         summary.interrupted = "cancel"
                         break
+                if self.deadlines:
+                    self._check_timeouts()
                 self._dispatch()
                 if self._done():
                     break

@@ -86,6 +86,9 @@ def start_or_resume(state: S.State, recipe: Recipe, wf: Workflow, *, new: bool =
                                       "rw_mounts": sorted(recipe.rw_mounts),
                                       "token": secrets.token_hex(4),
                                       "log_params": log_params(recipe),
+                                      # experiment → s an attempt may run (``timeout:``)
+                                      "timeouts": {n: e.timeout for n, e in
+                                                   recipe.experiments.items() if e.timeout},
                                       # references only, never a password's value
                                       "registry_auth": registry.stored(
                                           registry.of_recipe(recipe), recipe.digest),
@@ -315,11 +318,14 @@ def pick_attempt(state: S.State, ref: str, number: int | None = None, rank: int 
 
 
 def log_chunks(state: S.State, attempt: dict, *, follow: bool = False,
-               interval: float = 0.25) -> Iterator[tuple[str, bytes]]:
+               interval: float = 0.25, note: Callable[[str], None] | None = None
+               ) -> Iterator[tuple[str, bytes]]:
     """Yield (stream, bytes) of an attempt's stdout and stderr, read by offset from its node;
     with ``follow``, until the attempt ends. Falls back to the copy in ``$HYPER_HOME/logs``
     when the node cannot be reached (a local node's attempt folder, under
     ``$HYPER_HOME/local/tasks``, is such a copy: it stays when its cluster is forgotten).
+    A copy made while the attempt ran on a node that was then lost (:mod:`hypercli.logcopy`)
+    may miss its last lines: ``note`` gets one line saying up to when it is complete.
 
     A copy's log is read only when it is a regular file, opened without following a
     symlink and without waiting (a task may have put a FIFO or a symlink in its place).
@@ -333,6 +339,10 @@ def log_chunks(state: S.State, attempt: dict, *, follow: bool = False,
     copy = next((c for c in copies if c.exists()), copies[0])
 
     def from_copy():
+        from hypercli.logcopy import note as partial
+        why = partial(attempt) if attempt["status"] in ("lost", *S.LIVE_ATTEMPT) else None
+        if why and note is not None:
+            note(why)
         for stream in ("stdout", "stderr"):
             data = _read_log(copy / stream)
             if data is not None:
@@ -411,26 +421,46 @@ def failure(state: S.State, wid: str, lines: int = 10) -> tuple[list[str], dict 
     if not failed:
         return [], None, []
     ids = [t["id"] for t in failed]
-    attempts = [a for a in state.attempts(wid, ids[0]) if a["rank"] == 0]
+    attempts = state.attempts(wid, ids[0])
     if not attempts:
         return ids, None, []
-    attempt = attempts[-1]
+    attempt = root_cause(attempts)
     err = b"".join(data for stream, data in log_chunks(state, attempt) if stream == "stderr")
     tail = err.decode(errors="replace").rstrip("\n").splitlines()[-lines:] if err else []
     return ids, attempt, tail
 
 
+def root_cause(attempts: list[dict]) -> dict:
+    """The rank that ended the newest attempt of a task (``attempts`` rows of one task, any
+    order): the first rank that failed on its own, by its end time (not one hypercli stopped
+    with its gang: those are ``cancelled``, or say ``stopped with its gang``), else the first
+    that was lost, else rank 0."""
+    number = max(a["number"] for a in attempts)
+    ranks = sorted((a for a in attempts if a["number"] == number), key=lambda a: a["rank"])
+
+    def by_end(status: str) -> list[dict]:
+        own = [a for a in ranks if a["status"] == status
+               and not (a.get("error") or "").startswith("stopped with its gang")]
+        return sorted(own, key=lambda a: (a["ended_at"] or float("inf"), a["rank"]))
+    return (by_end("failed") or by_end("lost") or ranks)[0]
+
+
 def task_times(state: S.State, wid: str) -> dict[str, tuple[float | None, float | None]]:
     """task id → (start, end) in unix s: when its first attempt started (None: never) and
     when it ended (None: not yet)."""
-    out: dict[str, tuple] = {}
-    for a in state.attempts(wid):
+    starts: dict[str, float] = {}
+    ends: dict[str, float] = {}
+    for a in state.attempts(wid):  # every rank of a gang: its earliest start, latest end
         start = a["started_at"] or a["created_at"]
-        if a["task"] not in out:
-            out[a["task"]] = (start, None)
+        starts[a["task"]] = min(starts.get(a["task"], start), start)
+        if a["ended_at"]:
+            ends[a["task"]] = max(ends.get(a["task"], 0.0), a["ended_at"])
+    out: dict[str, tuple] = {}
     for t in state.tasks(wid):
-        start = out.get(t["id"], (None, None))[0]
-        out[t["id"]] = (start, t["ended_at"] if t["status"] in S.TERMINAL_TASK else None)
+        end = None
+        if t["status"] in S.TERMINAL_TASK:
+            end = max(t["ended_at"] or 0.0, ends.get(t["id"], 0.0)) or None
+        out[t["id"]] = (starts.get(t["id"]), end)
     return out
 
 
@@ -448,7 +478,10 @@ def cancel(state: S.State, ref: str) -> tuple[str, int]:
     wf = state.workflow(ref)
     if wf["status"] not in ("running", "cancelling"):
         raise UsageError(f"workflow {wf['id']} has already ended ({wf['status']})")
-    return wf["id"], cancel_workflow(state, wf["id"], provider_of(state, wf["cluster"]))
+    open_ = {t["id"] for t in state.tasks(wf["id"]) if t["status"] not in S.TERMINAL_TASK}
+    cancel_workflow(state, wf["id"], provider_of(state, wf["cluster"]))
+    # counted from the state file: a `hyper run` driving it may have marked them first
+    return wf["id"], sum(t["id"] in open_ for t in state.tasks(wf["id"], status=["cancelled"]))
 
 
 def forget(state: S.State, name: str) -> int:

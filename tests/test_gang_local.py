@@ -22,7 +22,8 @@ def test_gang_ranks_get_the_distributed_environment(hyper_home, write_recipe):
               import json, os
               keys = ["HYPER_NODE_RANK", "HYPER_NUM_NODES", "HYPER_NODE_IPS", "HYPER_MASTER_ADDR",
                       "HYPER_MASTER_PORT", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK",
-                      "NODE_RANK", "HYPER_GPUS"]
+                      "NODE_RANK", "HYPER_GPUS", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                      "HYPER_GPUS_PER_NODE", "HYPER_NODE_IP"]
               env = {k: os.environ.get(k) for k in keys}
               env["hostfile"] = open(os.environ["HYPER_HOSTFILE"]).read()
               print(json.dumps(env))
@@ -50,6 +51,10 @@ def test_gang_ranks_get_the_distributed_environment(hyper_home, write_recipe):
         assert e["MASTER_ADDR"] == e["HYPER_MASTER_ADDR"] == "127.0.0.1"
         assert e["hostfile"] == "127.0.0.1 slots=1\n" * 3
         assert e["HYPER_GPUS"] == ""
+        # torchrun's names, one process per node: a script written for torchrun runs as is
+        assert e["GROUP_RANK"] == str(a["rank"])
+        assert e["LOCAL_RANK"] == "0" and e["LOCAL_WORLD_SIZE"] == "1"
+        assert e["HYPER_GPUS_PER_NODE"] == "0" and e["HYPER_NODE_IP"] == "127.0.0.1"
 
 
 def test_a_failed_rank_stops_the_gang_which_is_retried_as_one(hyper_home, write_recipe,

@@ -185,12 +185,14 @@ def run(recipe, new, on_interrupt, trust_new_hosts, cluster, detach, wait, env, 
         live = Live(console=con, refresh_per_second=4, transient=False)
         live.start()
     last = [0.0, ""]
-    shown = [0]  # scheduler notices printed so far
+    shown = [0, 0]  # scheduler notices and lines printed so far
 
     def progress(sched):
-        for note in sched.notices[shown[0]:]:  # idle GPUs, full disks, OOM kills
+        for note in sched.notices[shown[0]:]:  # idle GPUs, full disks, OOM kills, time limits
             con.print(text(("warning:", "yellow"), f" {note}"), soft_wrap=True)
-        shown[0] = len(sched.notices)
+        for line in sched.lines[shown[1]:]:  # restarts: a node lost, a rank failed
+            con.print(text(line), soft_wrap=True)
+        shown[:] = [len(sched.notices), len(sched.lines)]
         if live is not None:
             live.update(_progress_table(sched))
             return
@@ -226,9 +228,11 @@ def run(recipe, new, on_interrupt, trust_new_hosts, cluster, detach, wait, env, 
         con.print(f"workflow {wid}: {counts}")
         if summary.exit_code == 0:
             con.print(f"`hyper results {wid}` shows the metrics")
-        else:
+        elif summary.counts.get("failed"):
             _show_failure(state, wid, con)
             con.print(f"`hyper ps {wid}` and `hyper logs {wid}/TASK` show what failed")
+        else:  # cancelled: nothing failed
+            con.print(f"`hyper ps {wid}` shows its tasks")
     sys.exit(summary.exit_code)
 
 
@@ -244,21 +248,26 @@ def _show_failure(state, wid: str, con, lines: int = 10) -> None:
         return
     shown = ", ".join(failed[:20]) + (f", … ({len(failed)} in all)" if len(failed) > 20 else "")
     con.print(text(("failed:", "bold red"), f" {shown}"), soft_wrap=True)
-    if attempt is not None and tail:
+    if attempt is None:
+        return
+    gang = any(a["rank"] for a in state.attempts(wid, attempt["task"]))
+    rank = f", rank {attempt['rank']}" if gang else ""  # the rank that failed on its own
+    if tail:
         con.print(f"last {plural(len(tail), 'line')} of {attempt['task']}'s stderr (attempt "
-                  f"{attempt['number']}, {_ended_how(attempt)}):")
+                  f"{attempt['number']}{rank}, {_ended_how(attempt)}):")
         for line in tail:
             con.print(text(f"  {line}"), soft_wrap=True)
-    elif attempt is not None:
+    else:
         why = attempt["error"] or _ended_how(attempt)
         con.print(text(f"{attempt['task']} wrote nothing on stderr (attempt "
-                       f"{attempt['number']}: {why})"), soft_wrap=True)
+                       f"{attempt['number']}{rank}: {why})"), soft_wrap=True)
 
 
 def _ended_how(attempt: dict) -> str:
     """``exit code 3``; for an attempt that has no exit code (lost, never started), its
     status and the reason recorded."""
-    if attempt.get("exit_code") is not None:
+    if attempt.get("exit_code") is not None and not (attempt.get("error") or "").startswith(
+            "timed out"):
         return f"exit code {attempt['exit_code']}"
     return f"{attempt['status']}: {attempt['error']}" if attempt.get("error") else \
         f"{attempt['status']}, no exit code"
@@ -285,9 +294,17 @@ def _attach(state, wid: str, interval: float = 0.5) -> int:
     from hypercli.workflows import wait
     view = _View(state, wid)
     con = console()
+    seen = [max((e["id"] for e in state.events(wid, limit=1)), default=0)]
+
+    def changed(counts) -> None:
+        # the driver's lines since, as `hyper run` prints them: restarts and time limits
+        for e in state.events(wid):
+            if e["id"] > seen[0] and e["kind"] == "attempt" and e["task"] and not e["attempt"]:
+                con.print(text(e["message"]), soft_wrap=True)
+        seen[0] = max([seen[0]] + [e["id"] for e in state.events(wid, limit=1)])
+        con.print(text(_line(view)))
     try:  # a line whenever the counts change; a driver that died is started again
-        status = wait(state, wid, interval=interval,
-                      on_change=lambda c: con.print(text(_line(view))))
+        status = wait(state, wid, interval=interval, on_change=changed)
     except KeyboardInterrupt:
         con.print(f"stopped watching; {wid} goes on (`hyper attach {wid}`)")
         return 130

@@ -54,9 +54,17 @@ def ps(workflow, as_json):
     wid = wf_row["id"]
     since = undriven(state, wid)
     observed = observe(state, wid) if since is not None else {}
-    live = {a["task"]: a for a in state.attempts(wid)}
+    by_task: dict[str, list] = {}
+    for a in state.attempts(wid):
+        by_task.setdefault(a["task"], []).append(a)
+    newest = {}  # task → the ranks of its newest attempt, rank 0 first
+    for tid, rows_ in by_task.items():
+        n = max(a["number"] for a in rows_)
+        newest[tid] = sorted((a for a in rows_ if a["number"] == n), key=lambda a: a["rank"])
+    live = {t: ranks[0] for t, ranks in newest.items()}  # rank 0, as `hyper stats` shows
     rows = [{"task": t["id"], "experiment": t["experiment"], "status": t["status"],
              "attempts": t["attempts"], "node": (live.get(t["id"]) or {}).get("node"),
+             "nodes": [a["node"] for a in newest.get(t["id"], [])],
              "params": t["params"], "metrics": t["metrics"] or {},
              "waiting": t["wait"] if t["status"] == "pending" else None,
              "env": shown_env(wf_row, t)}  # a secret as ***
@@ -106,7 +114,8 @@ def ps(workflow, as_json):
         cpu = f"{u['cpu_pct']:.0f}%" if isinstance(u.get("cpu_pct"), (int, float)) else "-"
         gpus = " ".join(f"{g}:{v:.0f}%" if isinstance(v, (int, float)) else f"{g}:-"
                         for g, v in (u.get("gpu_util") or {}).items()) or "-"
-        table.add_row(r["task"], text(status), str(r["attempts"]), r["node"] or "-", started,
+        table.add_row(r["task"], text(status), str(r["attempts"]),
+                      ", ".join(r["nodes"]) or "-", started,
                       duration(r["duration"]), cpu, gpus, text(params))
     console().print(table)
 
@@ -200,7 +209,8 @@ def logs(task, follow, attempt, rank):
                                                      soft_wrap=True))
     out, err = sys.stdout.buffer, sys.stderr.buffer
     try:
-        for stream, data in log_chunks(state, a, follow=follow):
+        for stream, data in log_chunks(state, a, follow=follow, note=lambda line: err_con.print(
+                text(("note:", "yellow"), f" {line}"), soft_wrap=True)):
             f = out if stream == "stdout" else err
             f.write(data)
             f.flush()

@@ -59,8 +59,12 @@ def main(argv: list[str] | None = None) -> int:
         elif a.cmd == "checkpoint-save":
             from hypercli.mount.checkpoint import save
             s = save(a.folder, a.url, a.attempt, a.state)
-            print(f"checkpoint: {s.generation or 'unchanged'}, {s.uploaded} of {s.total} "
-                  "bytes uploaded", file=sys.stderr)
+            if s.generation is None:
+                print(f"checkpoint: unchanged ({plural(s.total, 'byte')})", file=sys.stderr)
+            else:  # what was uploaded holds the manifest too: it is no part of the folder
+                print(f"checkpoint: {s.generation} saved, {plural(s.read, 'byte')} changed of "
+                      f"{plural(s.total, 'byte')} ({plural(s.uploaded, 'byte')} uploaded with "
+                      "its manifest)", file=sys.stderr)
         elif a.cmd == "checkpoint-restore":
             from hypercli.mount.checkpoint import restore
             s = restore(a.url, a.folder, a.state)

@@ -136,7 +136,9 @@ SOCKET_IFNAME = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 #: runs a task whose spec has a checkpoint: restore first (exit 75 when that fails), then the
 #: task with a loop beside it that saves every HYPER_CKPT_EVERY s and at once when the node's
 #: preemption marker appears, then a last save; saves only a folder that is not empty (a
-#: task that never checkpoints costs no save), one at a time (the save takes an flock)
+#: task that never checkpoints costs no save), one at a time (the save takes an flock). The
+#: task itself runs without the wrapper's HYPER_CKPT_* variables (its commands are internal)
+#: and without HYPER_HOME (the state folder of the machine that runs ``hyper``)
 CHECKPOINT_WRAPPER = r"""
 ck="$HYPER_CHECKPOINT"
 save() {
@@ -163,7 +165,8 @@ fi
   done
 ) &
 side=$!
-"$@"
+(unset HYPER_CKPT_SAVE HYPER_CKPT_RESTORE HYPER_CKPT_EVERY HYPER_CKPT_PREEMPTED HYPER_HOME
+ exec "$@")
 code=$?
 kill "$side" 2>/dev/null
 wait "$side" 2>/dev/null
@@ -454,11 +457,13 @@ class Agent:
         grace = float(req.get("grace", 5))
         ids = req.get("ids", [])
         stops = []
+        stopped = []
         for i in ids:
             d = self.dir(i)
             if os.path.isdir(d) and not os.path.exists(os.path.join(d, "exit")):
                 open(os.path.join(d, "cancelled"), "w").close()
                 self._signal(i, signal.SIGTERM)
+                stopped.append(i)
                 if (_read_json(os.path.join(d, "pid")) or {}).get("image"):
                     # the container's init ignores the docker CLI's signals: stop it by name
                     stops.append(subprocess.Popen(
@@ -469,12 +474,15 @@ class Agent:
                 p.wait(timeout=grace + 30)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+        def busy(i):  # running, or a process of its group is left (it ignored SIGTERM)
+            return self.state(i, with_metrics=False)["state"] == "running" or (
+                i in stopped and self._signal(i, 0))
         deadline = time.time() + grace
-        while time.time() < deadline and any(
-                self.state(i, with_metrics=False)["state"] == "running" for i in ids):
+        while time.time() < deadline and any(busy(i) for i in ids):
             time.sleep(0.02)
         for i in ids:
-            if self.state(i, with_metrics=False)["state"] == "running":
+            if busy(i):
                 self._signal(i, signal.SIGKILL)
         time.sleep(0.05)
         return self._inline(req, {i: self.state(i) for i in ids})
@@ -556,12 +564,16 @@ class Agent:
         return out
 
     def _signal(self, attempt_id, sig):
+        """Send ``sig`` to the attempt's process group; True when a process of it was there
+        (``sig`` 0 only asks)."""
         pid = _read_json(os.path.join(self.dir(attempt_id), "pid"))
         if pid and pid.get("pid"):
             try:
                 os.killpg(int(pid["pid"]), sig)
+                return True
             except (ProcessLookupError, PermissionError):
                 pass
+        return False
 
     def launch(self, spec):
         """Start one attempt (idempotent per attempt id): its folder, the lock taken, the

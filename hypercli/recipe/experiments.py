@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import heapq
+import re
 from typing import NoReturn
 
 from yaml.nodes import SequenceNode
@@ -36,7 +37,8 @@ MAX_TASKS = 1_000_000        #: largest number of tasks one recipe may make
 
 _EXPERIMENT_KEYS = ("command", "image", "parameters", "sampling", "samples", "after",
                     "retries", "env", "workers", "resources", "hardware", "nodes",
-                    "checkpoint_every", "engine", "registry_auth", "secrets")
+                    "checkpoint_every", "engine", "registry_auth", "secrets",
+                    "timeout")
 ENGINES = ("spark", "ray")   #: what ``engine:`` may name (hypercli/node/engine.py starts them)
 
 
@@ -94,6 +96,7 @@ def _experiment(ctx: _Ctx, name: str, item: _Item) -> tuple[ExperimentSpec, int,
         every = _get(ctx, keys["checkpoint_every"], f"{f}.checkpoint_every",
                      lambda v: _is_number(v) and _finite(v) and v >= 1,
                      "a number of seconds, at least 1")
+    timeout = _timeout(ctx, keys["timeout"], f"{f}.timeout") if "timeout" in keys else None
     engine = None
     if "engine" in keys:
         engine = _str(ctx, keys["engine"], f"{f}.engine")
@@ -113,8 +116,36 @@ def _experiment(ctx: _Ctx, name: str, item: _Item) -> tuple[ExperimentSpec, int,
         after=tuple(dict.fromkeys(a for a, _ in after)), retries=retries, image=image,
         env={k: v for k, (v, _) in env.items()}, workers=workers, line=item.line,
         resources=resources(ctx, keys, f), checkpoint_every=every, engine=engine,
-        registry_auth=registry_auth(ctx, keys, f), secrets=secrets)
+        registry_auth=registry_auth(ctx, keys, f), secrets=secrets,
+        timeout=timeout)
     return spec, count, after
+
+
+#: seconds per unit of a ``timeout:`` written as text ("90s", "30m", "2h")
+_UNITS = {"s": 1, "m": 60, "h": 3600}
+_TIMEOUT_MAX = 30 * 86400  #: s: a time limit longer than 30 days is a mistake
+
+
+def _timeout(ctx: _Ctx, item: _Item, field: str) -> float:
+    """``timeout:`` → seconds: a number of seconds, or a number followed by s, m or h."""
+    v = _value(ctx, item.node)
+    hint = "a number of seconds, or a number followed by s, m or h: 90, 90s, 30m, 2h"
+    if isinstance(v, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", v)
+        unit = m.group(2).lower() if m else ""
+        if not m or (unit and unit not in _UNITS):
+            if m and unit[:1] in _UNITS:  # 30min, 2 hours, 90sec
+                hint = f"did you mean {m.group(1)}{unit[:1]}? ({hint})"
+            ctx.fail(f"timeout must be a duration, not {_show(v)}", item.line, field, hint)
+        seconds = float(m.group(1)) * _UNITS.get(unit, 1)
+    elif _is_number(v):
+        seconds = float(v)
+    else:
+        ctx.fail(f"timeout must be a duration, not {_kind(v)}", item.line, field, hint)
+    if not (_finite(seconds) and 0 < seconds <= _TIMEOUT_MAX):
+        ctx.fail(f"timeout must be more than 0 and at most 30 days, not {_show(v)}", item.line,
+                 field, hint)
+    return seconds
 
 
 def _command(ctx: _Ctx, item: _Item, field: str) -> str:

@@ -79,6 +79,8 @@ class ExperimentSpec:
             written or ``${VAR}`` (:mod:`hypercli.registry`), or None.
         secrets: names of variables whose values come from the submitting environment and
             are never recorded (:mod:`hypercli.envvars`).
+        timeout: seconds an attempt may run before it is stopped and counted as a failure,
+            or None for no limit.
     """
 
     name: str
@@ -97,6 +99,7 @@ class ExperimentSpec:
     engine: str | None = None
     registry_auth: dict | None = None
     secrets: tuple = ()
+    timeout: float | None = None
 
 
 @dataclass(frozen=True)
