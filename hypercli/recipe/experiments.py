@@ -23,12 +23,14 @@ from hypercli.recipe.yamltree import (
     _int,
     _is_number,
     _Item,
+    _kind,
     _line,
     _mapping,
     _show,
     _str,
     _strings,
     _suggest,
+    _value,
 )
 
 MAX_TASKS = 1_000_000        #: largest number of tasks one recipe may make
