@@ -402,3 +402,43 @@ def test_names_carry_the_cluster_id_and_a_squatted_role_is_refused(ec2, image):
         api.identity(s)
     iam.detach_role_policy(RoleName=squat, PolicyArn=arn)
     assert api.identity(s) == {"instance_profile": squat}  # as hypercli leaves it: its own
+
+
+def test_down_and_gc_never_remove_a_role_under_hyperclis_path_that_it_did_not_make(ec2, image):
+    """Roles and instance profiles someone made under ``/hyper/<cluster>/`` (another trust
+    policy, no cluster tag, a profile holding another role, a role refused as squatted) are
+    not hypercli's: ``down`` and ``gc`` leave them and what is attached to them; the
+    cluster's own role and profile go."""
+    api = AWSAPI(REGION)
+    iam = boto3.client("iam", region_name=REGION)
+    launch(api, spec(image, grants=GRANTS))
+    ours = [{"Key": "hyper:cluster", "Value": "c1"}, {"Key": "hyper:cluster-id",
+                                                      "Value": ROLE[-8:]}]
+    from hypercli.providers.aws import EC2_TRUST
+    iam.create_role(RoleName="their-deployer", Path="/hyper/c1/", Tags=ours,
+                    AssumeRolePolicyDocument=json.dumps({
+                        "Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Principal": {
+                            "AWS": "arn:aws:iam::210987654321:root"},
+                            "Action": "sts:AssumeRole"}]}))
+    arn = iam.create_policy(PolicyName="deploy", PolicyDocument=json.dumps(ADMIN))["Policy"]["Arn"]
+    iam.attach_role_policy(RoleName="their-deployer", PolicyArn=arn)
+    iam.create_role(RoleName="their-untagged", Path="/hyper/c1/",
+                    AssumeRolePolicyDocument=json.dumps(EC2_TRUST))
+    iam.put_role_policy(RoleName="their-untagged", PolicyName="keep",
+                        PolicyDocument=json.dumps(ADMIN))
+    iam.create_instance_profile(InstanceProfileName="their-profile", Path="/hyper/c1/",
+                                Tags=ours)
+    iam.add_role_to_instance_profile(InstanceProfileName="their-profile",
+                                     RoleName="their-untagged")
+    assert {(r.kind, r.id) for r in api.resources("c1") if r.kind in ("role",
+                                                                      "instance_profile")} \
+        == {("role", ROLE), ("instance_profile", ROLE)}
+    removed = remove_all(api, "c1", timeout=60)
+    assert {f"instance_profile {ROLE}", f"role {ROLE}"} <= set(removed)
+    remove_all(api, None, keep=set(), timeout=60)  # gc: no live cluster
+    assert iam_names(iam) == (["their-deployer", "their-untagged"], ["their-profile"])
+    assert [p["PolicyArn"] for p in iam.list_attached_role_policies(
+        RoleName="their-deployer")["AttachedPolicies"]] == [arn]
+    assert iam.list_role_policies(RoleName="their-untagged")["PolicyNames"] == ["keep"]
+    assert [r["RoleName"] for r in iam.get_instance_profile(
+        InstanceProfileName="their-profile")["InstanceProfile"]["Roles"]] == ["their-untagged"]

@@ -733,10 +733,13 @@ class AWSAPI:
         return out
 
     def _iam_resources(self, cluster: str | None) -> list[Resource]:
-        """The instance profiles and roles made for clusters: under the path
-        ``/hyper/<cluster>/`` (:data:`IAM_PATH`; the path, unlike tags, comes back in one
-        listing call), of ``cluster`` when given. A caller who may not list IAM gets none
-        (it made none)."""
+        """The instance profiles and roles hypercli made for clusters, of ``cluster`` when
+        given: under the path ``/hyper/<cluster>/`` (:data:`IAM_PATH`; the path comes back in
+        one listing call) *and* tagged ``hyper:cluster`` = ``<cluster>``, a role also trusted
+        by EC2 alone, a profile holding no role but its own (:meth:`_made_here`). Anything
+        else under that path (a role someone made there, one refused as squatted by
+        :meth:`identity`) is never listed, so never deleted. A caller who may not list IAM
+        gets none (it made none)."""
         iam = self.iam
         prefix = IAM_PATH + (f"{cluster}/" if cluster else "")
         out = []
@@ -749,12 +752,35 @@ class AWSAPI:
                     for page in iam.get_paginator(op).paginate(PathPrefix=prefix):
                         for x in page[key]:
                             c = x["Path"][len(IAM_PATH):].strip("/")
-                            if c and (cluster is None or c == cluster):
+                            if c and (cluster is None or c == cluster) and \
+                                    self._made_here(kind, x, c):
                                 out.append(Resource(kind, x[name], c, "global"))
         except CredentialsError as e:
             if "AccessDenied" not in str(e):
                 raise
         return out
+
+    def _made_here(self, kind: str, x: dict, cluster: str) -> bool:
+        """Whether a role or instance profile of a listing (``x``, found under cluster
+        ``cluster``'s path) is one hypercli made for that cluster: tagged ``hyper:cluster`` =
+        ``cluster``; a role trusted by EC2 and nothing else (:data:`EC2_TRUST`), a profile
+        holding no role of another name. Call inside :func:`aws_errors`."""
+        import json
+        from urllib.parse import unquote
+        iam = self.iam
+        if kind == "role":
+            trust = x.get("AssumeRolePolicyDocument")
+            if isinstance(trust, str):
+                trust = json.loads(unquote(trust))
+            if _statements(trust) != _statements(EC2_TRUST):
+                return False
+            tags = iam.list_role_tags(RoleName=x["RoleName"]).get("Tags", [])
+        else:
+            if any(r["RoleName"] != x["InstanceProfileName"] for r in x.get("Roles", [])):
+                return False
+            tags = x.get("Tags") or iam.get_instance_profile(
+                InstanceProfileName=x["InstanceProfileName"])["InstanceProfile"].get("Tags", [])
+        return {t["Key"]: t["Value"] for t in tags}.get(TAG_CLUSTER) == cluster
 
     def delete(self, resources: list[Resource]) -> list[str]:
         """Delete resources as :meth:`resources` lists them: instances are terminated and
