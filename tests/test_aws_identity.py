@@ -442,3 +442,35 @@ def test_down_and_gc_never_remove_a_role_under_hyperclis_path_that_it_did_not_ma
     assert iam.list_role_policies(RoleName="their-untagged")["PolicyNames"] == ["keep"]
     assert [r["RoleName"] for r in iam.get_instance_profile(
         InstanceProfileName="their-profile")["InstanceProfile"]["Roles"]] == ["their-untagged"]
+
+
+def test_without_an_answer_from_sts_the_role_is_neither_made_nor_widened(ec2, image):
+    """The account id is what keeps the role's writes to the account's own buckets
+    (``s3:ResourceAccount``): when STS does not answer (its endpoint a closed port on
+    loopback), ``hyper up`` stops before anything exists, and an up cluster's role keeps its
+    policy rather than getting one without that condition."""
+    import socket
+
+    from botocore.config import Config
+
+    from hypercli.providers.cloud import CloudError
+
+    def cut_off(api):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        s.close()  # nothing listens there
+        api._clients["sts"] = boto3.client(
+            "sts", region_name=REGION, endpoint_url=f"http://127.0.0.1:{port}",
+            config=Config(retries={"max_attempts": 1}, connect_timeout=2))
+        return api
+    iam = boto3.client("iam", region_name=REGION)
+    with pytest.raises(CloudError, match="own buckets") as e:
+        launch(cut_off(AWSAPI(REGION)), spec(image, grants=GRANTS))
+    assert "STS" in e.value.hint
+    assert iam_names(iam) == ([], []) and ec2.describe_instances()["Reservations"] == []
+    AWSAPI(REGION).identity(spec(image, grants=GRANTS))
+    with pytest.raises(CloudError):
+        cut_off(AWSAPI(REGION)).identity(spec(image, grants=GRANTS + (
+            Grant("s3", "outs", "more", True),)))
+    assert _policy(iam, ROLE) == storage_policy(GRANTS, ACCOUNT)

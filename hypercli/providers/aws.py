@@ -374,13 +374,15 @@ class AWSAPI:
                 IAM action and ``cluster.iam_role``).
             IdentityConflict: a role or profile of that name exists and is not the
                 cluster's own (module docstring).
-            CloudError: other API errors.
+            CloudError: other API errors; STS gives no account id (:meth:`_account`:
+                nothing is made or changed).
         """
         if spec.identity:
             return {"instance_profile": spec.identity}
         if not any(g.scheme == "s3" for g in spec.grants):
             return {}
         import json
+        account = self._account()  # before anything is made
         name, path = role_name(spec), f"{IAM_PATH}{spec.cluster}/"
         tags = [t for t in _tags(spec.cluster) if t["Key"] != "Name"] + [
             {"Key": TAG_CLUSTER_ID, "Value": spec.tag}]
@@ -394,7 +396,7 @@ class AWSAPI:
                 made = True
             except iam.exceptions.EntityAlreadyExistsException:
                 self._check_role(spec, name, path)
-        doc = storage_policy(spec.grants, self._account())
+        doc = storage_policy(spec.grants, account)
         if doc["Statement"]:
             with self._denied("iam:PutRolePolicy", f"setting the policy of the role {name}"):
                 iam.put_role_policy(RoleName=name, PolicyName=STORAGE_POLICY,
@@ -422,14 +424,26 @@ class AWSAPI:
             self._associate(spec.cluster, name)
         return {"instance_profile": name}
 
-    def _account(self) -> str | None:
-        """The caller's account id (STS), once; None when STS does not answer."""
+    def _account(self) -> str:
+        """The caller's account id (STS ``GetCallerIdentity``, which needs no permission),
+        once: the ``s3:ResourceAccount`` of the role's writes (module docstring).
+
+        Raises:
+            CloudError: STS does not answer; the role is then not set at all, since without
+                the account its writes could not be kept to the account's own buckets.
+            CredentialsError: STS refuses the credentials.
+        """
         if not hasattr(self, "_account_id"):
             try:
-                with aws_errors("asking STS for the account"):
+                with aws_errors("asking STS for the caller's account"):
                     self._account_id = self.client("sts").get_caller_identity()["Account"]
-            except CloudError:
-                self._account_id = None
+            except CredentialsError:
+                raise
+            except CloudError as e:
+                raise CloudError(f"{e}; the cluster's role is left unchanged: without the "
+                                 "account its writes could not be kept to your own buckets",
+                                 "check the network to STS (sts.amazonaws.com) and run again",
+                                 code=e.code) from None
         return self._account_id
 
     def _check_role(self, spec: CloudSpec, name: str, path: str) -> None:
