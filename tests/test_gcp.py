@@ -296,6 +296,7 @@ def test_project_from_the_environment_or_a_clear_error(fake, monkeypatch):
     fake.deny.add("iam.serviceAccounts.create")  # hyper check says what up would need
     said = api.check()
     assert "missing iam.serviceAccounts.create" in said and "cluster.service_account" in said
+    assert "every gcp cluster" in said  # not only recipes with gs:// buckets
     fake.deny.discard("iam.serviceAccounts.create")
     monkeypatch.delenv("GOOGLE_CLOUD_PROJECT")
     with pytest.raises(CredentialsError, match="no Google Cloud project") as e:
@@ -670,6 +671,18 @@ def test_account_names_never_collide_and_a_squatted_account_is_refused(fake, api
         launch(api, s, nodes=("c9-0",))
     assert not [i for z in fake.instances.values() for i in z if i.startswith("c9")]
     fake.sa_policies[squat] = {}
+    # what it holds in the project would be every task's on its node (Editor: every VM)
+    fake.project_policy["bindings"] = [
+        {"role": "roles/editor", "members": [f"serviceAccount:{squat}"]},
+        {"role": "roles/viewer", "members": ["user:someone@example.com"]}]
+    with pytest.raises(IdentityConflict, match="roles/editor"):
+        launch(api, s, nodes=("c9-0",))
+    fake.deny.add("resourcemanager.projects.getIamPolicy")  # cannot be known: refused too
+    with pytest.raises(IdentityConflict, match="getIamPolicy"):
+        launch(api, s, nodes=("c9-0",))
+    fake.deny.discard("resourcemanager.projects.getIamPolicy")
+    assert not [i for z in fake.instances.values() for i in z if i.startswith("c9")]
+    fake.project_policy["bindings"] = fake.project_policy["bindings"][1:]
     vms, errors = launch(api, s, nodes=("c9-0",))  # as hypercli leaves it: its own
     assert errors == {} and len(vms) == 1
 
