@@ -474,12 +474,17 @@ def test_storage_assignments_are_exactly_the_grants(fake):
         "roleDefinitions/2a2b9908-6ea1-4ae2-8e65-a410df84e7d1", "principalId": pid}})
     later = (GRANTS[0], Grant("az", "acct/data", "datasets/imagenet"),
              Grant("az", "acct/out", "runs/wf2", write=True))
+    # a role someone gave the cluster's identity: refused (the nodes would hold more than
+    # the grants), and never deleted by hypercli
+    with pytest.raises(IdentityConflict, match="did not make"):
+        a.identity(spec(grants=later))
+    assert theirs.lower() in fake.assignments and len(fake.assignments) == n + 1
+    del fake.assignments[theirs.lower()]
     a.identity(spec(grants=later))
     assert fake.allowed(pid, "acct", "data", "read", "datasets/imagenet/x")
     assert fake.allowed(pid, "acct", "data", "read", "datasets/coco/x")  # kept
     assert fake.allowed(pid, "acct", "out", "write", "runs/wf2/x")
     assert not fake.allowed(pid, "acct", "out", "write", "runs/wf1/x")  # an ended workflow
-    assert theirs.lower() in fake.assignments  # never what hypercli did not make
 
 
 @pytest.mark.parametrize("permission", [
@@ -602,6 +607,21 @@ def test_identity_names_never_collide_and_a_squatted_identity_is_refused(fake):
     fake.res[MSI.lower()]["tags"] = {"hyper:cluster": "someone-else"}
     with pytest.raises(IdentityConflict, match="tags"):
         a.identity(spec(grants=GRANTS))
+    # tagged right, but holding a role someone gave it: every task would hold it too
+    fake.res[MSI.lower()]["tags"] = {"hyper:cluster": "c1", "hyper:cluster-id": spec().tag}
+    theirs = ("/subscriptions/sub-1/providers/Microsoft.Authorization/roleAssignments/"
+              "33333333-3333-3333-3333-333333333333")
+    fake.identity_handle("PUT", theirs, {}, {"properties": {
+        "roleDefinitionId": "/subscriptions/sub-1/providers/Microsoft.Authorization/"
+        "roleDefinitions/9980e02c-c2be-4d73-94e8-173b1dc7cf3c",  # VM Contributor
+        "principalId": principal(fake)}})
+    with pytest.raises(IdentityConflict, match="did not make") as e:
+        launch(a, spec(grants=GRANTS))
+    assert "9980e02c-c2be-4d73-94e8-173b1dc7cf3c on /subscriptions/sub-1" in str(e.value)
+    assert vm_puts(fake) == [] and theirs.lower() in fake.assignments  # refused, untouched
+    del fake.assignments[theirs.lower()]
+    assert a.identity(spec(grants=GRANTS))["identity"] == MSI  # as hypercli leaves it
+    assert a.identity(spec(grants=GRANTS))["identity"] == MSI  # its own assignments pass
 
 
 def _as_node(fake, token: str, method: str, path: str, body: dict | None = None) -> int:

@@ -50,8 +50,8 @@ assignment names are UUIDs derived from scope, principal, role and condition: ma
 is a no-op (409 ``RoleAssignmentExists``), and they tell hypercli's assignments from anyone
 else's; the identity's assignments are set to exactly the grants each time (an ended
 workflow's prefix is taken away). An identity found under the computed name is used only
-when it is tagged for this cluster and has no federated credential
-(:class:`~hypercli.providers.cloud.IdentityConflict` otherwise). Teardown deletes hypercli's
+when it is tagged for this cluster, has no federated credential and holds no role assignment
+hypercli did not make (:class:`~hypercli.providers.cloud.IdentityConflict` otherwise). Teardown deletes hypercli's
 role assignments of the VMs' and the identity's principals (they live outside the group)
 before the group, and never another's. With ``cluster.identity`` nothing is made or assigned
 for storage: the VMs carry that identity as is (it must already be allowed the containers). A
@@ -717,6 +717,17 @@ class AzureAPI:
         if fics:
             why.append("it has federated credentials (others can get its tokens): "
                        + ", ".join(f.get("name", "?") for f in fics))
+        principal = (found.get("properties") or {}).get("principalId")
+        theirs = [ra for ra in self._assignments(principal) if not self._made_here(ra)] \
+            if principal else []
+        if theirs:
+            held = []
+            for ra in theirs:
+                p = ra.get("properties") or {}
+                role = (p.get("roleDefinitionId") or "?").rsplit("/", 1)[-1]
+                held.append(f"role {role} on {p.get('scope')}")
+            why.append("it holds role assignments hypercli did not make (every task on the "
+                       "nodes would hold them): " + ", ".join(held))
         if why:
             raise IdentityConflict(
                 f"a managed identity {rid.rsplit('/', 1)[1]} exists and is not cluster "
@@ -794,23 +805,34 @@ class AzureAPI:
                           f"assign roles on {scope}")
             raise
 
-    def _ours(self, principal: str) -> list[dict]:
-        """The role assignments of ``principal`` that hypercli made (their names are the
-        UUIDs of their content; any other is someone else's and is never touched)."""
+    def _assignments(self, principal: str) -> list[dict]:
+        """Every role assignment of ``principal`` at, above or below the subscription (ARM's
+        ``principalId eq`` filter), hypercli's and anyone else's."""
         out = []
         path = (f"/subscriptions/{self.subscription}/providers/Microsoft.Authorization/"
                 f"roleAssignments?api-version={AUTH_API}&$filter="
                 + quote(f"principalId eq '{principal}'"))
         while path:
             page = self._arm("GET", path, f"listing the role assignments of {principal}")
-            for ra in page.get("value", []):
-                p = ra.get("properties") or {}
-                role = (p.get("roleDefinitionId") or "").rsplit("/", 1)[-1]
-                if ra.get("name") == self._assignment_name(p.get("scope", ""), role,
-                                                           principal, p.get("condition")):
-                    out.append(ra)
+            out += page.get("value", [])
             path = page.get("nextLink")
         return out
+
+    def _made_here(self, ra: dict) -> bool:
+        """Whether a role assignment is one hypercli made: its name is the UUID of its
+        content (:meth:`_assignment_name`)."""
+        p = ra.get("properties") or {}
+        role = (p.get("roleDefinitionId") or "").rsplit("/", 1)[-1]
+        return ra.get("name") == self._assignment_name(p.get("scope", ""), role,
+                                                       p.get("principalId", ""),
+                                                       p.get("condition"))
+
+    def _ours(self, principal: str) -> list[dict]:
+        """The role assignments of ``principal`` that hypercli made (their names are the
+        UUIDs of their content; any other is someone else's and is never touched)."""
+        return [ra for ra in self._assignments(principal)
+                if (ra.get("properties") or {}).get("principalId") == principal
+                and self._made_here(ra)]
 
     def _set_assignments(self, principal: str, wanted: list[tuple]) -> None:
         """Give ``principal`` exactly the role assignments ``wanted`` ((scope, role,
