@@ -215,6 +215,10 @@ def test_a_node_reads_its_dataset_and_writes_its_outputs_with_the_roles_credenti
         for k in ("runs/wf-0/t-3/manifest.json", "runs/wf-0/.checkpoints/t-3/gen-1",
                   "runs/wf-2/t-0/manifest.json"):
             s3.put_object(Bucket="outs", Key=k, Body=b"theirs")
+        ec2 = admin.client("ec2")
+        ami = ec2.register_image(Name="base-image", Architecture="x86_64")["ImageId"]
+        sibling = ec2.run_instances(ImageId=ami, MinCount=1, MaxCount=1)["Instances"][0][
+            "InstanceId"]
         api = AWSAPI(REGION, session=admin)
         assert api.identity(spec("ami-x", grants=NODE_GRANTS)) == {"instance_profile": ROLE}
         iam, sts = admin.client("iam"), admin.client("sts")
@@ -270,6 +274,29 @@ def test_a_node_reads_its_dataset_and_writes_its_outputs_with_the_roles_credenti
                 with pytest.raises(Exception, match="AccessDenied"):
                     call()
                     pytest.fail(what)
+            # nothing of EC2 or IAM: no sibling or other cluster's instance to terminate,
+            # no way to widen its own role or to mint keys that outlive the node
+            node_ec2 = boto3.Session().client("ec2", region_name=REGION)
+            node_iam = boto3.Session().client("iam", region_name=REGION)
+            beyond = {
+                "terminate another instance": lambda: node_ec2.terminate_instances(
+                    InstanceIds=[sibling]),
+                "stop another instance": lambda: node_ec2.stop_instances(
+                    InstanceIds=[sibling]),
+                "launch an instance": lambda: node_ec2.run_instances(
+                    ImageId=ami, MinCount=1, MaxCount=1),
+                "widen its own role": lambda: node_iam.put_role_policy(
+                    RoleName=ROLE, PolicyName="more", PolicyDocument=json.dumps(ADMIN)),
+                "attach a managed policy": lambda: node_iam.attach_role_policy(
+                    RoleName=ROLE, PolicyArn="arn:aws:iam::aws:policy/AdministratorAccess"),
+                "make an access key": lambda: node_iam.create_access_key(UserName="admin"),
+            }
+            for what, call in beyond.items():
+                with pytest.raises(Exception, match="AccessDenied|UnauthorizedOperation"):
+                    call()
+                    pytest.fail(what)
+            assert ec2.describe_instances(InstanceIds=[sibling])["Reservations"][0][
+                "Instances"][0]["State"]["Name"] == "running"
             assert open_store("s3://dsets/imagenet").get("train/a.jpg") == \
                 b"imagenet/train/a.jpg"  # the node-side store reads the dataset
             with pytest.raises(StoreError, match="AccessDenied"):
