@@ -683,3 +683,39 @@ def test_a_vms_own_token_deletes_its_own_vm_and_nothing_else(fake, monkeypatch):
     fake.wait()
     assert {v.node for v in a.describe("c1")} == {"c1-1"}
     assert {v.node for v in a.describe("c2")} == {"c2-0"}
+
+
+def test_custom_roles_found_with_more_rights_are_corrected_before_anyone_holds_them(fake):
+    """hypercli's custom role definitions (names fixed per subscription) found with more
+    than they should hold (every VM action for ``self-delete``, container rights for
+    ``blob-writer``) are set back before any assignment: a VM's own token still may not
+    run commands on itself, the storage identity still may not delete the container."""
+    import uuid
+    acct = fake.add_account("acct")
+    for kind, actions, data in (
+            ("self-delete", ["Microsoft.Compute/virtualMachines/*"], []),
+            ("blob-writer", ["Microsoft.Storage/storageAccounts/blobServices/containers/*"],
+             [f"{BLOB}/*"])):
+        guid = str(uuid.uuid5(uuid.NAMESPACE_URL, f"hypercli|sub-1|{kind}"))
+        fake.role_defs[guid] = {
+            "roleName": f"hypercli {kind} (sub-1)", "type": "CustomRole",
+            "assignableScopes": ["/subscriptions/sub-1"],
+            "permissions": [{"actions": actions, "notActions": [], "dataActions": data,
+                             "notDataActions": []}]}
+    a = api()
+    launch(a, spec(grants=GRANTS))
+    me = fake.vm("hyper-c1", "c1-0")["identity"]["principalId"]
+    vm = "/subscriptions/sub-1/resourceGroups/hyper-c1/providers/Microsoft.Compute/" \
+         "virtualMachines/c1-0"
+    assert not fake.may(me, "Microsoft.Compute/virtualMachines/runCommand/action", vm)
+    assert not fake.may(me, "Microsoft.Compute/virtualMachines/write", vm)
+    assert fake.may(me, "Microsoft.Compute/virtualMachines/delete", vm)
+    fake.principal_tokens["node-token"] = me
+    assert _as_node(fake, "node-token", "POST", f"{vm}/runCommand",
+                    {"commandId": "RunShellScript"}) == 403
+    container = f"{acct}/blobServices/default/containers/out"
+    pid = principal(fake)
+    assert not fake.may(pid, "Microsoft.Storage/storageAccounts/blobServices/containers/"
+                             "delete", container)
+    assert fake.allowed(pid, "acct", "out", "write", "runs/wf1/x")
+    assert not fake.allowed(pid, "acct", "out", "write", "elsewhere/x")

@@ -693,3 +693,24 @@ def test_the_host_key_a_node_published_is_read_from_its_guest_attributes(fake, a
     fake.publish("us-central1-a", "c1-0", "hostkeys", "ssh-ed25519",
                  "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIFakeKeyFakeKeyFakeKey")
     assert api.host_key(vms[0]) == "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIFakeKeyFakeKeyFakeKey"
+
+
+def test_a_self_delete_role_found_with_more_rights_is_corrected_before_a_node_holds_it(
+        fake, api):
+    """The project's custom role of that name, made (or widened, or deleted) by someone
+    else: its permissions are set back to get and delete, and restored, before any instance
+    is bound to it, so a node's token still may not relabel or stop itself."""
+    from gcpiamfake import INSTANCE_ADMIN
+    fake.roles["hyperNodeSelfDelete"] = {
+        "name": SELF_DELETE, "title": "mine", "etag": "BwA=", "deleted": True,
+        "includedPermissions": sorted(INSTANCE_ADMIN)}
+    launch(api, spec())
+    role = fake.roles["hyperNodeSelfDelete"]
+    assert role["includedPermissions"] == ["compute.instances.delete",
+                                           "compute.instances.get"] and not role["deleted"]
+    z = "zones/us-central1-a/instances"
+    fp = fake.instances["us-central1-a"]["c1-0"]["labelFingerprint"]
+    assert _as_node(fake, "c1-0", "POST", f"{z}/c1-0/setLabels",
+                    {"labels": {}, "labelFingerprint": fp}) == 403
+    assert _as_node(fake, "c1-0", "POST", f"{z}/c1-0/stop") == 403
+    assert _as_node(fake, "c1-0", "GET", f"{z}/c1-0") == 200
