@@ -132,8 +132,15 @@ def block_script(provider: str) -> str:
     * ``DOCKER-USER``: docker's documented chain for such rules (docs.docker.com, "Packet
       filtering and firewalls"), made here when docker has not made it yet.
 
-    On Azure the WireServer's HTTP ports are dropped the same way."""
-    rules = [f"! -i lo -d {METADATA_IP}/32 -j DROP"]
+    On Azure the WireServer's HTTP ports are dropped the same way. On GCP the metadata
+    server is also the VM's DNS resolver (cloud.google.com/dns/docs/vpc-name-res-order:
+    every VM uses 169.254.169.254 as its name server, and docker and podman give containers
+    the host's), so there its port 53 (UDP and TCP) stays open and only the rest is dropped."""
+    if provider == "gcp":
+        rules = [f"! -i lo -d {METADATA_IP}/32 -p {p} -m {p} ! --dport 53 -j DROP"
+                 for p in ("tcp", "udp")]
+    else:
+        rules = [f"! -i lo -d {METADATA_IP}/32 -j DROP"]
     if provider == "azure":
         rules.append(f"! -i lo -d {WIRESERVER}/32 -p tcp -m multiport --dports 80,32526 "
                      "-j DROP")
