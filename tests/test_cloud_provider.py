@@ -53,6 +53,8 @@ def test_boot_document_is_cloud_config_with_the_host_key_and_the_watcher(hyper_h
     # containers never reach the metadata service: the rules, now and at every boot
     assert files["/usr/local/lib/hyper/block-metadata.sh"]["content"] == block_script("aws")
     assert doc["runcmd"][0] == ["sh", "/usr/local/lib/hyper/block-metadata.sh"]
+    # ... and before sshd starts (runcmd runs after it: a first task could come first)
+    assert doc["bootcmd"] == [["sh", "-c", block_script("aws")]]
     assert ["systemctl", "enable", "hyper-block-metadata.service"] in doc["runcmd"]
     assert "Before=docker.service podman.service" in \
         files["/etc/systemd/system/hyper-block-metadata.service"]["content"]

@@ -176,7 +176,8 @@ def boot_document(spec: CloudSpec, provider: str, node: str, host_private: str |
                   host_public: str | None, cluster_public: str, env: dict | None = None
                   ) -> str:
     """The node's cloud-config (text starting ``#cloud-config``): host key, root's authorized
-    key, the node watcher and its settings, the container rules of :func:`block_script`.
+    key, the node watcher and its settings, the container rules of :func:`block_script`
+    (in ``bootcmd``, in place before sshd starts, and as a unit for every later boot).
     Fits the smallest user-data limit (AWS: 16 KiB).
 
     Args:
@@ -204,6 +205,10 @@ def boot_document(spec: CloudSpec, provider: str, node: str, host_private: str |
         "disable_root": False,
         "ssh_pwauth": False,
         "ssh_deletekeys": True,
+        # the container rules before sshd ever starts, so before any task: cloud-init runs
+        # bootcmd first of all its modules (before write_files), at every boot
+        # (cloudinit.readthedocs.io, module "Bootcmd"); runcmd comes after sshd is up
+        "bootcmd": [["sh", "-c", block_script(provider)]],
     }
     if host_private:
         doc["ssh_genkeytypes"] = []
