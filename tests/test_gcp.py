@@ -714,3 +714,14 @@ def test_a_self_delete_role_found_with_more_rights_is_corrected_before_a_node_ho
                     {"labels": {}, "labelFingerprint": fp}) == 403
     assert _as_node(fake, "c1-0", "POST", f"{z}/c1-0/stop") == 403
     assert _as_node(fake, "c1-0", "GET", f"{z}/c1-0") == 200
+
+
+def test_a_bucket_without_uniform_access_is_a_clear_error_before_any_instance(fake, api):
+    """Prefix conditions need uniform bucket-level access: a bucket without it is bad input
+    (exit 2, how to turn it on), found before any instance is made, its policy unchanged."""
+    storage_fake(fake)
+    fake.add_bucket("out", uniform=False)
+    with pytest.raises(UsageError, match="uniform bucket-level access") as e:
+        launch(api, spec(grants=GRANTS))
+    assert e.value.exit_code == 2 and "--uniform-bucket-level-access" in e.value.hint
+    assert inserts(fake) == [] and fake.buckets["out"]["policy"]["bindings"] == []

@@ -735,6 +735,13 @@ class GCPAPI:
         except CloudError as e:
             self._denied(e, "storage.buckets.setIamPolicy",
                          f"set the IAM policy of bucket {bucket}")
+            if e.code == "400" and "uniform bucket-level access" in str(e):
+                raise UsageError(
+                    f"bucket {bucket} does not use uniform bucket-level access, which the "
+                    "IAM Conditions keeping the nodes to their prefixes need",
+                    f"turn it on: gcloud storage buckets update gs://{bucket} "
+                    "--uniform-bucket-level-access (or name an account that may use the "
+                    "bucket: cluster.service_account)") from None
             raise
 
     def _unbind(self, bucket: str, member: str) -> None:
