@@ -725,3 +725,21 @@ def test_a_bucket_without_uniform_access_is_a_clear_error_before_any_instance(fa
         launch(api, spec(grants=GRANTS))
     assert e.value.exit_code == 2 and "--uniform-bucket-level-access" in e.value.hint
     assert inserts(fake) == [] and fake.buckets["out"]["policy"]["bindings"] == []
+
+
+def test_a_cluster_of_the_same_name_from_another_state_file_never_rebinds_the_accounts(
+        fake, api):
+    """Two clusters named c1 with different ids (two state files): setting one's storage
+    binds its own nodes' accounts only; the other's keep their grants."""
+    storage_fake(fake)
+    launch(api, spec(cluster_id="id-a", grants=GRANTS), nodes=("c1-0",))
+    a = f"serviceAccount:{node_account('c1-0', cluster_id='id-a')}"
+    assert fake.allowed(a, "out", "storage.objects.create", "runs/wf1/t/x")
+    theirs = (Grant("gs", "out", "runs/wf9", write=True),)
+    launch(api, spec(cluster_id="id-b", grants=theirs), nodes=("c1-5",))
+    b = f"serviceAccount:{node_account('c1-5', cluster_id='id-b')}"
+    assert fake.allowed(b, "out", "storage.objects.create", "runs/wf9/t/x")
+    assert fake.allowed(a, "out", "storage.objects.create", "runs/wf1/t/x")  # kept
+    assert not fake.allowed(a, "out", "storage.objects.create", "runs/wf9/t/x")
+    assert fake.allowed(a, "data", "storage.objects.get", "datasets/coco/x")
+    assert not fake.allowed(b, "data", "storage.objects.get", "datasets/coco/x")

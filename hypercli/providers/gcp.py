@@ -552,7 +552,7 @@ class GCPAPI:
         if spec.identity:
             return {"service_account": spec.identity, "scopes": scopes}
         self._preflight(spec)
-        self._set_bindings(spec, self._accounts(spec.cluster))
+        self._set_bindings(spec, self._accounts(spec))
         return {"own_accounts": True, "scopes": scopes}
 
     def _preflight(self, spec: CloudSpec) -> None:
@@ -584,10 +584,13 @@ class GCPAPI:
     def _email(self, aid: str) -> str:
         return f"{aid}@{self.project}.iam.gserviceaccount.com"
 
-    def _accounts(self, cluster: str) -> dict[str, dict]:
-        """The cluster's nodes' service accounts: e-mail → the account (IAM's JSON)."""
+    def _accounts(self, spec: CloudSpec) -> dict[str, dict]:
+        """The cluster's nodes' service accounts: e-mail → the account (IAM's JSON); those
+        whose description names the cluster *and* its identity tag, so that another
+        cluster of the same name (another state file) never gets this one's bindings."""
         return {a["email"]: a for a in self._account_list() if
-                _sa_field(a.get("description"), TAG_CLUSTER) == cluster}
+                _sa_field(a.get("description"), TAG_CLUSTER) == spec.cluster
+                and _sa_field(a.get("description"), "hyper:cluster-id") == spec.tag}
 
     def _node_account(self, spec: CloudSpec, node: str) -> tuple[str, dict]:
         """Create (or find, when it is this node's own) the service account of ``node``;
@@ -942,7 +945,7 @@ class GCPAPI:
         """The new nodes' service accounts (node → e-mail), made and bound on the cluster's
         storage with the cluster's other accounts; the accounts of the cluster's nodes that
         are gone (no instance, not being made now) are removed first."""
-        have = self._accounts(spec.cluster)
+        have = self._accounts(spec)
         live = {v.node for v in self.describe(spec.cluster)} | set(nodes)
         for email, a in list(have.items()):
             if _sa_field(a.get("description"), TAG_NODE) not in live:
