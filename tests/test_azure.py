@@ -719,3 +719,34 @@ def test_custom_roles_found_with_more_rights_are_corrected_before_anyone_holds_t
                              "delete", container)
     assert fake.allowed(pid, "acct", "out", "write", "runs/wf1/x")
     assert not fake.allowed(pid, "acct", "out", "write", "elsewhere/x")
+
+
+def test_a_group_hypercli_made_that_holds_what_it_did_not_make_is_kept_with_it(fake, caplog):
+    """Someone put a storage account of their own (their datasets) into the cluster's group,
+    and another cluster adopted the group for a VM: `down` removes the cluster's own
+    resources one by one and keeps the group with the rest, saying so; once the group
+    holds only the cluster's, `down` deletes it."""
+    a = api()
+    launch(a, spec())
+    mine = ("/subscriptions/sub-1/resourceGroups/hyper-c1/providers/Microsoft.Storage/"
+            "storageAccounts/teamdata")
+    fake.res[mine.lower()] = {"id": mine, "name": "teamdata",
+                              "type": "Microsoft.Storage/storageAccounts",
+                              "location": "eastus", "tags": {"owner": "ml-team"},
+                              "properties": {"provisioningState": "Succeeded"}}
+    launch(a, spec(cluster="c5", resource_group="hyper-c1", adopt_group=True),
+           nodes=("c5-0",))
+    held = a.resources("c1")
+    assert "resource_group" not in [r.kind for r in held]
+    assert not [r for r in held if "teamdata" in r.id or "c5-0" in r.id]
+    remove_all(a, "c1")
+    assert "hyper-c1" in fake.groups and "keeps" not in caplog.text
+    assert "teamdata" in caplog.text and "the group stays" in caplog.text
+    left = sorted(r["name"] for r in fake.resources_in("hyper-c1"))
+    assert "teamdata" in left and "c5-0" in left
+    assert not [n for n in left if n.startswith("c1-") or n.startswith("hyper-c1-")]
+    assert {v.node for v in a.describe("c5")} == {"c5-0"}  # the other cluster's VM runs
+    remove_all(a, "c5")
+    del fake.res[mine.lower()]
+    remove_all(a, "c1")
+    assert "hyper-c1" not in fake.groups

@@ -959,24 +959,49 @@ class AzureAPI:
     def resources(self, cluster: str | None = None) -> list[Resource]:
         """What the cluster (every hyper cluster when None) holds, ARM ids, instances first:
         everything in the groups hypercli made for it, each group last (it takes the rest
-        along); in an adopted group only the resources tagged for it, and never the group."""
+        along); in an adopted group only the resources tagged for it, and never the group.
+        A group hypercli made that also holds something it did not make for that cluster
+        (:meth:`_made_for`: someone's storage account put there, another cluster's
+        resources in a group it adopted) is not listed, nor is that something: only the
+        cluster's own resources in it, deleted one by one (with a warning that the group
+        stays)."""
         out, owned = [], set()
         for g in self._groups(cluster):
             c = g.tags[TAG_CLUSTER]
             owned.add(g.name.lower())
             with _calls(f"listing {g.name}"):
-                inner = [Resource(KINDS.get((r.type or "").lower(),
-                                            (r.type or "").rsplit("/", 1)[-1]),
-                                  r.id, c, r.location or g.location or "")
-                         for r in self.rm.resources.list_by_resource_group(g.name)]
+                found = [r for r in self.rm.resources.list_by_resource_group(g.name)
+                         if (r.type or "").count("/") == 1]  # children go with their parent
+            theirs = [r for r in found if not self._made_for(r, c)]
+            inner = [Resource(KINDS.get((r.type or "").lower(),
+                                        (r.type or "").rsplit("/", 1)[-1]),
+                              r.id, c, r.location or g.location or "")
+                     for r in found if r not in theirs]
             inner.sort(key=lambda r: ORDER.index(r.kind) if r.kind in ORDER else len(ORDER))
-            out += inner + [Resource("resource_group", g.id, c, g.location or "")]
+            if theirs:
+                log.warning("resource group %s holds what hypercli did not make for cluster "
+                            "%s (%s): the group stays, with it; only the cluster's own "
+                            "resources in it are removed", g.name, c,
+                            ", ".join(r.name for r in theirs))
+                out += inner
+            else:
+                out += inner + [Resource("resource_group", g.id, c, g.location or "")]
         loose = [Resource(KINDS.get((r.type or "").lower(), (r.type or "").rsplit("/", 1)[-1]),
                           r.id, r.tags[TAG_CLUSTER], r.location or "")
                  for r in self._tagged(cluster) if r.id.split("/")[4].lower() not in owned
                  and (r.type or "").lower() in KINDS]
         loose.sort(key=lambda r: ORDER.index(r.kind))
         return loose + out
+
+    @staticmethod
+    def _made_for(r, cluster: str) -> bool:
+        """Whether a resource of a group hypercli made for ``cluster`` is one it made for it:
+        tagged ``hyper:cluster`` = ``cluster``, or the OS disk of one of its VMs (Azure names
+        it ``<vm>_OsDisk_...`` and gives it no tags)."""
+        if (r.tags or {}).get(TAG_CLUSTER) == cluster:
+            return True
+        return (r.type or "").lower() == "microsoft.compute/disks" and re.match(
+            rf"{re.escape(vm_name(cluster))}-\d+_OsDisk_", r.name or "") is not None
 
     def delete(self, resources: list[Resource]) -> list[str]:
         """Delete what :meth:`resources` listed: first the role assignments hypercli made
