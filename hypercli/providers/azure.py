@@ -51,9 +51,10 @@ is a no-op (409 ``RoleAssignmentExists``), and they tell hypercli's assignments 
 else's; the identity's assignments are set to exactly the grants each time (an ended
 workflow's prefix is taken away). An identity found under the computed name is used only
 when it is tagged for this cluster, has no federated credential and holds no role assignment
-hypercli did not make (:class:`~hypercli.providers.cloud.IdentityConflict` otherwise). Teardown deletes hypercli's
-role assignments of the VMs' and the identity's principals (they live outside the group)
-before the group, and never another's. With ``cluster.identity`` nothing is made or assigned
+hypercli did not make (:class:`~hypercli.providers.cloud.IdentityConflict` otherwise).
+Teardown deletes hypercli's role assignments of the VMs' and the identity's principals (they
+live outside the group) before the group, and never another's; a group of the cluster's that
+holds something hypercli did not make for it is kept (:meth:`AzureAPI.resources`). With ``cluster.identity`` nothing is made or assigned
 for storage: the VMs carry that identity as is (it must already be allowed the containers). A
 caller refused ``Microsoft.ManagedIdentity/userAssignedIdentities/write``,
 ``Microsoft.Authorization/roleDefinitions/write`` or ``.../roleAssignments/write`` gets a
