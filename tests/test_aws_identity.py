@@ -428,6 +428,13 @@ def test_names_carry_the_cluster_id_and_a_squatted_role_is_refused(ec2, image):
     with pytest.raises(IdentityConflict, match="everything"):
         api.identity(s)
     iam.detach_role_policy(RoleName=squat, PolicyArn=arn)
+    # an instance profile of that name made in advance, untagged: down would never remove
+    # it (it is not known to be hypercli's), so it is not used either
+    iam.create_instance_profile(InstanceProfileName=squat, Path="/hyper/c9/")
+    with pytest.raises(IdentityConflict, match="not tagged"):
+        api.identity(s)
+    iam.tag_instance_profile(InstanceProfileName=squat, Tags=[
+        {"Key": "hyper:cluster", "Value": "c9"}])
     assert api.identity(s) == {"instance_profile": squat}  # as hypercli leaves it: its own
 
 

@@ -482,14 +482,17 @@ class AWSAPI:
                 "the nodes should use: cluster.iam_role: NAME")
 
     def _check_profile(self, spec: CloudSpec, profile: dict, name: str, path: str) -> None:
-        """Refuse an instance profile that is not the cluster's own (another path, or a role
-        other than the cluster's in it). Raises IdentityConflict."""
+        """Refuse an instance profile that is not the cluster's own (another path, not tagged
+        for the cluster, so that ``down`` would not remove it, or a role other than the
+        cluster's in it). Raises IdentityConflict."""
         others = [r["RoleName"] for r in profile.get("Roles", []) if r["RoleName"] != name]
-        if profile.get("Path") != path or others:
+        tagged = {t["Key"]: t["Value"] for t in profile.get("Tags") or []}.get(TAG_CLUSTER)
+        if profile.get("Path") != path or others or tagged != spec.cluster:
             raise IdentityConflict(
                 f"an instance profile named {name} exists and is not cluster "
                 f"{spec.cluster}'s own (path {profile.get('Path')}"
-                + (f", role {others[0]}" if others else "") + ")",
+                + (f", role {others[0]}" if others else "")
+                + ("" if tagged == spec.cluster else ", not tagged for it") + ")",
                 "delete it if it is left from an old cluster, or name the instance profile "
                 "the nodes should use: cluster.iam_role: NAME")
 
