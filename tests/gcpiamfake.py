@@ -11,6 +11,8 @@ shapes:
 * ``/compute/v1/projects/{p}/zones/{z}/instances/{name}/setIamPolicy`` (kept in
   ``instance_policies``; a role must be a predefined one known here or a custom role of the
   project that is not deleted);
+* ``/v1/projects/{p}:getIamPolicy`` (Resource Manager: ``project_policy``, the roles
+  principals hold in the project);
 * ``/v1/projects/{p}:testIamPermissions`` (Resource Manager) and
   ``/storage/v1/b/{bucket}/iam/testPermissions``: the asked permissions that are not in
   ``deny``;
@@ -84,6 +86,7 @@ class IAMFake:
         self.sa_keys: dict[str, list] = {}  # e-mail → user-managed keys
         self.sa_policies: dict[str, dict] = {}  # e-mail → its own IAM policy
         self.tokens: dict[str, str] = {}  # bearer token → member (a node's identity)
+        self.project_policy: dict = {"bindings": []}  # the project's IAM policy
 
     def role_permissions(self, role: str) -> set:
         """The permissions of a predefined role known here or a custom role of the project
@@ -180,6 +183,11 @@ class IAMFake:
         m = re.fullmatch(r"/storage/v1/b/([^/]+)/iam", path)
         if m:
             return self._policy(method, m[1], query, body)
+        if path == f"/v1/projects/{self.project}:getIamPolicy" and method == "POST":
+            if "resourcemanager.projects.getIamPolicy" in self.deny:
+                return self._denied("resourcemanager.projects.getIamPolicy",
+                                    f"projects/{self.project}")
+            return 200, dict(self.project_policy, version=1, etag="BwYP=")
         if path == f"/v1/projects/{self.project}:testIamPermissions" and method == "POST":
             return 200, {"permissions": [x for x in body.get("permissions", [])
                                          if x not in self.deny]}

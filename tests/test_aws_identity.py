@@ -215,6 +215,10 @@ def test_a_node_reads_its_dataset_and_writes_its_outputs_with_the_roles_credenti
         for k in ("runs/wf-0/t-3/manifest.json", "runs/wf-0/.checkpoints/t-3/gen-1",
                   "runs/wf-2/t-0/manifest.json"):
             s3.put_object(Bucket="outs", Key=k, Body=b"theirs")
+        ec2 = admin.client("ec2")
+        ami = ec2.register_image(Name="base-image", Architecture="x86_64")["ImageId"]
+        sibling = ec2.run_instances(ImageId=ami, MinCount=1, MaxCount=1)["Instances"][0][
+            "InstanceId"]
         api = AWSAPI(REGION, session=admin)
         assert api.identity(spec("ami-x", grants=NODE_GRANTS)) == {"instance_profile": ROLE}
         iam, sts = admin.client("iam"), admin.client("sts")
@@ -270,6 +274,29 @@ def test_a_node_reads_its_dataset_and_writes_its_outputs_with_the_roles_credenti
                 with pytest.raises(Exception, match="AccessDenied"):
                     call()
                     pytest.fail(what)
+            # nothing of EC2 or IAM: no sibling or other cluster's instance to terminate,
+            # no way to widen its own role or to mint keys that outlive the node
+            node_ec2 = boto3.Session().client("ec2", region_name=REGION)
+            node_iam = boto3.Session().client("iam", region_name=REGION)
+            beyond = {
+                "terminate another instance": lambda: node_ec2.terminate_instances(
+                    InstanceIds=[sibling]),
+                "stop another instance": lambda: node_ec2.stop_instances(
+                    InstanceIds=[sibling]),
+                "launch an instance": lambda: node_ec2.run_instances(
+                    ImageId=ami, MinCount=1, MaxCount=1),
+                "widen its own role": lambda: node_iam.put_role_policy(
+                    RoleName=ROLE, PolicyName="more", PolicyDocument=json.dumps(ADMIN)),
+                "attach a managed policy": lambda: node_iam.attach_role_policy(
+                    RoleName=ROLE, PolicyArn="arn:aws:iam::aws:policy/AdministratorAccess"),
+                "make an access key": lambda: node_iam.create_access_key(UserName="admin"),
+            }
+            for what, call in beyond.items():
+                with pytest.raises(Exception, match="AccessDenied|UnauthorizedOperation"):
+                    call()
+                    pytest.fail(what)
+            assert ec2.describe_instances(InstanceIds=[sibling])["Reservations"][0][
+                "Instances"][0]["State"]["Name"] == "running"
             assert open_store("s3://dsets/imagenet").get("train/a.jpg") == \
                 b"imagenet/train/a.jpg"  # the node-side store reads the dataset
             with pytest.raises(StoreError, match="AccessDenied"):
@@ -401,4 +428,83 @@ def test_names_carry_the_cluster_id_and_a_squatted_role_is_refused(ec2, image):
     with pytest.raises(IdentityConflict, match="everything"):
         api.identity(s)
     iam.detach_role_policy(RoleName=squat, PolicyArn=arn)
+    # an instance profile of that name made in advance, untagged: down would never remove
+    # it (it is not known to be hypercli's), so it is not used either
+    iam.create_instance_profile(InstanceProfileName=squat, Path="/hyper/c9/")
+    with pytest.raises(IdentityConflict, match="not tagged"):
+        api.identity(s)
+    iam.tag_instance_profile(InstanceProfileName=squat, Tags=[
+        {"Key": "hyper:cluster", "Value": "c9"}])
     assert api.identity(s) == {"instance_profile": squat}  # as hypercli leaves it: its own
+
+
+def test_down_and_gc_never_remove_a_role_under_hyperclis_path_that_it_did_not_make(ec2, image):
+    """Roles and instance profiles someone made under ``/hyper/<cluster>/`` (another trust
+    policy, no cluster tag, a profile holding another role, a role refused as squatted) are
+    not hypercli's: ``down`` and ``gc`` leave them and what is attached to them; the
+    cluster's own role and profile go."""
+    api = AWSAPI(REGION)
+    iam = boto3.client("iam", region_name=REGION)
+    launch(api, spec(image, grants=GRANTS))
+    ours = [{"Key": "hyper:cluster", "Value": "c1"}, {"Key": "hyper:cluster-id",
+                                                      "Value": ROLE[-8:]}]
+    from hypercli.providers.aws import EC2_TRUST
+    iam.create_role(RoleName="their-deployer", Path="/hyper/c1/", Tags=ours,
+                    AssumeRolePolicyDocument=json.dumps({
+                        "Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Principal": {
+                            "AWS": "arn:aws:iam::210987654321:root"},
+                            "Action": "sts:AssumeRole"}]}))
+    arn = iam.create_policy(PolicyName="deploy", PolicyDocument=json.dumps(ADMIN))["Policy"]["Arn"]
+    iam.attach_role_policy(RoleName="their-deployer", PolicyArn=arn)
+    iam.create_role(RoleName="their-untagged", Path="/hyper/c1/",
+                    AssumeRolePolicyDocument=json.dumps(EC2_TRUST))
+    iam.put_role_policy(RoleName="their-untagged", PolicyName="keep",
+                        PolicyDocument=json.dumps(ADMIN))
+    iam.create_instance_profile(InstanceProfileName="their-profile", Path="/hyper/c1/",
+                                Tags=ours)
+    iam.add_role_to_instance_profile(InstanceProfileName="their-profile",
+                                     RoleName="their-untagged")
+    assert {(r.kind, r.id) for r in api.resources("c1") if r.kind in ("role",
+                                                                      "instance_profile")} \
+        == {("role", ROLE), ("instance_profile", ROLE)}
+    removed = remove_all(api, "c1", timeout=60)
+    assert {f"instance_profile {ROLE}", f"role {ROLE}"} <= set(removed)
+    remove_all(api, None, keep=set(), timeout=60)  # gc: no live cluster
+    assert iam_names(iam) == (["their-deployer", "their-untagged"], ["their-profile"])
+    assert [p["PolicyArn"] for p in iam.list_attached_role_policies(
+        RoleName="their-deployer")["AttachedPolicies"]] == [arn]
+    assert iam.list_role_policies(RoleName="their-untagged")["PolicyNames"] == ["keep"]
+    assert [r["RoleName"] for r in iam.get_instance_profile(
+        InstanceProfileName="their-profile")["InstanceProfile"]["Roles"]] == ["their-untagged"]
+
+
+def test_without_an_answer_from_sts_the_role_is_neither_made_nor_widened(ec2, image):
+    """The account id is what keeps the role's writes to the account's own buckets
+    (``s3:ResourceAccount``): when STS does not answer (its endpoint a closed port on
+    loopback), ``hyper up`` stops before anything exists, and an up cluster's role keeps its
+    policy rather than getting one without that condition."""
+    import socket
+
+    from botocore.config import Config
+
+    from hypercli.providers.cloud import CloudError
+
+    def cut_off(api):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        s.close()  # nothing listens there
+        api._clients["sts"] = boto3.client(
+            "sts", region_name=REGION, endpoint_url=f"http://127.0.0.1:{port}",
+            config=Config(retries={"max_attempts": 1}, connect_timeout=2))
+        return api
+    iam = boto3.client("iam", region_name=REGION)
+    with pytest.raises(CloudError, match="own buckets") as e:
+        launch(cut_off(AWSAPI(REGION)), spec(image, grants=GRANTS))
+    assert "STS" in e.value.hint
+    assert iam_names(iam) == ([], []) and ec2.describe_instances()["Reservations"] == []
+    AWSAPI(REGION).identity(spec(image, grants=GRANTS))
+    with pytest.raises(CloudError):
+        cut_off(AWSAPI(REGION)).identity(spec(image, grants=GRANTS + (
+            Grant("s3", "outs", "more", True),)))
+    assert _policy(iam, ROLE) == storage_policy(GRANTS, ACCOUNT)

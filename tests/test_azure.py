@@ -474,12 +474,17 @@ def test_storage_assignments_are_exactly_the_grants(fake):
         "roleDefinitions/2a2b9908-6ea1-4ae2-8e65-a410df84e7d1", "principalId": pid}})
     later = (GRANTS[0], Grant("az", "acct/data", "datasets/imagenet"),
              Grant("az", "acct/out", "runs/wf2", write=True))
+    # a role someone gave the cluster's identity: refused (the nodes would hold more than
+    # the grants), and never deleted by hypercli
+    with pytest.raises(IdentityConflict, match="did not make"):
+        a.identity(spec(grants=later))
+    assert theirs.lower() in fake.assignments and len(fake.assignments) == n + 1
+    del fake.assignments[theirs.lower()]
     a.identity(spec(grants=later))
     assert fake.allowed(pid, "acct", "data", "read", "datasets/imagenet/x")
     assert fake.allowed(pid, "acct", "data", "read", "datasets/coco/x")  # kept
     assert fake.allowed(pid, "acct", "out", "write", "runs/wf2/x")
     assert not fake.allowed(pid, "acct", "out", "write", "runs/wf1/x")  # an ended workflow
-    assert theirs.lower() in fake.assignments  # never what hypercli did not make
 
 
 @pytest.mark.parametrize("permission", [
@@ -602,6 +607,21 @@ def test_identity_names_never_collide_and_a_squatted_identity_is_refused(fake):
     fake.res[MSI.lower()]["tags"] = {"hyper:cluster": "someone-else"}
     with pytest.raises(IdentityConflict, match="tags"):
         a.identity(spec(grants=GRANTS))
+    # tagged right, but holding a role someone gave it: every task would hold it too
+    fake.res[MSI.lower()]["tags"] = {"hyper:cluster": "c1", "hyper:cluster-id": spec().tag}
+    theirs = ("/subscriptions/sub-1/providers/Microsoft.Authorization/roleAssignments/"
+              "33333333-3333-3333-3333-333333333333")
+    fake.identity_handle("PUT", theirs, {}, {"properties": {
+        "roleDefinitionId": "/subscriptions/sub-1/providers/Microsoft.Authorization/"
+        "roleDefinitions/9980e02c-c2be-4d73-94e8-173b1dc7cf3c",  # VM Contributor
+        "principalId": principal(fake)}})
+    with pytest.raises(IdentityConflict, match="did not make") as e:
+        launch(a, spec(grants=GRANTS))
+    assert "9980e02c-c2be-4d73-94e8-173b1dc7cf3c on /subscriptions/sub-1" in str(e.value)
+    assert vm_puts(fake) == [] and theirs.lower() in fake.assignments  # refused, untouched
+    del fake.assignments[theirs.lower()]
+    assert a.identity(spec(grants=GRANTS))["identity"] == MSI  # as hypercli leaves it
+    assert a.identity(spec(grants=GRANTS))["identity"] == MSI  # its own assignments pass
 
 
 def _as_node(fake, token: str, method: str, path: str, body: dict | None = None) -> int:
@@ -663,3 +683,70 @@ def test_a_vms_own_token_deletes_its_own_vm_and_nothing_else(fake, monkeypatch):
     fake.wait()
     assert {v.node for v in a.describe("c1")} == {"c1-1"}
     assert {v.node for v in a.describe("c2")} == {"c2-0"}
+
+
+def test_custom_roles_found_with_more_rights_are_corrected_before_anyone_holds_them(fake):
+    """hypercli's custom role definitions (names fixed per subscription) found with more
+    than they should hold (every VM action for ``self-delete``, container rights for
+    ``blob-writer``) are set back before any assignment: a VM's own token still may not
+    run commands on itself, the storage identity still may not delete the container."""
+    import uuid
+    acct = fake.add_account("acct")
+    for kind, actions, data in (
+            ("self-delete", ["Microsoft.Compute/virtualMachines/*"], []),
+            ("blob-writer", ["Microsoft.Storage/storageAccounts/blobServices/containers/*"],
+             [f"{BLOB}/*"])):
+        guid = str(uuid.uuid5(uuid.NAMESPACE_URL, f"hypercli|sub-1|{kind}"))
+        fake.role_defs[guid] = {
+            "roleName": f"hypercli {kind} (sub-1)", "type": "CustomRole",
+            "assignableScopes": ["/subscriptions/sub-1"],
+            "permissions": [{"actions": actions, "notActions": [], "dataActions": data,
+                             "notDataActions": []}]}
+    a = api()
+    launch(a, spec(grants=GRANTS))
+    me = fake.vm("hyper-c1", "c1-0")["identity"]["principalId"]
+    vm = "/subscriptions/sub-1/resourceGroups/hyper-c1/providers/Microsoft.Compute/" \
+         "virtualMachines/c1-0"
+    assert not fake.may(me, "Microsoft.Compute/virtualMachines/runCommand/action", vm)
+    assert not fake.may(me, "Microsoft.Compute/virtualMachines/write", vm)
+    assert fake.may(me, "Microsoft.Compute/virtualMachines/delete", vm)
+    fake.principal_tokens["node-token"] = me
+    assert _as_node(fake, "node-token", "POST", f"{vm}/runCommand",
+                    {"commandId": "RunShellScript"}) == 403
+    container = f"{acct}/blobServices/default/containers/out"
+    pid = principal(fake)
+    assert not fake.may(pid, "Microsoft.Storage/storageAccounts/blobServices/containers/"
+                             "delete", container)
+    assert fake.allowed(pid, "acct", "out", "write", "runs/wf1/x")
+    assert not fake.allowed(pid, "acct", "out", "write", "elsewhere/x")
+
+
+def test_a_group_hypercli_made_that_holds_what_it_did_not_make_is_kept_with_it(fake, caplog):
+    """Someone put a storage account of their own (their datasets) into the cluster's group,
+    and another cluster adopted the group for a VM: `down` removes the cluster's own
+    resources one by one and keeps the group with the rest, saying so; once the group
+    holds only the cluster's, `down` deletes it."""
+    a = api()
+    launch(a, spec())
+    mine = ("/subscriptions/sub-1/resourceGroups/hyper-c1/providers/Microsoft.Storage/"
+            "storageAccounts/teamdata")
+    fake.res[mine.lower()] = {"id": mine, "name": "teamdata",
+                              "type": "Microsoft.Storage/storageAccounts",
+                              "location": "eastus", "tags": {"owner": "ml-team"},
+                              "properties": {"provisioningState": "Succeeded"}}
+    launch(a, spec(cluster="c5", resource_group="hyper-c1", adopt_group=True),
+           nodes=("c5-0",))
+    held = a.resources("c1")
+    assert "resource_group" not in [r.kind for r in held]
+    assert not [r for r in held if "teamdata" in r.id or "c5-0" in r.id]
+    remove_all(a, "c1")
+    assert "hyper-c1" in fake.groups and "keeps" not in caplog.text
+    assert "teamdata" in caplog.text and "the group stays" in caplog.text
+    left = sorted(r["name"] for r in fake.resources_in("hyper-c1"))
+    assert "teamdata" in left and "c5-0" in left
+    assert not [n for n in left if n.startswith("c1-") or n.startswith("hyper-c1-")]
+    assert {v.node for v in a.describe("c5")} == {"c5-0"}  # the other cluster's VM runs
+    remove_all(a, "c5")
+    del fake.res[mine.lower()]
+    remove_all(a, "c1")
+    assert "hyper-c1" not in fake.groups

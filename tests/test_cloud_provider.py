@@ -4,12 +4,14 @@ lazy SDK imports, and `hyper check` / `hyper gc` / `hyper up --dry-run` input er
 from __future__ import annotations
 
 import base64
+import contextlib
 import gzip
 import stat
 import subprocess
 import sys
 
 import paramiko
+import pytest
 import yaml
 
 from hypercli.providers import get_provider
@@ -51,6 +53,8 @@ def test_boot_document_is_cloud_config_with_the_host_key_and_the_watcher(hyper_h
     # containers never reach the metadata service: the rules, now and at every boot
     assert files["/usr/local/lib/hyper/block-metadata.sh"]["content"] == block_script("aws")
     assert doc["runcmd"][0] == ["sh", "/usr/local/lib/hyper/block-metadata.sh"]
+    # ... and before sshd starts (runcmd runs after it: a first task could come first)
+    assert doc["bootcmd"] == [["sh", "-c", block_script("aws")]]
     assert ["systemctl", "enable", "hyper-block-metadata.service"] in doc["runcmd"]
     assert "Before=docker.service podman.service" in \
         files["/etc/systemd/system/hyper-block-metadata.service"]["content"]
@@ -87,13 +91,48 @@ def _ns(name: str, *argv: str, check: bool = True, **kw) -> subprocess.Completed
                           capture_output=True, text=True, **kw)
 
 
-def test_containers_routed_through_a_node_cannot_reach_the_metadata_address(tmp_path):
-    """The boot document's rules (block_script) on a real kernel: three network namespaces,
-    a "container" routed through a "node" to a "metadata server" at 169.254.169.254, as a
-    container on a bridge network is. Before the rules both reach it; after them only the
-    node itself does; running them again (every boot) adds nothing."""
+#: the "metadata server" of the namespace tests: TCP 80 and 53 and UDP 53 on 169.254.169.254,
+#: each answering its port
+_MD_SERVER = """
+import socket, threading
+def tcp(port):
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(('169.254.169.254', port)); s.listen(16)
+    while True:
+        c, _ = s.accept(); c.sendall(b'md%d' % port); c.close()
+def udp(port):
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.bind(('169.254.169.254', port))
+    while True:
+        data, peer = s.recvfrom(512); s.sendto(b'md%d' % port, peer)
+threading.Thread(target=tcp, args=(53,), daemon=True).start()
+threading.Thread(target=udp, args=(53,), daemon=True).start()
+tcp(80)
+"""
+_PROBE = """
+import socket, sys
+proto, port = sys.argv[1], int(sys.argv[2])
+try:
+    if proto == 'tcp':
+        s = socket.create_connection(('169.254.169.254', port), timeout=1.5)
+        print(s.recv(16).decode())
+    else:
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.settimeout(1.5)
+        s.sendto(b'q', ('169.254.169.254', port)); print(s.recvfrom(16)[0].decode())
+except OSError as e:
+    print('refused', e)
+"""
+
+
+@contextlib.contextmanager
+def _routed_metadata():
+    """Three network namespaces on a real kernel: a "container" routed through a "node" to
+    a "metadata server" at 169.254.169.254 (:data:`_MD_SERVER`), as a container on a bridge
+    network is. Yields ``(node, reach)``: ``reach(ns, proto, port)`` is what a connection
+    from namespace ``ns`` (``"node"`` or ``"ctr"``) gets (``md<port>``, or why not).
+    Everything made is removed at the end, the server stopped by its pid."""
     import os
-    import pytest
+    import time
     if os.geteuid() != 0 or subprocess.run(["which", "iptables"],
                                            capture_output=True).returncode:
         pytest.skip("needs root and iptables")
@@ -113,46 +152,67 @@ def test_containers_routed_through_a_node_cannot_reach_the_metadata_address(tmp_
                                 "link set lo up",
                                 "route add 169.254.169.254/32 via 10.250.1.2"]),
                         (md, [f"addr add 10.250.1.2/30 dev hv{tag}b",
-                              f"addr add 169.254.169.254/32 dev lo", f"link set hv{tag}b up",
+                              "addr add 169.254.169.254/32 dev lo", f"link set hv{tag}b up",
                               "link set lo up", "route add 10.250.0.0/30 via 10.250.1.1"]),
                         (ctr, [f"addr add 10.250.0.2/30 dev hv{tag}d", f"link set hv{tag}d up",
                                "link set lo up", "route add default via 10.250.0.1"])):
             subprocess.run(["ip", "-n", n, "-batch", "-"], input="\n".join(cmds),
                            check=True, text=True)
         _ns(node, "sysctl", "-qw", "net.ipv4.ip_forward=1")
-        server = subprocess.Popen(
-            ["nsenter", f"--net=/run/netns/{md}", sys.executable, "-c",
-             "import socket\ns = socket.socket(); s.setsockopt(socket.SOL_SOCKET, "
-             "socket.SO_REUSEADDR, 1)\ns.bind(('169.254.169.254', 80)); s.listen(16)\n"
-             "while True:\n    c, _ = s.accept(); c.sendall(b'metadata'); c.close()\n"])
-        probe = ("import socket, sys\ntry:\n    s = socket.create_connection("
-                 "('169.254.169.254', 80), timeout=1.5); print(s.recv(16).decode())\n"
-                 "except OSError as e:\n    print('refused', e)\n")
+        server = subprocess.Popen(["nsenter", f"--net=/run/netns/{md}", sys.executable, "-c",
+                                   _MD_SERVER])
+        names = {"node": node, "ctr": ctr}
 
-        def reach(ns: str) -> str:
+        def reach(ns: str, proto: str = "tcp", port: int = 80) -> str:
             for _ in range(50):  # the server starts
-                out = _ns(ns, sys.executable, "-c", probe).stdout.strip()
-                if out == "metadata" or "timed out" in out:
+                out = _ns(names[ns], sys.executable, "-c", _PROBE, proto, str(port)
+                          ).stdout.strip()
+                if out.startswith("md") or "timed out" in out:
                     return out
-                import time
                 time.sleep(0.1)
             return out
-        assert reach(ctr) == "metadata" and reach(node) == "metadata"
-        for _ in range(2):  # at first boot, and again at the next
-            r = _ns(node, "sh", "-c", block_script("gcp"))
-            assert r.returncode == 0, r.stderr
-        assert reach(node) == "metadata"
-        assert reach(ctr) != "metadata"
-        raw = _ns(node, "iptables", "-t", "raw", "-S", "PREROUTING").stdout
-        assert raw.count("169.254.169.254") == 1
-        user = _ns(node, "iptables", "-S", "DOCKER-USER").stdout
-        assert user.count("169.254.169.254") == 1
+        yield node, reach
     finally:
         if server is not None:
             server.kill()
             server.wait()
         for n in (md, node, ctr):
             subprocess.run(["ip", "netns", "del", n], capture_output=True)
+
+
+def test_containers_routed_through_a_node_cannot_reach_the_metadata_address():
+    """The boot document's rules (block_script) on a real kernel (:func:`_routed_metadata`).
+    Before the rules both the container and the node reach the metadata service; after them
+    only the node itself does; running them again (every boot) adds nothing."""
+    with _routed_metadata() as (node, reach):
+        assert reach("ctr") == "md80" and reach("node") == "md80"
+        for _ in range(2):  # at first boot, and again at the next
+            r = _ns(node, "sh", "-c", block_script("aws"))
+            assert r.returncode == 0, r.stderr
+        assert reach("node") == "md80"
+        assert reach("ctr") != "md80"
+        assert reach("ctr", "tcp", 53) != "md53"  # AWS: nothing of it (its DNS is .253)
+        raw = _ns(node, "iptables", "-t", "raw", "-S", "PREROUTING").stdout
+        assert raw.count("169.254.169.254") == 1
+        user = _ns(node, "iptables", "-S", "DOCKER-USER").stdout
+        assert user.count("169.254.169.254") == 1
+
+
+def test_gcp_containers_keep_the_metadata_servers_dns_and_nothing_else_of_it():
+    """On GCE the metadata server is also the VM's DNS resolver (169.254.169.254:53,
+    cloud.google.com/dns/docs/vpc-name-res-order), which containers on a bridge network are
+    given too: GCP's rules keep port 53 (UDP and TCP) open for them and drop the rest."""
+    with _routed_metadata() as (node, reach):
+        for _ in range(2):
+            r = _ns(node, "sh", "-c", block_script("gcp"))
+            assert r.returncode == 0, r.stderr
+        assert reach("node") == "md80"
+        assert reach("ctr") != "md80"
+        assert reach("ctr", "udp", 53) == "md53" and reach("ctr", "tcp", 53) == "md53"
+        assert reach("node", "udp", 53) == "md53"
+        for table, chain in (("raw", "PREROUTING"), ("filter", "DOCKER-USER")):
+            rules = _ns(node, "iptables", "-t", table, "-S", chain).stdout
+            assert rules.count("169.254.169.254") == 2, rules  # tcp and udp, once each
 
 
 def test_recipe_cluster_becomes_a_cloud_spec():

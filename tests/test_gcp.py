@@ -296,6 +296,7 @@ def test_project_from_the_environment_or_a_clear_error(fake, monkeypatch):
     fake.deny.add("iam.serviceAccounts.create")  # hyper check says what up would need
     said = api.check()
     assert "missing iam.serviceAccounts.create" in said and "cluster.service_account" in said
+    assert "every gcp cluster" in said  # not only recipes with gs:// buckets
     fake.deny.discard("iam.serviceAccounts.create")
     monkeypatch.delenv("GOOGLE_CLOUD_PROJECT")
     with pytest.raises(CredentialsError, match="no Google Cloud project") as e:
@@ -670,6 +671,18 @@ def test_account_names_never_collide_and_a_squatted_account_is_refused(fake, api
         launch(api, s, nodes=("c9-0",))
     assert not [i for z in fake.instances.values() for i in z if i.startswith("c9")]
     fake.sa_policies[squat] = {}
+    # what it holds in the project would be every task's on its node (Editor: every VM)
+    fake.project_policy["bindings"] = [
+        {"role": "roles/editor", "members": [f"serviceAccount:{squat}"]},
+        {"role": "roles/viewer", "members": ["user:someone@example.com"]}]
+    with pytest.raises(IdentityConflict, match="roles/editor"):
+        launch(api, s, nodes=("c9-0",))
+    fake.deny.add("resourcemanager.projects.getIamPolicy")  # cannot be known: refused too
+    with pytest.raises(IdentityConflict, match="getIamPolicy"):
+        launch(api, s, nodes=("c9-0",))
+    fake.deny.discard("resourcemanager.projects.getIamPolicy")
+    assert not [i for z in fake.instances.values() for i in z if i.startswith("c9")]
+    fake.project_policy["bindings"] = fake.project_policy["bindings"][1:]
     vms, errors = launch(api, s, nodes=("c9-0",))  # as hypercli leaves it: its own
     assert errors == {} and len(vms) == 1
 
@@ -680,3 +693,53 @@ def test_the_host_key_a_node_published_is_read_from_its_guest_attributes(fake, a
     fake.publish("us-central1-a", "c1-0", "hostkeys", "ssh-ed25519",
                  "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIFakeKeyFakeKeyFakeKey")
     assert api.host_key(vms[0]) == "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIFakeKeyFakeKeyFakeKey"
+
+
+def test_a_self_delete_role_found_with_more_rights_is_corrected_before_a_node_holds_it(
+        fake, api):
+    """The project's custom role of that name, made (or widened, or deleted) by someone
+    else: its permissions are set back to get and delete, and restored, before any instance
+    is bound to it, so a node's token still may not relabel or stop itself."""
+    from gcpiamfake import INSTANCE_ADMIN
+    fake.roles["hyperNodeSelfDelete"] = {
+        "name": SELF_DELETE, "title": "mine", "etag": "BwA=", "deleted": True,
+        "includedPermissions": sorted(INSTANCE_ADMIN)}
+    launch(api, spec())
+    role = fake.roles["hyperNodeSelfDelete"]
+    assert role["includedPermissions"] == ["compute.instances.delete",
+                                           "compute.instances.get"] and not role["deleted"]
+    z = "zones/us-central1-a/instances"
+    fp = fake.instances["us-central1-a"]["c1-0"]["labelFingerprint"]
+    assert _as_node(fake, "c1-0", "POST", f"{z}/c1-0/setLabels",
+                    {"labels": {}, "labelFingerprint": fp}) == 403
+    assert _as_node(fake, "c1-0", "POST", f"{z}/c1-0/stop") == 403
+    assert _as_node(fake, "c1-0", "GET", f"{z}/c1-0") == 200
+
+
+def test_a_bucket_without_uniform_access_is_a_clear_error_before_any_instance(fake, api):
+    """Prefix conditions need uniform bucket-level access: a bucket without it is bad input
+    (exit 2, how to turn it on), found before any instance is made, its policy unchanged."""
+    storage_fake(fake)
+    fake.add_bucket("out", uniform=False)
+    with pytest.raises(UsageError, match="uniform bucket-level access") as e:
+        launch(api, spec(grants=GRANTS))
+    assert e.value.exit_code == 2 and "--uniform-bucket-level-access" in e.value.hint
+    assert inserts(fake) == [] and fake.buckets["out"]["policy"]["bindings"] == []
+
+
+def test_a_cluster_of_the_same_name_from_another_state_file_never_rebinds_the_accounts(
+        fake, api):
+    """Two clusters named c1 with different ids (two state files): setting one's storage
+    binds its own nodes' accounts only; the other's keep their grants."""
+    storage_fake(fake)
+    launch(api, spec(cluster_id="id-a", grants=GRANTS), nodes=("c1-0",))
+    a = f"serviceAccount:{node_account('c1-0', cluster_id='id-a')}"
+    assert fake.allowed(a, "out", "storage.objects.create", "runs/wf1/t/x")
+    theirs = (Grant("gs", "out", "runs/wf9", write=True),)
+    launch(api, spec(cluster_id="id-b", grants=theirs), nodes=("c1-5",))
+    b = f"serviceAccount:{node_account('c1-5', cluster_id='id-b')}"
+    assert fake.allowed(b, "out", "storage.objects.create", "runs/wf9/t/x")
+    assert fake.allowed(a, "out", "storage.objects.create", "runs/wf1/t/x")  # kept
+    assert not fake.allowed(a, "out", "storage.objects.create", "runs/wf9/t/x")
+    assert fake.allowed(a, "data", "storage.objects.get", "datasets/coco/x")
+    assert not fake.allowed(b, "data", "storage.objects.get", "datasets/coco/x")

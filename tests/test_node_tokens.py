@@ -87,7 +87,7 @@ def _stored(make, keys):
 
 
 def test_a_gcp_nodes_token_reaches_its_workflows_prefix_and_nothing_else(gcs_server, metadata,
-                                                                         monkeypatch):
+                                                                         monkeypatch, tmp_path):
     """The node's own account as hypercli binds it (a cluster running workflow wf-1 whose
     storage is gs://B/runs, mounting the outputs of wf-0's task t-3), its token from the
     metadata stand-in, and Cloud Storage's IAM in front of the emulator (the bucket policy
@@ -133,6 +133,16 @@ def test_a_gcp_nodes_token_reaches_its_workflows_prefix_and_nothing_else(gcs_ser
         mine = open_store(f"gs://{bucket}/runs/wf-1")
         mine.put("t-0/out.txt", b"result")
         assert mine.get("t-0/out.txt") == b"result"
+        # above 8 MiB: a resumable upload, whose session is authorised when it is opened
+        # (its URI then carries the right, as on GCS): allowed in its own prefix only
+        big = tmp_path / "big.bin"
+        big.write_bytes(b"x" * (9 << 20))
+        mine.put_file("t-1/big.bin", big)
+        admin.reload()
+        assert admin.get_blob("runs/wf-1/t-1/big.bin").size == 9 << 20
+        with pytest.raises(StoreError):
+            open_store(f"gs://{bucket}/runs/wf-2").put_file("t-0/big.bin", big)
+        assert admin.get_blob("runs/wf-2/t-0/big.bin") is None
         assert [k for k, _ in mine.list("t-0/")] == ["t-0/out.txt"]
         assert not mine.exists("t-9/out.txt")
         assert open_store(f"gs://{bucket}/runs/wf-0/t-3").get("manifest.json") == b"theirs"

@@ -54,6 +54,9 @@ def made(request, tmp_path, hyper_home, monkeypatch):
                        "image": "projects/proj/global/images/x", "ssh_cidr": "10.213.0.0/24"}
             checks.append(lambda: fake.instances == {z: {} for z in fake.zones}
                           and not fake.firewalls and not fake.service_accounts)
+            checks.append(lambda: not [  # the nodes made their host keys: none in metadata
+                b for m, p, b in fake.requests if m == "POST" and p.endswith("/instances")
+                and "PRIVATE KEY" in str(b)] and fake.guest)
         elif name == "azure":
             pytest.importorskip("azure.mgmt.compute")
             from azurefake import ArmFake

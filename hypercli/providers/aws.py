@@ -374,13 +374,15 @@ class AWSAPI:
                 IAM action and ``cluster.iam_role``).
             IdentityConflict: a role or profile of that name exists and is not the
                 cluster's own (module docstring).
-            CloudError: other API errors.
+            CloudError: other API errors; STS gives no account id (:meth:`_account`:
+                nothing is made or changed).
         """
         if spec.identity:
             return {"instance_profile": spec.identity}
         if not any(g.scheme == "s3" for g in spec.grants):
             return {}
         import json
+        account = self._account()  # before anything is made
         name, path = role_name(spec), f"{IAM_PATH}{spec.cluster}/"
         tags = [t for t in _tags(spec.cluster) if t["Key"] != "Name"] + [
             {"Key": TAG_CLUSTER_ID, "Value": spec.tag}]
@@ -394,7 +396,7 @@ class AWSAPI:
                 made = True
             except iam.exceptions.EntityAlreadyExistsException:
                 self._check_role(spec, name, path)
-        doc = storage_policy(spec.grants, self._account())
+        doc = storage_policy(spec.grants, account)
         if doc["Statement"]:
             with self._denied("iam:PutRolePolicy", f"setting the policy of the role {name}"):
                 iam.put_role_policy(RoleName=name, PolicyName=STORAGE_POLICY,
@@ -422,14 +424,26 @@ class AWSAPI:
             self._associate(spec.cluster, name)
         return {"instance_profile": name}
 
-    def _account(self) -> str | None:
-        """The caller's account id (STS), once; None when STS does not answer."""
+    def _account(self) -> str:
+        """The caller's account id (STS ``GetCallerIdentity``, which needs no permission),
+        once: the ``s3:ResourceAccount`` of the role's writes (module docstring).
+
+        Raises:
+            CloudError: STS does not answer; the role is then not set at all, since without
+                the account its writes could not be kept to the account's own buckets.
+            CredentialsError: STS refuses the credentials.
+        """
         if not hasattr(self, "_account_id"):
             try:
-                with aws_errors("asking STS for the account"):
+                with aws_errors("asking STS for the caller's account"):
                     self._account_id = self.client("sts").get_caller_identity()["Account"]
-            except CloudError:
-                self._account_id = None
+            except CredentialsError:
+                raise
+            except CloudError as e:
+                raise CloudError(f"{e}; the cluster's role is left unchanged: without the "
+                                 "account its writes could not be kept to your own buckets",
+                                 "check the network to STS (sts.amazonaws.com) and run again",
+                                 code=e.code) from None
         return self._account_id
 
     def _check_role(self, spec: CloudSpec, name: str, path: str) -> None:
@@ -468,14 +482,17 @@ class AWSAPI:
                 "the nodes should use: cluster.iam_role: NAME")
 
     def _check_profile(self, spec: CloudSpec, profile: dict, name: str, path: str) -> None:
-        """Refuse an instance profile that is not the cluster's own (another path, or a role
-        other than the cluster's in it). Raises IdentityConflict."""
+        """Refuse an instance profile that is not the cluster's own (another path, not tagged
+        for the cluster, so that ``down`` would not remove it, or a role other than the
+        cluster's in it). Raises IdentityConflict."""
         others = [r["RoleName"] for r in profile.get("Roles", []) if r["RoleName"] != name]
-        if profile.get("Path") != path or others:
+        tagged = {t["Key"]: t["Value"] for t in profile.get("Tags") or []}.get(TAG_CLUSTER)
+        if profile.get("Path") != path or others or tagged != spec.cluster:
             raise IdentityConflict(
                 f"an instance profile named {name} exists and is not cluster "
                 f"{spec.cluster}'s own (path {profile.get('Path')}"
-                + (f", role {others[0]}" if others else "") + ")",
+                + (f", role {others[0]}" if others else "")
+                + ("" if tagged == spec.cluster else ", not tagged for it") + ")",
                 "delete it if it is left from an old cluster, or name the instance profile "
                 "the nodes should use: cluster.iam_role: NAME")
 
@@ -733,10 +750,13 @@ class AWSAPI:
         return out
 
     def _iam_resources(self, cluster: str | None) -> list[Resource]:
-        """The instance profiles and roles made for clusters: under the path
-        ``/hyper/<cluster>/`` (:data:`IAM_PATH`; the path, unlike tags, comes back in one
-        listing call), of ``cluster`` when given. A caller who may not list IAM gets none
-        (it made none)."""
+        """The instance profiles and roles hypercli made for clusters, of ``cluster`` when
+        given: under the path ``/hyper/<cluster>/`` (:data:`IAM_PATH`; the path comes back in
+        one listing call) *and* tagged ``hyper:cluster`` = ``<cluster>``, a role also trusted
+        by EC2 alone, a profile holding no role but its own (:meth:`_made_here`). Anything
+        else under that path (a role someone made there, one refused as squatted by
+        :meth:`identity`) is never listed, so never deleted. A caller who may not list IAM
+        gets none (it made none)."""
         iam = self.iam
         prefix = IAM_PATH + (f"{cluster}/" if cluster else "")
         out = []
@@ -749,12 +769,35 @@ class AWSAPI:
                     for page in iam.get_paginator(op).paginate(PathPrefix=prefix):
                         for x in page[key]:
                             c = x["Path"][len(IAM_PATH):].strip("/")
-                            if c and (cluster is None or c == cluster):
+                            if c and (cluster is None or c == cluster) and \
+                                    self._made_here(kind, x, c):
                                 out.append(Resource(kind, x[name], c, "global"))
         except CredentialsError as e:
             if "AccessDenied" not in str(e):
                 raise
         return out
+
+    def _made_here(self, kind: str, x: dict, cluster: str) -> bool:
+        """Whether a role or instance profile of a listing (``x``, found under cluster
+        ``cluster``'s path) is one hypercli made for that cluster: tagged ``hyper:cluster`` =
+        ``cluster``; a role trusted by EC2 and nothing else (:data:`EC2_TRUST`), a profile
+        holding no role of another name. Call inside :func:`aws_errors`."""
+        import json
+        from urllib.parse import unquote
+        iam = self.iam
+        if kind == "role":
+            trust = x.get("AssumeRolePolicyDocument")
+            if isinstance(trust, str):
+                trust = json.loads(unquote(trust))
+            if _statements(trust) != _statements(EC2_TRUST):
+                return False
+            tags = iam.list_role_tags(RoleName=x["RoleName"]).get("Tags", [])
+        else:
+            if any(r["RoleName"] != x["InstanceProfileName"] for r in x.get("Roles", [])):
+                return False
+            tags = x.get("Tags") or iam.get_instance_profile(
+                InstanceProfileName=x["InstanceProfileName"])["InstanceProfile"].get("Tags", [])
+        return {t["Key"]: t["Value"] for t in tags}.get(TAG_CLUSTER) == cluster
 
     def delete(self, resources: list[Resource]) -> list[str]:
         """Delete resources as :meth:`resources` lists them: instances are terminated and

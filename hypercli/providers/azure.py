@@ -50,10 +50,11 @@ assignment names are UUIDs derived from scope, principal, role and condition: ma
 is a no-op (409 ``RoleAssignmentExists``), and they tell hypercli's assignments from anyone
 else's; the identity's assignments are set to exactly the grants each time (an ended
 workflow's prefix is taken away). An identity found under the computed name is used only
-when it is tagged for this cluster and has no federated credential
-(:class:`~hypercli.providers.cloud.IdentityConflict` otherwise). Teardown deletes hypercli's
-role assignments of the VMs' and the identity's principals (they live outside the group)
-before the group, and never another's. With ``cluster.identity`` nothing is made or assigned
+when it is tagged for this cluster, has no federated credential and holds no role assignment
+hypercli did not make (:class:`~hypercli.providers.cloud.IdentityConflict` otherwise).
+Teardown deletes hypercli's role assignments of the VMs' and the identity's principals (they
+live outside the group) before the group, and never another's; a group of the cluster's that
+holds something hypercli did not make for it is kept (:meth:`AzureAPI.resources`). With ``cluster.identity`` nothing is made or assigned
 for storage: the VMs carry that identity as is (it must already be allowed the containers). A
 caller refused ``Microsoft.ManagedIdentity/userAssignedIdentities/write``,
 ``Microsoft.Authorization/roleDefinitions/write`` or ``.../roleAssignments/write`` gets a
@@ -717,6 +718,17 @@ class AzureAPI:
         if fics:
             why.append("it has federated credentials (others can get its tokens): "
                        + ", ".join(f.get("name", "?") for f in fics))
+        principal = (found.get("properties") or {}).get("principalId")
+        theirs = [ra for ra in self._assignments(principal) if not self._made_here(ra)] \
+            if principal else []
+        if theirs:
+            held = []
+            for ra in theirs:
+                p = ra.get("properties") or {}
+                role = (p.get("roleDefinitionId") or "?").rsplit("/", 1)[-1]
+                held.append(f"role {role} on {p.get('scope')}")
+            why.append("it holds role assignments hypercli did not make (every task on the "
+                       "nodes would hold them): " + ", ".join(held))
         if why:
             raise IdentityConflict(
                 f"a managed identity {rid.rsplit('/', 1)[1]} exists and is not cluster "
@@ -794,23 +806,34 @@ class AzureAPI:
                           f"assign roles on {scope}")
             raise
 
-    def _ours(self, principal: str) -> list[dict]:
-        """The role assignments of ``principal`` that hypercli made (their names are the
-        UUIDs of their content; any other is someone else's and is never touched)."""
+    def _assignments(self, principal: str) -> list[dict]:
+        """Every role assignment of ``principal`` at, above or below the subscription (ARM's
+        ``principalId eq`` filter), hypercli's and anyone else's."""
         out = []
         path = (f"/subscriptions/{self.subscription}/providers/Microsoft.Authorization/"
                 f"roleAssignments?api-version={AUTH_API}&$filter="
                 + quote(f"principalId eq '{principal}'"))
         while path:
             page = self._arm("GET", path, f"listing the role assignments of {principal}")
-            for ra in page.get("value", []):
-                p = ra.get("properties") or {}
-                role = (p.get("roleDefinitionId") or "").rsplit("/", 1)[-1]
-                if ra.get("name") == self._assignment_name(p.get("scope", ""), role,
-                                                           principal, p.get("condition")):
-                    out.append(ra)
+            out += page.get("value", [])
             path = page.get("nextLink")
         return out
+
+    def _made_here(self, ra: dict) -> bool:
+        """Whether a role assignment is one hypercli made: its name is the UUID of its
+        content (:meth:`_assignment_name`)."""
+        p = ra.get("properties") or {}
+        role = (p.get("roleDefinitionId") or "").rsplit("/", 1)[-1]
+        return ra.get("name") == self._assignment_name(p.get("scope", ""), role,
+                                                       p.get("principalId", ""),
+                                                       p.get("condition"))
+
+    def _ours(self, principal: str) -> list[dict]:
+        """The role assignments of ``principal`` that hypercli made (their names are the
+        UUIDs of their content; any other is someone else's and is never touched)."""
+        return [ra for ra in self._assignments(principal)
+                if (ra.get("properties") or {}).get("principalId") == principal
+                and self._made_here(ra)]
 
     def _set_assignments(self, principal: str, wanted: list[tuple]) -> None:
         """Give ``principal`` exactly the role assignments ``wanted`` ((scope, role,
@@ -937,24 +960,49 @@ class AzureAPI:
     def resources(self, cluster: str | None = None) -> list[Resource]:
         """What the cluster (every hyper cluster when None) holds, ARM ids, instances first:
         everything in the groups hypercli made for it, each group last (it takes the rest
-        along); in an adopted group only the resources tagged for it, and never the group."""
+        along); in an adopted group only the resources tagged for it, and never the group.
+        A group hypercli made that also holds something it did not make for that cluster
+        (:meth:`_made_for`: someone's storage account put there, another cluster's
+        resources in a group it adopted) is not listed, nor is that something: only the
+        cluster's own resources in it, deleted one by one (with a warning that the group
+        stays)."""
         out, owned = [], set()
         for g in self._groups(cluster):
             c = g.tags[TAG_CLUSTER]
             owned.add(g.name.lower())
             with _calls(f"listing {g.name}"):
-                inner = [Resource(KINDS.get((r.type or "").lower(),
-                                            (r.type or "").rsplit("/", 1)[-1]),
-                                  r.id, c, r.location or g.location or "")
-                         for r in self.rm.resources.list_by_resource_group(g.name)]
+                found = [r for r in self.rm.resources.list_by_resource_group(g.name)
+                         if (r.type or "").count("/") == 1]  # children go with their parent
+            theirs = [r for r in found if not self._made_for(r, c)]
+            inner = [Resource(KINDS.get((r.type or "").lower(),
+                                        (r.type or "").rsplit("/", 1)[-1]),
+                              r.id, c, r.location or g.location or "")
+                     for r in found if r not in theirs]
             inner.sort(key=lambda r: ORDER.index(r.kind) if r.kind in ORDER else len(ORDER))
-            out += inner + [Resource("resource_group", g.id, c, g.location or "")]
+            if theirs:
+                log.warning("resource group %s holds what hypercli did not make for cluster "
+                            "%s (%s): the group stays, with it; only the cluster's own "
+                            "resources in it are removed", g.name, c,
+                            ", ".join(r.name for r in theirs))
+                out += inner
+            else:
+                out += inner + [Resource("resource_group", g.id, c, g.location or "")]
         loose = [Resource(KINDS.get((r.type or "").lower(), (r.type or "").rsplit("/", 1)[-1]),
                           r.id, r.tags[TAG_CLUSTER], r.location or "")
                  for r in self._tagged(cluster) if r.id.split("/")[4].lower() not in owned
                  and (r.type or "").lower() in KINDS]
         loose.sort(key=lambda r: ORDER.index(r.kind))
         return loose + out
+
+    @staticmethod
+    def _made_for(r, cluster: str) -> bool:
+        """Whether a resource of a group hypercli made for ``cluster`` is one it made for it:
+        tagged ``hyper:cluster`` = ``cluster``, or the OS disk of one of its VMs (Azure names
+        it ``<vm>_OsDisk_...`` and gives it no tags)."""
+        if (r.tags or {}).get(TAG_CLUSTER) == cluster:
+            return True
+        return (r.type or "").lower() == "microsoft.compute/disks" and re.match(
+            rf"{re.escape(vm_name(cluster))}-\d+_OsDisk_", r.name or "") is not None
 
     def delete(self, resources: list[Resource]) -> list[str]:
         """Delete what :meth:`resources` listed: first the role assignments hypercli made

@@ -132,8 +132,15 @@ def block_script(provider: str) -> str:
     * ``DOCKER-USER``: docker's documented chain for such rules (docs.docker.com, "Packet
       filtering and firewalls"), made here when docker has not made it yet.
 
-    On Azure the WireServer's HTTP ports are dropped the same way."""
-    rules = [f"! -i lo -d {METADATA_IP}/32 -j DROP"]
+    On Azure the WireServer's HTTP ports are dropped the same way. On GCP the metadata
+    server is also the VM's DNS resolver (cloud.google.com/dns/docs/vpc-name-res-order:
+    every VM uses 169.254.169.254 as its name server, and docker and podman give containers
+    the host's), so there its port 53 (UDP and TCP) stays open and only the rest is dropped."""
+    if provider == "gcp":
+        rules = [f"! -i lo -d {METADATA_IP}/32 -p {p} -m {p} ! --dport 53 -j DROP"
+                 for p in ("tcp", "udp")]
+    else:
+        rules = [f"! -i lo -d {METADATA_IP}/32 -j DROP"]
     if provider == "azure":
         rules.append(f"! -i lo -d {WIRESERVER}/32 -p tcp -m multiport --dports 80,32526 "
                      "-j DROP")
@@ -169,7 +176,8 @@ def boot_document(spec: CloudSpec, provider: str, node: str, host_private: str |
                   host_public: str | None, cluster_public: str, env: dict | None = None
                   ) -> str:
     """The node's cloud-config (text starting ``#cloud-config``): host key, root's authorized
-    key, the node watcher and its settings, the container rules of :func:`block_script`.
+    key, the node watcher and its settings, the container rules of :func:`block_script`
+    (in ``bootcmd``, in place before sshd starts, and as a unit for every later boot).
     Fits the smallest user-data limit (AWS: 16 KiB).
 
     Args:
@@ -197,6 +205,10 @@ def boot_document(spec: CloudSpec, provider: str, node: str, host_private: str |
         "disable_root": False,
         "ssh_pwauth": False,
         "ssh_deletekeys": True,
+        # the container rules before sshd ever starts, so before any task: cloud-init runs
+        # bootcmd first of all its modules (before write_files), at every boot
+        # (cloudinit.readthedocs.io, module "Bootcmd"); runcmd comes after sshd is up
+        "bootcmd": [["sh", "-c", block_script(provider)]],
     }
     if host_private:
         doc["ssh_genkeytypes"] = []

@@ -71,8 +71,10 @@ Each account may do two things:
 
 The nodes' scopes are ``compute`` and ``devstorage.read_write``; the bindings, not the scopes,
 decide what they may touch. An account found under a computed name is used only when its
-description names this cluster and node, it has no user-managed key and nobody may act as it
-(its own IAM policy is empty): :class:`~hypercli.providers.cloud.IdentityConflict` otherwise.
+description names this cluster and node, it has no user-managed key, nobody may act as it
+(its own IAM policy is empty) and it holds no role in the project's IAM policy (read with
+``projects.getIamPolicy``; a caller who may not read it cannot use a found account):
+:class:`~hypercli.providers.cloud.IdentityConflict` otherwise.
 :meth:`GCPAPI.delete` of an account removes its bindings from every bucket it was bound on
 (listed in its description) and then the account; the accounts of nodes that are gone are
 removed at the next launch into the cluster. ``down`` and ``gc`` find a cluster's instances by
@@ -458,8 +460,8 @@ class GCPAPI:
         missing = [x for x in IDENTITY_PERMISSIONS if x not in have]
         if not missing:
             return "storage identities: allowed"
-        return (f"storage identities: missing {', '.join(missing)}, so recipes with gs:// "
-                "buckets need cluster.service_account")
+        return (f"storage identities: missing {', '.join(missing)}, so every gcp cluster "
+                "needs cluster.service_account (nodes never run as the default account)")
 
     def prepare(self, spec: CloudSpec, ssh_public_key: str) -> dict:
         """Make (or find, or correct) the cluster's two firewall rules (module docstring):
@@ -550,7 +552,7 @@ class GCPAPI:
         if spec.identity:
             return {"service_account": spec.identity, "scopes": scopes}
         self._preflight(spec)
-        self._set_bindings(spec, self._accounts(spec.cluster))
+        self._set_bindings(spec, self._accounts(spec))
         return {"own_accounts": True, "scopes": scopes}
 
     def _preflight(self, spec: CloudSpec) -> None:
@@ -582,10 +584,13 @@ class GCPAPI:
     def _email(self, aid: str) -> str:
         return f"{aid}@{self.project}.iam.gserviceaccount.com"
 
-    def _accounts(self, cluster: str) -> dict[str, dict]:
-        """The cluster's nodes' service accounts: e-mail → the account (IAM's JSON)."""
+    def _accounts(self, spec: CloudSpec) -> dict[str, dict]:
+        """The cluster's nodes' service accounts: e-mail → the account (IAM's JSON); those
+        whose description names the cluster *and* its identity tag, so that another
+        cluster of the same name (another state file) never gets this one's bindings."""
         return {a["email"]: a for a in self._account_list() if
-                _sa_field(a.get("description"), TAG_CLUSTER) == cluster}
+                _sa_field(a.get("description"), TAG_CLUSTER) == spec.cluster
+                and _sa_field(a.get("description"), "hyper:cluster-id") == spec.tag}
 
     def _node_account(self, spec: CloudSpec, node: str) -> tuple[str, dict]:
         """Create (or find, when it is this node's own) the service account of ``node``;
@@ -625,6 +630,12 @@ class GCPAPI:
         if policy.get("bindings"):
             why.append("others may act as it: " + ", ".join(
                 f"{b.get('role')} {m}" for b in policy["bindings"] for m in b.get("members", [])))
+        held = self._project_roles(email)
+        if held is None:
+            why.append(f"its roles in project {self.project} cannot be read (permission "
+                       "resourcemanager.projects.getIamPolicy)")
+        elif held:
+            why.append(f"it holds roles in project {self.project}: " + ", ".join(held))
         if why:
             raise IdentityConflict(
                 f"a service account {email} exists and is not node {node}'s own: "
@@ -632,6 +643,24 @@ class GCPAPI:
                 "delete it if it is left from an old cluster, or name the account the nodes "
                 "should run as: cluster.service_account: NAME@PROJECT.iam.gserviceaccount.com")
         return found
+
+    def _project_roles(self, email: str) -> list[str] | None:
+        """The roles the project's IAM policy gives the account ``email`` (Resource Manager
+        ``projects.getIamPolicy``), sorted; None when the caller may not read that policy.
+        A node's account holds none (module docstring): a found one that does would hand
+        them to every task on its node."""
+        url = (f"{self._base('https://cloudresourcemanager.googleapis.com')}/v1/projects/"
+               f"{self.project}:getIamPolicy")
+        try:
+            policy = self._rest("POST", url, f"reading the IAM policy of project "
+                                f"{self.project}", {"options": {"requestedPolicyVersion": 3}})
+        except CloudError as e:
+            if e.code != "forbidden":
+                raise
+            return None
+        member = f"serviceAccount:{email}"
+        return sorted({b.get("role", "?") for b in policy.get("bindings") or []
+                       if member in (b.get("members") or [])})
 
     def _set_bindings(self, spec: CloudSpec, accounts: dict[str, dict]) -> None:
         """Bind the accounts (e-mail → account) on exactly the ``gs`` grants of
@@ -709,6 +738,13 @@ class GCPAPI:
         except CloudError as e:
             self._denied(e, "storage.buckets.setIamPolicy",
                          f"set the IAM policy of bucket {bucket}")
+            if e.code == "400" and "uniform bucket-level access" in str(e):
+                raise UsageError(
+                    f"bucket {bucket} does not use uniform bucket-level access, which the "
+                    "IAM Conditions keeping the nodes to their prefixes need",
+                    f"turn it on: gcloud storage buckets update gs://{bucket} "
+                    "--uniform-bucket-level-access (or name an account that may use the "
+                    "bucket: cluster.service_account)") from None
             raise
 
     def _unbind(self, bucket: str, member: str) -> None:
@@ -909,7 +945,7 @@ class GCPAPI:
         """The new nodes' service accounts (node → e-mail), made and bound on the cluster's
         storage with the cluster's other accounts; the accounts of the cluster's nodes that
         are gone (no instance, not being made now) are removed first."""
-        have = self._accounts(spec.cluster)
+        have = self._accounts(spec)
         live = {v.node for v in self.describe(spec.cluster)} | set(nodes)
         for email, a in list(have.items()):
             if _sa_field(a.get("description"), TAG_NODE) not in live:
