@@ -131,3 +131,30 @@ def test_minutes_hint():
 ])
 def test_gpu_names_normalised(name, mib, want):
     assert normalise_gpu(name, mib) == want
+
+
+def test_commands_run_in_order_and_stop_at_the_first_failure(hyper_home, write_recipe,
+                                                             tmp_path):
+    from hypercli.scheduler import Scheduler
+    from hypercli.state import State
+    from hypercli.workflows import prepare_run
+    log = tmp_path / "log"
+    path = write_recipe(f"""
+        name: steps
+        experiments:
+          steps:
+            commands:
+              - echo one >> {log}
+              - echo two >> {log}; false
+              - echo three >> {log}
+    """)
+    state = State()
+    wid, _, provider, nodes, lock = prepare_run(state, str(path))
+    try:
+        summary = Scheduler(state, wid, provider, nodes).run()
+    finally:
+        lock.release()
+    assert summary.exit_code == 1
+    assert log.read_text().split() == ["one", "two"]
+    [task] = state.tasks(wid)
+    assert task["status"] == "failed"
