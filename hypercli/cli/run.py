@@ -20,7 +20,7 @@ from hypercli.errors import HyperError
 def plan(recipe, as_json):
     """Show the tasks RECIPE would run, without running anything."""
     from hypercli.workflows import load
-    r, wf = load(recipe)
+    r, wf = load(recipe, offer=False)  # the machines are shown below, all of them
     if as_json:
         print_json([{"task": t.id, "experiment": t.experiment, "params": t.params,
                       "command": t.command} for t in wf.tasks])
@@ -42,6 +42,39 @@ def plan(recipe, as_json):
     con.print(table)
     if len(wf.tasks) > 200:
         con.print(f"… and {len(wf.tasks) - 200} more (use --json for all)")
+    _plan_machines(con, r, wf)
+
+
+def _plan_machines(con, r, wf) -> None:
+    """The optimizer's choice per experiment, its alternatives and the workflow's estimate
+    (cloud recipes only; hypercli.offers.optimizer.plan_recipe)."""
+    from hypercli.offers.optimizer import plan_recipe
+    from hypercli.state import State
+    machines = plan_recipe(r, wf, State())
+    if not machines:
+        return
+    total, known = 0.0, True
+    con.print(text(("machines", "bold"), " (cheapest offer first, $ per node-hour):"))
+    for c in machines["choices"]:
+        best = c.offers[0]
+        nodes = f" × {c.shape.nodes} nodes" if c.shape.nodes > 1 else ""
+        con.print(text((c.experiment, "bold"), f" [{c.shape.describe()}]: ",
+                       (best.describe(), "green"), nodes))
+        for alt in c.offers[1:]:
+            con.print(text(f"    then {alt.describe()}"))
+        if c.cost is None:
+            known = False
+            con.print(text(("    no estimate", "dim"), ": give minutes: (one task's minutes)"))
+        else:
+            total += c.cost
+            con.print(text(f"    {c.tasks} tasks × {c.minutes:.3g} min "
+                           f"({machines['minutes_from'][c.experiment]}) = "
+                           f"{c.node_hours:.3g} node-hours ≈ ${c.cost:.2f}"))
+    if known:
+        con.print(text(("estimate", "bold"), f": ${total:.2f} for the workflow"))
+    for cloud in machines["stale"]:
+        con.print(text(("note:", "dim"), f" the {cloud} catalog is older than a week: "
+                       f"`hyper catalog refresh --cloud {cloud}`"))
 
 
 # -- run ----------------------------------------------------------------------------------

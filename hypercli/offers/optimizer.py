@@ -353,3 +353,84 @@ def first_offer(experiments, options: dict, provider: str,
     where["clouds"] = [provider]
     catalog = catalog or Catalog([provider])
     return choose(shape, catalog, what=f"cluster ({provider})", **where)[0]
+
+
+def measured_minutes(state, name: str) -> dict:
+    """experiment → mean minutes of the succeeded attempts of the newest workflow of recipe
+    ``name`` in the state file (``{}`` when there is none)."""
+    last = state.latest_workflow(name)
+    if last is None:
+        return {}
+    exp_of = {t["id"]: t["experiment"] for t in state.tasks(last["id"])}
+    spans: dict = {}
+    for a in state.attempts(last["id"], status=["succeeded"]):
+        if a.get("started_at") and a.get("ended_at") and a["task"] in exp_of:
+            spans.setdefault(exp_of[a["task"]], []).append(a["ended_at"] - a["started_at"])
+    return {e: sum(v) / len(v) / 60 for e, v in spans.items() if v}
+
+
+def plan_recipe(recipe, workflow, state=None, catalog: Catalog | None = None) -> dict:
+    """What ``hyper plan`` shows of machines for a recipe on a cloud (or with
+    ``cluster.clouds``): ``{"choices": [Choice], "minutes_from": {experiment: "hint" |
+    "earlier run"}, "stale": [cloud]}``, or ``{}`` for the local and ssh providers.
+
+    Args:
+        recipe: the validated Recipe; workflow: its plan (``build_plan``).
+        state: the state file, for the durations of an earlier run of the recipe.
+    Raises:
+        NoOffer: an experiment's shape has no offer (exit 2).
+    """
+    o, provider = recipe.cluster.options, recipe.cluster.provider
+    if provider not in CLOUDS and not o.get("clouds"):
+        return {}
+    measured = measured_minutes(state, workflow.name) if state is not None else {}
+    minutes, source = {}, {}
+    for name, e in recipe.experiments.items():
+        if e.minutes is not None:
+            minutes[name], source[name] = e.minutes, "hint"
+        elif name in measured:
+            minutes[name], source[name] = measured[name], "earlier run"
+    catalog = catalog or Catalog(where_of(o, provider)["clouds"])
+    return {"choices": plan(workflow.experiments, o, provider, catalog, minutes),
+            "minutes_from": source, "stale": catalog.stale()}
+
+
+def with_first_offer(recipe, state=None):
+    """``recipe`` with its cloud cluster's ``instance_type``, ``region``, ``zone`` and
+    ``spot`` set from :func:`first_offer` when it names no instance type and its
+    experiments say what they need; unchanged otherwise. A cluster already up (in
+    ``state``) keeps the instance type it was launched with.
+
+    GCP offers with attached GPUs (``n1-standard-8/nvidia-tesla-v100:1``) are left out:
+    the gcp provider launches machine types without attached accelerators.
+
+    Raises:
+        NoOffer: nothing satisfies the experiments (exit 2). UsageError: they ask for
+            different GPU models, or ``cluster.clouds`` leaves out the provider.
+    """
+    import dataclasses
+    spec = recipe.cluster
+    o = spec.options
+    if spec.provider not in CLOUDS or o.get("instance_type"):
+        return recipe
+    row = state.cluster(spec.name) if state is not None else None
+    if row and row.get("status") == "up":
+        old = (row.get("spec") or {}).get("options") or {}
+        if old.get("instance_type"):
+            keep = {k: old[k] for k in ("instance_type", "region", "zone", "spot") if k in old}
+            return dataclasses.replace(recipe, cluster=dataclasses.replace(
+                spec, options={**o, **keep}))
+    needs = [e.resources.as_dict() for e in recipe.experiments.values()]
+    catalog = None
+    if spec.provider == "gcp":
+        full = Catalog(["gcp"])
+        table = full.tables["gcp"]
+        table.types = {k: v for k, v in table.types.items() if "/" not in k}
+        catalog = full
+    offer = first_offer(needs, o, spec.provider, catalog)
+    if offer is None:
+        return recipe
+    chosen = {"instance_type": offer.instance_type, "region": offer.region,
+              "spot": offer.spot, **({"zone": offer.zone} if offer.zone else {})}
+    return dataclasses.replace(recipe, cluster=dataclasses.replace(
+        spec, options={**{k: v for k, v in o.items() if k != "zones"}, **chosen}))
