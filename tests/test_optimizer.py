@@ -226,3 +226,33 @@ def test_bad_custom_row_names_the_line(hyper_home):
     (hyper_home / "catalog" / "custom.csv").write_text("cloud,instance_type\naws,x\n")
     with pytest.raises(C.UsageError, match="no column vcpus, memory_gib, region"):
         C.Catalog(["aws"])
+
+
+def test_plan_takes_minutes_from_an_earlier_run_of_the_recipe(hyper_home, write_recipe, cat):
+    from hypercli.offers.optimizer import plan_recipe
+    from hypercli.scheduler import Scheduler
+    from hypercli.state import State
+    from hypercli.workflows import prepare_run
+    path = write_recipe("""
+        name: again
+        experiments:
+          step: {parameters: {i: [1, 2]}, command: "sleep 0.3; echo {{i}}"}
+    """)
+    state = State()
+    wid, _, provider, nodes, lock = prepare_run(state, str(path))
+    try:
+        assert Scheduler(state, wid, provider, nodes).run().exit_code == 0
+    finally:
+        lock.release()
+    spans = [a["ended_at"] - a["started_at"] for a in state.attempts(wid)]
+    r, wf = recipe("""
+        name: again
+        cluster: {provider: aws}
+        experiments:
+          step: {parameters: {i: [1, 2]}, command: "sleep 0.3; echo {{i}}"}
+    """)
+    got = plan_recipe(r, wf, state, cat)
+    [c] = got["choices"]
+    assert got["minutes_from"] == {"step": "earlier run"}
+    assert c.minutes == pytest.approx(sum(spans) / len(spans) / 60)
+    assert c.cost == pytest.approx(c.node_hours * c.offers[0].price) and c.cost > 0

@@ -7,8 +7,12 @@ Where a cloud's table comes from, first found wins:
    cloud's own APIs with the user's credentials (hypercli.offers.read_aws, read_gcp,
    read_azure), with the date it was read in ``<cloud>.json``; older than
    :data:`MAX_AGE_S` it is still used, and :func:`stale` says so.
-2. The snapshot shipped in the package, ``hypercli/offers/data/<cloud>.csv.gz``; its source,
-   licence and date are in ``hypercli/offers/data/NOTICE.md`` and ``data/snapshot.json``.
+2. The snapshot shipped in the package, ``hypercli/offers/data/<cloud>.csv.gz``, taken
+   2026-11-27 (``data/snapshot.json``) by ``scripts/catalog_snapshot.py``: the readers below
+   run against the test stand-ins — AWS's instance types and zone offerings as moto ships
+   them (Apache-2.0), GCP and Azure machine types of tests/cloudcatalog.py — so its shapes
+   are real but its prices are illustrative, not the clouds'. Licence Apache-2.0; details in
+   ``data/NOTICE.md``.
 
 Then ``$HYPER_HOME/catalog/custom.csv`` (same columns as below, plus ``cloud`` first) adds
 rows, or replaces the row of the same (cloud, instance type, region, zone).
@@ -23,6 +27,7 @@ cloud sells none (no spot capacity of that type there).
 from __future__ import annotations
 
 import csv
+import functools
 import gzip
 import io
 import json
@@ -83,27 +88,44 @@ class Table:
     read_at: float = 0.0
     source: str = ""
 
-    def add(self, row: dict) -> None:
-        """Add (or replace, same type, region and zone) one row of the columns above.
-        Raises ValueError for a row that does not parse."""
+    def add(self, row: dict, replace: bool = True) -> None:
+        """Add (or, with ``replace``, replace: same type, region and zone) one row of the
+        columns above. Raises ValueError for a row that does not parse."""
         name = row["instance_type"].strip()
         if not name:
             raise ValueError("instance_type is empty")
-        gpu = (row.get("accelerator") or "").strip() or None
-        mem = float(row.get("accelerator_memory_gib") or 0)
-        self.types[name] = InstanceType(
-            self.cloud, name, float(row["vcpus"]), float(row["memory_gib"]),
-            normalise_gpu(gpu, mem * 1024 or None) if gpu else None,
-            int(float(row.get("accelerator_count") or 0)), mem,
-            (row.get("arch") or "x86_64").strip() or "x86_64")
+        if replace or name not in self.types:  # a table's rows of one type agree
+            gpu = (row.get("accelerator") or "").strip() or None
+            mem = float(row.get("accelerator_memory_gib") or 0)
+            self.types[name] = InstanceType(
+                self.cloud, name, float(row["vcpus"]), float(row["memory_gib"]),
+                _gpu(gpu, mem * 1024 or None) if gpu else None,
+                int(float(row.get("accelerator_count") or 0)), mem,
+                (row.get("arch") or "x86_64").strip() or "x86_64")
         region, zone = row["region"].strip(), (row.get("zone") or "").strip() or None
         price = _price(row.get("price"))
         spot = _price(row.get("spot_price"))
         if not region:
             raise ValueError("region is empty")
-        rows = [p for p in self.prices.get(name, []) if (p[0], p[1]) != (region, zone)]
+        rows = self.prices.setdefault(name, [])
+        self.__dict__.get("_rows", {}).pop(name, None)
+        if replace:
+            rows[:] = [p for p in rows if (p[0], p[1]) != (region, zone)]
         rows.append((region, zone, price, spot))
-        self.prices[name] = rows
+
+    def rows(self, name: str) -> list[tuple]:
+        """The offers of instance type ``name`` as sortable tuples ``(price, cloud, region,
+        zone or "", name, on-demand?, zone, InstanceType)`` — unique up to the 6th item, so
+        a sort never compares the last two — made once per table (the optimizer's index)."""
+        index = self.__dict__.setdefault("_rows", {})
+        got = index.get(name)
+        if got is None:
+            t = self.types[name]
+            got = index[name] = [(p, self.cloud, region, zone or "", name, not is_spot, zone, t)
+                                 for region, zone, price, spot in self.prices.get(name, ())
+                                 for is_spot, p in ((True, spot), (False, price))
+                                 if p is not None]
+        return got
 
     def offers(self, name: str) -> list[Offer]:
         """Every offer of instance type ``name``: spot and on-demand, per zone (region)."""
@@ -112,11 +134,10 @@ class Table:
         for region, zone, price, spot in self.prices.get(name, ()):
             for is_spot, p in ((True, spot), (False, price)):
                 if p is not None:
-                    out.append(Offer(self.cloud, name, region, zone, is_spot, p, t.vcpus,
-                                     t.memory_gib, t.accelerator, t.accelerator_count))
+                    out.append(make_offer(t, region, zone, is_spot, p))
         return out
 
-    def rows(self):
+    def dicts(self):
         """The table as dicts of :data:`COLUMNS`, sorted by type, region, zone."""
         for name in sorted(self.prices):
             t = self.types[name]
@@ -129,6 +150,38 @@ class Table:
                        "arch": t.arch, "region": region, "zone": zone or "",
                        "price": "" if price is None else f"{price:.6g}",
                        "spot_price": "" if spot is None else f"{spot:.6g}"}
+
+
+_OFFER_FIELDS = ("cloud", "instance_type", "region", "zone", "spot", "price", "vcpus",
+                 "memory_gib", "accelerator", "accelerator_count", "extra")
+
+
+def _extra(t: InstanceType) -> tuple:
+    """GCP's attached accelerators (``n1-standard-8/nvidia-tesla-v100:1``) as Offer.extra."""
+    if t.cloud == "gcp" and "/" in t.name:
+        machine, _, acc = t.name.partition("/")
+        kind, _, count = acc.partition(":")
+        return (("accelerator_count", count), ("accelerator_type", kind),
+                ("machine_type", machine))
+    return ()
+
+
+def make_offer(t: InstanceType, region: str, zone: str | None, spot: bool,
+               price: float) -> Offer:
+    """The :class:`Offer` of instance type ``t`` in ``region``/``zone`` at ``price`` ($ per
+    node-hour). Made by filling the frozen dataclass's ``__dict__`` at once rather than
+    field by field through its ``__init__`` (5 times faster; the optimizer makes tens of
+    thousands per plan); equal to ``Offer(...)`` of the same values."""
+    o = object.__new__(Offer)
+    o.__dict__.update(zip(_OFFER_FIELDS, (t.cloud, t.name, region, zone, spot, price, t.vcpus,
+                                          t.memory_gib, t.accelerator, t.accelerator_count,
+                                          _extra(t))))
+    return o
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu(name: str, memory_mib: float | None) -> str:
+    return normalise_gpu(name, memory_mib)
 
 
 def _num(x: float) -> str:
@@ -160,7 +213,7 @@ def read_csv(cloud: str, data: bytes, source: str, read_at: float) -> Table:
     reader = csv.DictReader(io.StringIO(data.decode()))
     for n, row in enumerate(reader, start=2):
         try:
-            table.add(row)
+            table.add(row, replace=False)  # a table has one row per type and zone
         except (KeyError, ValueError, TypeError) as e:
             raise ValueError(f"line {n}: {e}") from None
     return table
@@ -174,7 +227,7 @@ def write(table: Table, folder: Path | None = None) -> Path:
     buf = io.StringIO()
     w = csv.DictWriter(buf, COLUMNS, lineterminator="\n")
     w.writeheader()
-    w.writerows(table.rows())
+    w.writerows(table.dicts())
     path = folder / f"{table.cloud}.csv.gz"
     for target, data in ((path, gzip.compress(buf.getvalue().encode(), mtime=0)),
                          (folder / f"{table.cloud}.json",

@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 
 from hypercli.errors import UsageError
-from hypercli.offers.catalog import CLOUDS, Catalog, InstanceType
+from hypercli.offers.catalog import CLOUDS, Catalog, InstanceType, make_offer
 from hypercli.offers.offer import Offer
 from hypercli.recipe.resources import gpu_name, normalise_gpu
 
@@ -122,24 +122,13 @@ def _fits(t: InstanceType, shape: Shape) -> bool:
     return t.vcpus >= shape.cpus and t.memory_gib >= shape.memory_gib - 1e-9
 
 
-def _where_ok(o: Offer, clouds, regions, zones, max_price) -> bool:
-    if clouds and o.cloud not in clouds:
-        return False
-    if regions and o.region not in regions:
-        return False
-    if zones and o.zone is not None and o.zone not in zones:
-        return False
-    if zones and o.zone is None and not any(z.startswith(o.region) for z in zones):
-        return False
-    return max_price is None or o.price <= max_price
-
-
 def _key(o: Offer):
     return (o.price, o.cloud, o.region, o.zone or "", o.instance_type)
 
 
 def ranked_offers(shape: Shape, catalog: Catalog | None = None, *, clouds=None, regions=None,
-                  zones=None, max_price: float | None = None) -> list[Offer]:
+                  zones=None, max_price: float | None = None,
+                  limit: int | None = None) -> list[Offer]:
     """Every offer that satisfies ``shape``, cheapest first (module docstring).
 
     Args:
@@ -147,25 +136,41 @@ def ranked_offers(shape: Shape, catalog: Catalog | None = None, *, clouds=None, 
         catalog: the catalog (default: loaded for ``clouds``, :class:`Catalog`).
         clouds, regions, zones: lists of names to allow (None or empty: any).
         max_price: highest price per node-hour, US dollars, or None.
+        limit: at most this many offers (the first ones), or None for all.
     Returns:
         the offers, price per node-hour ascending (with ``spot="auto"``, spot offers first);
-        empty when none satisfies. Prices are per node: a gang pays ``shape.nodes`` times.
+        ties by cloud, region, zone, instance type; empty when none satisfies. Prices are
+        per node: a gang pays ``shape.nodes`` times.
     Raises:
         UsageError: the catalog cannot be read.
     """
+    import heapq
     catalog = catalog or Catalog([c for c in CLOUDS if not clouds or c in clouds])
-    out = []
+    clouds, regions, zones = set(clouds or ()), set(regions or ()), set(zones or ())
+    auto = shape.spot == "auto"
+    on_demand = None if auto else not shape.spot  # item 5 of a row: on-demand?
+    cap = math.inf if max_price is None else max_price
+    found = []
     for t in catalog.types():
         if (clouds and t.cloud not in clouds) or not _fits(t, shape):
             continue
-        for o in catalog.offers_of(t):
-            if (shape.spot == "auto" or o.spot == shape.spot) and \
-                    _where_ok(o, clouds, regions, zones, max_price):
-                out.append(o)
-    out.sort(key=_key)
-    if shape.spot == "auto":
-        out.sort(key=lambda o: not o.spot)  # stable: each kind stays cheapest first
-    return out
+        for r in catalog.tables[t.cloud].rows(t.name):
+            if (on_demand is not None and r[5] != on_demand) or r[0] > cap:
+                continue
+            if regions and r[2] not in regions:
+                continue
+            if zones and (r[6] not in zones if r[6] is not None else
+                          not any(z.startswith(r[2]) for z in zones)):
+                continue
+            found.append((r[5], r) if auto else r)
+    if limit is not None and limit < len(found) // 8:
+        found = heapq.nsmallest(limit, found)
+    else:
+        found.sort()
+        found = found[:limit]
+    if auto:
+        found = [r for _, r in found]
+    return [make_offer(r[7], r[2], r[6], not r[5], r[0]) for r in found]
 
 
 def _distance(t: InstanceType, shape: Shape) -> float:
@@ -203,15 +208,16 @@ def nearest(shape: Shape, catalog: Catalog, *, clouds=None, n: int = 3) -> list[
 
 
 def choose(shape: Shape, catalog: Catalog, *, clouds=None, regions=None, zones=None,
-           max_price: float | None = None, what: str = "") -> list[Offer]:
+           max_price: float | None = None, what: str = "",
+           limit: int | None = None) -> list[Offer]:
     """:func:`ranked_offers`, or NoOffer (exit 2) naming the nearest offers and, when
     offers exist outside ``regions``/``zones``/``max_price``, the cheapest of those."""
     found = ranked_offers(shape, catalog, clouds=clouds, regions=regions, zones=zones,
-                          max_price=max_price)
+                          max_price=max_price, limit=limit)
     if found:
         return found
     where = f"{what}: " if what else ""
-    loose = ranked_offers(shape, catalog, clouds=clouds)
+    loose = ranked_offers(shape, catalog, clouds=clouds, limit=3)
     if loose:
         limits = ", ".join(k for k, v in (("regions", regions), ("zones", zones),
                                           ("max_price", max_price)) if v)
@@ -299,7 +305,8 @@ def plan(experiments, options: dict, provider: str, catalog: Catalog | None = No
     out = []
     for e in experiments:
         shape = shape_of(e.resources, options)
-        offers = choose(shape, catalog, what=f"experiment {e.name}", **where)
+        offers = choose(shape, catalog, what=f"experiment {e.name}", limit=1 + alternatives,
+                        **where)
         m = (minutes or {}).get(e.name)
         hours = cost = None
         if m is not None:
@@ -352,7 +359,7 @@ def first_offer(experiments, options: dict, provider: str,
                          f"the provider {provider}", f"add {provider} to cluster.clouds")
     where["clouds"] = [provider]
     catalog = catalog or Catalog([provider])
-    return choose(shape, catalog, what=f"cluster ({provider})", **where)[0]
+    return choose(shape, catalog, what=f"cluster ({provider})", limit=1, **where)[0]
 
 
 def measured_minutes(state, name: str) -> dict:
