@@ -256,3 +256,36 @@ def test_plan_takes_minutes_from_an_earlier_run_of_the_recipe(hyper_home, write_
     assert got["minutes_from"] == {"step": "earlier run"}
     assert c.minutes == pytest.approx(sum(spans) / len(spans) / 60)
     assert c.cost == pytest.approx(c.node_hours * c.offers[0].price) and c.cost > 0
+
+
+def test_plan_of_an_instance_type_the_catalog_lacks_is_a_note_not_an_error(cat):
+    r, wf = recipe("""
+        name: named
+        cluster: {provider: aws, instance_type: x1.custom, region: us-east-1}
+        experiments:
+          a: {command: a}
+          b: {resources: {accelerators: "T4:1", instance_type: g4dn.xlarge}, command: b}
+    """)
+    a, b = plan(wf.experiments, r.cluster.options, "aws", cat)
+    assert a.offers == () and "x1.custom is not in the catalog there" in a.note
+    assert b.offers[0].instance_type == "g4dn.xlarge" and b.note is None
+
+
+def test_hardware_chooses_machines_as_accelerators_do(cat):
+    r, wf = recipe("""
+        name: hw
+        cluster: {provider: azure}
+        experiments:
+          a: {hardware: {gpu: V100, gpu_count: 4}, command: a}
+    """)
+    [c] = plan(wf.experiments, r.cluster.options, "azure", cat)
+    assert c.shape.accelerator == "V100" and c.offers[0].instance_type == "Standard_NC24s_v3"
+
+
+def test_clouds_without_the_provider_is_refused_at_launch(hyper_home):
+    write_tables([table("aws")])
+    r, _ = recipe("name: c\ncluster: {provider: aws, clouds: [gcp]}\n"
+                  "experiments: {a: {resources: {cpus: 4}, command: a}}\n")
+    with pytest.raises(C.UsageError, match=r"cluster.clouds \(gcp\) does not include the "
+                                           r"provider aws"):
+        with_first_offer(r)

@@ -56,6 +56,11 @@ def _plan_machines(con, r, wf) -> None:
     total, known = 0.0, True
     con.print(text(("machines", "bold"), " (cheapest offer first, $ per node-hour):"))
     for c in machines["choices"]:
+        if not c.offers:
+            known = False
+            con.print(text((c.experiment, "bold"), f" [{c.shape.describe()}]: ",
+                           (c.note or "", "yellow")))
+            continue
         best = c.offers[0]
         nodes = f" × {c.shape.nodes} nodes" if c.shape.nodes > 1 else ""
         con.print(text((c.experiment, "bold"), f" [{c.shape.describe()}]: ",

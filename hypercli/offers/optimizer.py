@@ -263,6 +263,8 @@ class Choice:
         node_hours: instance-hours of the experiment (tasks × nodes × minutes / 60 / tasks
             one instance holds at once), or None without minutes.
         cost: node_hours × the choice's price, US dollars, or None.
+        note: why there is no offer (an instance type named in the recipe that the
+            catalog does not have there), or None.
     """
 
     experiment: str
@@ -272,6 +274,7 @@ class Choice:
     minutes: float | None
     node_hours: float | None
     cost: float | None
+    note: str | None = None
 
 
 def where_of(options: dict, provider: str) -> dict:
@@ -298,16 +301,25 @@ def plan(experiments, options: dict, provider: str, catalog: Catalog | None = No
             of an earlier run's attempts).
         alternatives: offers shown after the choice.
     Raises:
-        NoOffer: an experiment's shape has no offer (exit 2, naming the nearest).
+        NoOffer: an experiment's shape has no offer (exit 2, naming the nearest); an
+            instance type the recipe names is not an error (its Choice has a ``note``).
     """
     where = where_of(options, provider)
     catalog = catalog or Catalog(where["clouds"])
     out = []
     for e in experiments:
         shape = shape_of(e.resources, options)
-        offers = choose(shape, catalog, what=f"experiment {e.name}", limit=1 + alternatives,
-                        **where)
         m = (minutes or {}).get(e.name)
+        try:
+            offers = choose(shape, catalog, what=f"experiment {e.name}",
+                            limit=1 + alternatives, **where)
+        except NoOffer as err:
+            if not shape.instance_type:
+                raise
+            out.append(Choice(e.name, shape, (), e.tasks, m, None, None,
+                              f"{shape.instance_type} is not in the catalog there "
+                              f"({err.message})"))
+            continue
         hours = cost = None
         if m is not None:
             hours = e.tasks * shape.nodes * m / 60 / per_node(offers[0], shape)
