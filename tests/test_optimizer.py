@@ -289,3 +289,20 @@ def test_clouds_without_the_provider_is_refused_at_launch(hyper_home):
     with pytest.raises(C.UsageError, match=r"cluster.clouds \(gcp\) does not include the "
                                            r"provider aws"):
         with_first_offer(r)
+
+
+def test_loading_a_cloud_recipe_for_up_or_run_fills_in_the_first_offer(hyper_home,
+                                                                       write_recipe):
+    from hypercli.workflows import load, load_with_defaults
+    write_tables([table("azure")])
+    path = write_recipe("""
+        name: az
+        cluster: {provider: azure, spot: false}
+        experiments:
+          a: {resources: {cpus: "8+", memory: "30+"}, command: a}
+    """)
+    o = load_with_defaults(str(path)).cluster.options
+    assert (o["instance_type"], o["region"], o["spot"]) == ("Standard_D8s_v5", "eastus", False)
+    assert "zone" not in o  # Azure prices per region
+    r, _ = load(str(path), offer=False)  # hyper plan: the recipe as written
+    assert "instance_type" not in r.cluster.options
