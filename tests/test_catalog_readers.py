@@ -118,3 +118,26 @@ def test_broken_cache_is_a_clear_error(hyper_home):
     (hyper_home / "catalog" / "aws.json").write_text('{"read_at": 1}')
     with pytest.raises(C.UsageError, match=r"cached catalog .*aws.csv.gz cannot be read"):
         C.load_table("aws")
+
+
+def test_azure_prices_unreachable_is_a_cloud_error_and_nothing_is_written(
+        monkeypatch, tmp_path, hyper_home):
+    import socket
+
+    from azurefake import ArmFake
+    from hypercli.offers import read_azure
+    from hypercli.providers.cloud import CloudError
+    fake = ArmFake(tmp_path)
+    with socket.socket() as s:  # a loopback port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"https://127.0.0.1:{s.getsockname()[1]}"
+    for k, v in {"HYPER_AZURE_ENDPOINT": fake.url, "HYPER_AZURE_CA_BUNDLE": str(fake.ca),
+                 "HYPER_AZURE_TOKEN": "token-1", "HYPER_AZURE_PRICES_ENDPOINT": dead,
+                 "AZURE_SUBSCRIPTION_ID": "sub-1"}.items():
+        monkeypatch.setenv(k, v)
+    try:
+        with pytest.raises(CloudError, match="reading Azure's retail prices of eastus"):
+            read_azure.read(regions=["eastus"])
+    finally:
+        fake.close()
+    assert not (hyper_home / "catalog").exists()

@@ -210,11 +210,26 @@ def read_csv(cloud: str, data: bytes, source: str, read_at: float) -> Table:
     if data[:2] == b"\x1f\x8b":
         data = gzip.decompress(data)
     table = Table(cloud, read_at=read_at, source=source)
-    reader = csv.DictReader(io.StringIO(data.decode()))
-    for n, row in enumerate(reader, start=2):
-        try:
-            table.add(row, replace=False)  # a table has one row per type and zone
-        except (KeyError, ValueError, TypeError) as e:
+    reader = csv.reader(io.StringIO(data.decode()))
+    header = next(reader, [])
+    col = {c: i for i, c in enumerate(header)}
+    missing = [c for c in ("instance_type", "vcpus", "memory_gib", "region") if c not in col]
+    if missing:
+        raise ValueError(f"line 1: no column {', '.join(missing)}")
+    get = [col.get(c) for c in COLUMNS]
+    types, prices = table.types, table.prices
+    for n, raw in enumerate(reader, start=2):
+        try:  # the fast path of Table.add: a table has one row per type and zone
+            row = ["" if i is None else raw[i] for i in get]
+            name, region = row[0].strip(), row[7].strip()
+            if not name or not region:
+                raise ValueError("instance_type or region is empty")
+            if name not in types:
+                table.add(dict(zip(COLUMNS, row)), replace=False)
+                continue
+            prices[name].append((region, row[8].strip() or None, _price(row[9]),
+                                 _price(row[10])))
+        except (IndexError, KeyError, ValueError, TypeError) as e:
             raise ValueError(f"line {n}: {e}") from None
     return table
 
