@@ -123,7 +123,8 @@ def main() -> None:
     from hypercli.offers.catalog import Catalog
     cat = Catalog()
     rows = {c: sum(len(v) for v in t.prices.values()) for c, t in cat.tables.items()}
-    print(f"catalog: {', '.join(f'{c} {len(t.types)} types / {rows[c]} rows' for c, t in cat.tables.items())}")
+    sizes = [f"{c} {len(t.types)} types / {rows[c]} rows" for c, t in cat.tables.items()]
+    print(f"catalog: {', '.join(sizes)}")
     print(f"load average {os.getloadavg()[0]:.2f}")
     res: dict = {"hypercli": [], "pandas": []}
     for _ in range(args.rounds):

@@ -241,7 +241,8 @@ def azure_prices() -> list[dict]:
                                 f"Virtual Machines {family.removeprefix('standard')} Series"
                                 f"{os_}", "skuName": meter + suffix, "armSkuName": name,
                                 "serviceName": "Virtual Machines", "serviceFamily": "Compute",
-                                "unitOfMeasure": "1 Hour", "type": "Consumption", "priceType": "Consumption",
+                                "unitOfMeasure": "1 Hour", "type": "Consumption",
+                                "priceType": "Consumption",
                                 "isPrimaryMeterRegion": True})
     return out
 
@@ -283,9 +284,12 @@ def aws_spot_prices():
         types = self._get_param("InstanceTypes", [])
         found = self.ec2_backend.describe_spot_price_history(
             types, self._filters_from_querystring())
+        def usd(p):
+            return aws_price(p["InstanceType"], self.region) * spot_share(p["InstanceType"],
+                                                                          p["Location"])
         return ActionResult({"SpotPriceHistory": [
             {"InstanceType": p["InstanceType"], "ProductDescription": "Linux/UNIX",
-             "SpotPrice": f"{aws_price(p['InstanceType'], self.region) * spot_share(p['InstanceType'], p['Location']):.6f}",
+             "SpotPrice": f"{usd(p):.6f}",
              "AvailabilityZone": p["Location"], "Timestamp": "2026-11-20T00:00:00.000Z"}
             for p in found if p["InstanceType"] in _moto_types()]})
     SpotInstances.describe_spot_price_history = describe

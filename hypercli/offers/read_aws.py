@@ -76,7 +76,8 @@ def _spot(ec2) -> dict:
     out: dict = {}
     start = datetime.fromtimestamp(time.time() - 3600, tz=timezone.utc)
     for page in ec2.get_paginator("describe_spot_price_history").paginate(
-            PaginationConfig={"PageSize": PAGE}, StartTime=start, ProductDescriptions=["Linux/UNIX", "Linux/UNIX (Amazon VPC)"]):
+            PaginationConfig={"PageSize": PAGE}, StartTime=start,
+            ProductDescriptions=["Linux/UNIX", "Linux/UNIX (Amazon VPC)"]):
         for p in page.get("SpotPriceHistory", []):
             key = (p["InstanceType"], p["AvailabilityZone"])
             stamp = str(p.get("Timestamp", ""))

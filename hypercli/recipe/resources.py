@@ -30,7 +30,6 @@ from hypercli.recipe.yamltree import (
     _check_keys,
     _Ctx,
     _finite,
-    _get,
     _int,
     _is_number,
     _Item,
@@ -174,8 +173,9 @@ def _spot(ctx: _Ctx, item: _Item, field: str) -> bool | str:
     v = _value(ctx, item.node)
     if isinstance(v, bool) or v == "auto":
         return v
-    ctx.fail(f"spot must be true, false or auto, not {_show(v) if isinstance(v, str) else _kind(v)}",
-             item.line, field, "auto: spot offers first, then on-demand ones")
+    shown = _show(v) if isinstance(v, str) else _kind(v)
+    ctx.fail(f"spot must be true, false or auto, not {shown}", item.line, field,
+             "auto: spot offers first, then on-demand ones")
 
 
 def resources(ctx: _Ctx, keys: dict, field: str) -> Resources:
