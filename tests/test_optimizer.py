@@ -167,13 +167,13 @@ def test_a_cloud_cluster_without_instance_type_gets_the_first_offer(hyper_home):
         name: gpu
         cluster: {provider: aws, regions: [us-east-1], max_price: 5}
         experiments:
-          train: {resources: {accelerators: "V100:4"}, command: train}
-          eval: {resources: {cpus: 16}, command: eval}
+          train: {resources: {accelerators: "V100:4", disk_gb: 200}, command: train}
+          eval: {resources: {cpus: 16, disk_gb: 80}, command: eval}
     """)
     got = with_first_offer(r)
     o = got.cluster.options
-    assert (o["instance_type"], o["region"], o["zone"], o["spot"]) == (
-        "p3.8xlarge", "us-east-1", "us-east-1a", True)
+    assert (o["instance_type"], o["region"], o["zone"], o["spot"], o["disk_gb"]) == (
+        "p3.8xlarge", "us-east-1", "us-east-1a", True, 200)
     cs = cloud_spec(got.cluster)
     assert (cs.instance_type, cs.region, cs.zones, cs.spot) == (
         "p3.8xlarge", "us-east-1", ("us-east-1a",), True)
@@ -306,3 +306,21 @@ def test_loading_a_cloud_recipe_for_up_or_run_fills_in_the_first_offer(hyper_hom
     assert "zone" not in o  # Azure prices per region
     r, _ = load(str(path), offer=False)  # hyper plan: the recipe as written
     assert "instance_type" not in r.cluster.options
+
+
+def test_a_cluster_that_is_up_keeps_the_instance_type_it_was_launched_with(hyper_home):
+    from hypercli.state import State
+    write_tables([table("aws")])
+    state = State()
+    state.put_cluster("keep", "aws", {"workers": 1, "options": {
+        "instance_type": "p3.16xlarge", "region": "us-east-1", "zone": "us-east-1a",
+        "spot": True}}, "up")
+    r, _ = recipe("""
+        name: keep
+        cluster: {provider: aws}
+        experiments:
+          train: {resources: {accelerators: "V100:4"}, command: train}
+    """)
+    assert with_first_offer(r, state).cluster.options["instance_type"] == "p3.16xlarge"
+    state.put_cluster("keep", "aws", {"workers": 1, "options": {}}, "down")
+    assert with_first_offer(r, state).cluster.options["instance_type"] == "p3.8xlarge"

@@ -417,7 +417,8 @@ def plan_recipe(recipe, workflow, state=None, catalog: Catalog | None = None) ->
 def with_first_offer(recipe, state=None):
     """``recipe`` with its cloud cluster's ``instance_type``, ``region``, ``zone`` and
     ``spot`` set from :func:`first_offer` when it names no instance type and its
-    experiments say what they need; unchanged otherwise. A cluster already up (in
+    experiments say what they need (and ``disk_gb``, GiB, the largest they ask, when the
+    cluster sets none); unchanged otherwise. A cluster already up (in
     ``state``) keeps the instance type it was launched with.
 
     GCP offers with attached GPUs (``n1-standard-8/nvidia-tesla-v100:1``) are left out:
@@ -451,5 +452,8 @@ def with_first_offer(recipe, state=None):
         return recipe
     chosen = {"instance_type": offer.instance_type, "region": offer.region,
               "spot": offer.spot, **({"zone": offer.zone} if offer.zone else {})}
+    disks = [r["disk_gb"] for r in needs if r.get("disk_gb")]
+    if disks and "disk_gb" not in o:  # the largest boot disk any experiment asks
+        chosen["disk_gb"] = max(disks)
     return dataclasses.replace(recipe, cluster=dataclasses.replace(
         spec, options={**{k: v for k, v in o.items() if k != "zones"}, **chosen}))
