@@ -100,7 +100,8 @@ def rank(df, limit: int | None) -> list[int]:
                 (df["accelerator_count"] >= s.accelerator_count)
         else:
             m = df["accelerator_count"] == 0
-        m &= (df["vcpus"] >= s.cpus) & (df["memory_gib"] >= s.memory_gib)
+        m &= (df["vcpus"] >= s.cpus) & (df["memory_gib"] >= s.memory_gib) & \
+            (df["arch"] == s.arch)
         rows = df[m]
         parts = []
         if s.spot in (True, "auto"):

@@ -324,3 +324,15 @@ def test_a_cluster_that_is_up_keeps_the_instance_type_it_was_launched_with(hyper
     assert with_first_offer(r, state).cluster.options["instance_type"] == "p3.16xlarge"
     state.put_cluster("keep", "aws", {"workers": 1, "options": {}}, "down")
     assert with_first_offer(r, state).cluster.options["instance_type"] == "p3.8xlarge"
+
+
+def test_arm64_instances_are_left_out_unless_asked():
+    rows = [("m7g.large", 2, 8, "", 0, "us-east-1", "us-east-1a", 0.08, 0.03),
+            ("m5.large", 2, 8, "", 0, "us-east-1", "us-east-1a", 0.096, 0.035)]
+    t = table("aws", rows)
+    t.add({"instance_type": "m7g.large", "vcpus": "2", "memory_gib": "8", "arch": "arm64",
+           "region": "us-east-1", "zone": "us-east-1a", "price": "0.08", "spot_price": "0.03"})
+    cat = C.Catalog(tables={"aws": t})
+    assert [o.instance_type for o in ranked_offers(Shape(cpus=2), cat)] == ["m5.large"]
+    assert [o.instance_type for o in ranked_offers(Shape(cpus=2, arch="arm64"), cat)] == [
+        "m7g.large"]

@@ -4,8 +4,9 @@ workflow's cost estimate (``hyper plan``); the offer a cloud cluster with no ``i
 is launched on.
 
 Ranking (as SkyPilot's optimizer does for one task, skypilot-org/skypilot ``sky/optimizer.py``,
-cost objective): an offer satisfies a shape when its instance type has the GPU model asked
-for (normalised names, :func:`hypercli.recipe.resources.normalise_gpu`) with at least that
+cost objective): an offer satisfies a shape when its instance type has the CPU architecture
+asked (x86_64 unless said otherwise: an arm64 instance would not boot an x86_64 image), the
+GPU model asked for (normalised names, :func:`hypercli.recipe.resources.normalise_gpu`) with at least that
 many GPUs (no GPU when none is asked), at least the vCPUs and memory asked, is the instance
 type named when one is, lies in the allowed clouds, regions and zones, and costs at most
 ``max_price``. Offers are sorted by price per node-hour, then cloud, region, zone and
@@ -49,6 +50,8 @@ class Shape:
         instance_type: this instance type only, or None.
         spot: True (spot only), False (on-demand only) or ``"auto"`` (spot, then on-demand).
         nodes: instances in one region (a gang's ``nodes:``).
+        arch: CPU architecture, ``x86_64`` (the node images hypercli bakes, and most
+            container images) or ``arm64``.
     """
 
     accelerator: str | None = None
@@ -58,6 +61,7 @@ class Shape:
     instance_type: str | None = None
     spot: bool | str = True
     nodes: int = 1
+    arch: str = "x86_64"
 
     def describe(self) -> str:
         """``V100:4, 8+ vCPUs, 32+ GiB, spot`` (what was asked, for messages)."""
@@ -106,12 +110,15 @@ def shape_of(resources: dict, options: dict | None = None) -> Shape:
                  instance_type=resources.get("instance_type") or o.get("instance_type"),
                  spot=resources.get("spot") if resources.get("spot") is not None
                  else o.get("spot", True),
-                 nodes=int(resources.get("nodes") or 1))
+                 nodes=int(resources.get("nodes") or 1),
+                 arch=resources.get("arch") or "x86_64")
 
 
 def _fits(t: InstanceType, shape: Shape) -> bool:
     if shape.instance_type is not None:
         return t.name == shape.instance_type
+    if t.arch != shape.arch:
+        return False
     if shape.accelerator_count:
         if shape.accelerator and t.accelerator != shape.accelerator:
             return False
