@@ -10,8 +10,9 @@ import textwrap
 import pytest
 
 from hypercli.offers import catalog as C
-from hypercli.offers.optimizer import (NoOffer, Shape, choose, parse_shape, per_node, plan,
-                                       ranked_offers, with_first_offer)
+from hypercli.offers.estimate import per_node, plan
+from hypercli.offers.optimizer import (NoOffer, Shape, choose, parse_shape, ranked_offers,
+                                       with_first_offer)
 from hypercli.plan import build_plan
 from hypercli.recipe import parse_recipe
 
@@ -229,7 +230,7 @@ def test_bad_custom_row_names_the_line(hyper_home):
 
 
 def test_plan_takes_minutes_from_an_earlier_run_of_the_recipe(hyper_home, write_recipe, cat):
-    from hypercli.offers.optimizer import plan_recipe
+    from hypercli.offers.estimate import plan_recipe
     from hypercli.scheduler import Scheduler
     from hypercli.state import State
     from hypercli.workflows import prepare_run

@@ -47,8 +47,8 @@ def plan(recipe, as_json):
 
 def _plan_machines(con, r, wf) -> None:
     """The optimizer's choice per experiment, its alternatives and the workflow's estimate
-    (cloud recipes only; hypercli.offers.optimizer.plan_recipe)."""
-    from hypercli.offers.optimizer import plan_recipe
+    (cloud recipes only; hypercli.offers.estimate.plan_recipe)."""
+    from hypercli.offers.estimate import plan_recipe
     from hypercli.state import State
     machines = plan_recipe(r, wf, State())
     if not machines:
