@@ -337,3 +337,8 @@ def test_arm64_instances_are_left_out_unless_asked():
     assert [o.instance_type for o in ranked_offers(Shape(cpus=2), cat)] == ["m5.large"]
     assert [o.instance_type for o in ranked_offers(Shape(cpus=2, arch="arm64"), cat)] == [
         "m7g.large"]
+    from hypercli.offers.optimizer import shape_of
+    r, wf = recipe("name: a\ncluster: {provider: aws}\n"
+                   "experiments: {a: {command: a, resources: {cpus: 2, arch: arm64}}}\n")
+    shape = shape_of(wf.experiments[0].resources, r.cluster.options)
+    assert [o.instance_type for o in ranked_offers(shape, cat)] == ["m7g.large"]

@@ -38,7 +38,8 @@ def test_accelerators_cpus_memory_at_least():
         """)
     assert (r.gpu_type, r.gpus, r.cpus, r.memory) == ("V100", 4, 8, 32 * 10**9)
     assert (r.disk_gb, r.spot, r.instance_type) == (200, "auto", "p3.8xlarge")
-    assert r.as_dict()["spot"] == "auto"
+    assert r.as_dict()["spot"] == "auto" and r.arch is None
+    assert resources_of("command: x\nresources: {arch: arm64}\n").as_dict()["arch"] == "arm64"
 
 
 def test_plain_numbers_stay_as_today():
@@ -70,6 +71,7 @@ def test_accelerators_mapping_form_and_bare_name():
     ("{spot: sometimes}", ["spot must be true, false or auto", "'sometimes'"], 8),
     ("{disk_gb: 5}", ["disk_gb must be at least 10"], 8),
     ("{acelerators: V100}", ["unknown key 'acelerators'", "did you mean 'accelerators'?"], 8),
+    ("{arch: arm}", ["arch must be x86_64 or arm64, not 'arm'", "did you mean 'arm64'?"], 8),
 ])
 def test_bad_resources_name_the_line(res, words, line):
     with pytest.raises(RecipeError) as e:

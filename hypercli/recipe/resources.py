@@ -3,7 +3,7 @@
 
     resources: {cpus: 4, memory: 16GB, gpus: 1, gpu_type: A100}   # all optional
     resources: {accelerators: "V100:4", cpus: "8+", memory: "32+", disk_gb: 200,
-                spot: auto, instance_type: p3.8xlarge}             # SkyPilot's form
+                spot: auto, instance_type: p3.8xlarge, arch: x86_64}   # SkyPilot's form
     hardware: {gpu: K80, gpu_count: 2}     # Hyper's form: gpu_type and gpus
     nodes: 2                               # a multi-node (gang) task: 2 ranks, 2 nodes
 
@@ -42,7 +42,8 @@ from hypercli.recipe.yamltree import (
 )
 
 RESOURCE_KEYS = ("cpus", "memory", "gpus", "gpu_type", "accelerators", "disk_gb", "spot",
-                 "instance_type")
+                 "instance_type", "arch")
+ARCHS = ("x86_64", "arm64")  #: CPU architectures of cloud instances
 HARDWARE_KEYS = ("gpu", "gpu_count")
 MAX_NODES = 1000  #: most ranks of one multi-node task
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([KMGT]?)(I?)(B?)\s*", re.I)
@@ -208,6 +209,12 @@ def resources(ctx: _Ctx, keys: dict, field: str) -> Resources:
             out["spot"] = _spot(ctx, res["spot"], f"{f}.spot")
         if "instance_type" in res:
             out["instance_type"] = _str(ctx, res["instance_type"], f"{f}.instance_type")
+        if "arch" in res:
+            arch = _str(ctx, res["arch"], f"{f}.arch")
+            if arch not in ARCHS:
+                ctx.fail(f"arch must be x86_64 or arm64, not {_show(arch)}", res["arch"].line,
+                         f"{f}.arch", _suggest(arch, list(ARCHS), "choices"))
+            out["arch"] = arch
         if "gpus" in res:
             out["gpus"] = _int(ctx, res["gpus"], f"{f}.gpus", lo=0, hi=64)
         if "gpu_type" in res:

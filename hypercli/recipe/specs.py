@@ -45,6 +45,8 @@ class Resources:
             on-demand) or None for the cluster's ``spot``; chooses offers on clouds.
         instance_type: an explicit instance type for clouds, or None to let the optimizer
             choose (:mod:`hypercli.offers.optimizer`).
+        arch: ``x86_64`` or ``arm64``: the CPU architecture of instances chosen on clouds,
+            or None (x86_64).
     """
 
     cpus: float = 1
@@ -55,6 +57,7 @@ class Resources:
     disk_gb: int | None = None
     spot: bool | str | None = None
     instance_type: str | None = None
+    arch: str | None = None
 
     def as_dict(self) -> dict:
         """Plain values (the state file keeps them as JSON); the choices of clouds
@@ -62,7 +65,7 @@ class Resources:
         plans as it did before they existed."""
         out = {"cpus": self.cpus, "memory": self.memory, "gpus": self.gpus,
                "gpu_type": self.gpu_type, "nodes": self.nodes}
-        for k in ("disk_gb", "spot", "instance_type"):
+        for k in ("disk_gb", "spot", "instance_type", "arch"):
             if getattr(self, k) is not None:
                 out[k] = getattr(self, k)
         return out
