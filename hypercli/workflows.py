@@ -36,26 +36,34 @@ def default_storage() -> str:
     return "file://" + str(S.folder("storage"))
 
 
-def load(recipe_path: str, env=(), env_files=()) -> tuple[Recipe, Workflow]:
+def load(recipe_path: str, env=(), env_files=(), offer: bool = True
+         ) -> tuple[Recipe, Workflow]:
     """Read, validate and plan a recipe, with what it leaves out taken from the defaults
     file (:func:`hypercli.config.apply`), listing the files of its shard parameters, its
     ``env:`` references resolved from this process's environment and ``env`` (``--env``
     items) / ``env_files`` (``--env-file`` paths) applied (:mod:`hypercli.envvars`; no
-    secret's value is read). Raises RecipeError; UsageError for a variable that is not set
+    secret's value is read). ``offer``: see :func:`load_with_defaults`. Raises RecipeError; UsageError for a variable that is not set
     or a bad ``--env``/``--env-file``; StoreError when a dataset to split cannot be read."""
     from hypercli.shards import resolve
-    recipe = load_with_defaults(recipe_path)
+    recipe = load_with_defaults(recipe_path, offer)
     overrides, _ = envvars.from_options(env, env_files)
     lookups = envvars.lookups(recipe, overrides)
     recipe, shards = resolve(recipe)
     return recipe, build_plan(recipe, shards, lookups, envvars.recorded(recipe, overrides))
 
 
-def load_with_defaults(recipe_path: str) -> Recipe:
+def load_with_defaults(recipe_path: str, offer: bool = True) -> Recipe:
     """A recipe file read and checked, its gaps filled from ``config.yaml``
-    (:mod:`hypercli.config`). Raises RecipeError."""
+    (:mod:`hypercli.config`); with ``offer``, a cloud cluster with no ``instance_type``
+    gets the optimizer's first offer (:func:`hypercli.offers.optimizer.with_first_offer`).
+    Raises RecipeError; NoOffer (exit 2) when nothing satisfies the experiments."""
     from hypercli import config
-    return config.apply(load_recipe(recipe_path))
+    recipe = config.apply(load_recipe(recipe_path))
+    if offer and recipe.cluster.provider in ("aws", "gcp", "azure") and \
+            not recipe.cluster.options.get("instance_type"):
+        from hypercli.offers.optimizer import with_first_offer
+        recipe = with_first_offer(recipe, S.State())
+    return recipe
 
 
 def start_or_resume(state: S.State, recipe: Recipe, wf: Workflow, *, new: bool = False

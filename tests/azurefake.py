@@ -24,6 +24,9 @@ A request with a node's token (tests/azureiamfake.py, ``principal_tokens``) may 
 delete a VM, change it, run a command on it, or list a storage account's keys where that
 principal's role assignments allow it (403 ``AuthorizationFailed`` otherwise, with ARM's
 text). ``/subscriptions/S/resources`` lists resources of every group (``$filter`` on a tag).
+The machines of tests/cloudcatalog.py: Resource SKUs (``providers/Microsoft.Compute/skus``,
+``$filter=location eq '...'``) and, with no token as the public API, the Retail Prices API
+(``/api/retail/prices``, ``$filter`` of ``eq`` terms, 100 items a page).
 
 Faults: ``no_sku_in(zone)`` (409 ``SkuNotAvailable`` at once, ``"*"``: every zone),
 ``no_capacity_in(zone)`` (the VM's operation fails with ``ZonalAllocationFailed``, or
@@ -50,6 +53,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlencode, urlparse
 
+import cloudcatalog
 from azureiamfake import IdentityFake
 
 TYPES = {"virtualnetworks": "Microsoft.Network/virtualNetworks",
@@ -326,6 +330,8 @@ class ArmFake(IdentityFake):
     def handle(self, method, raw, body, auth, base):
         url = urlparse(raw)
         q = {k: v[0] for k, v in parse_qs(url.query).items()}
+        if url.path == "/api/retail/prices":  # Retail Prices: public, no token, no api-version
+            return self._retail_prices(q, base)
         if self.auth_fail or not (auth or "").startswith("Bearer "):
             raise ArmError(401, "InvalidAuthenticationToken", "The access token is invalid.")
         token = auth.split(" ", 1)[1]
@@ -347,6 +353,9 @@ class ArmFake(IdentityFake):
         answer = self.identity_handle(method, p, q, body)
         if answer is not None:
             return answer
+        if rest == "/providers/microsoft.compute/skus":  # Resource SKUs, one page as ARM does
+            m = re.fullmatch(r"location eq '([^']*)'", (q.get("$filter") or "").strip())
+            return 200, {"value": cloudcatalog.azure_skus(m[1] if m else None)}, {}
         if rest == "/providers/microsoft.compute/images":
             return self._page(self.images, base, p, q)
         if rest == "/resourcegroups":
@@ -387,6 +396,22 @@ class ArmFake(IdentityFake):
         if method == "PUT":
             return self._put(kind, rid, parts[8], body, base)
         raise ArmError(405, "MethodNotAllowed", f"{method} is not supported here")
+
+    def _retail_prices(self, q: dict, base: str):
+        """The Retail Prices API (prices.azure.com): the items of tests/cloudcatalog.py
+        that match ``$filter`` (``field eq 'value'`` terms joined by ``and``), 100 a page
+        with ``NextPageLink``, as the real API answers."""
+        terms = re.findall(r"(\w+) eq '([^']*)'", q.get("$filter") or "")
+        items = [i for i in cloudcatalog.azure_prices()
+                 if all(str(i.get(k, "")).lower() == v.lower() for k, v in terms)]
+        skip = int(q.get("$skip", 0))
+        page = {"BillingCurrency": "USD", "CustomerEntityId": "Default",
+                "CustomerEntityType": "Retail", "Items": items[skip:skip + 100],
+                "NextPageLink": None, "Count": len(items[skip:skip + 100])}
+        if skip + 100 < len(items):
+            page["NextPageLink"] = f"{base}/api/retail/prices?" + urlencode(
+                {**q, "$skip": skip + 100})
+        return 200, page, {}
 
     def _page(self, items: list, base: str, path: str, q: dict):
         start = int(q.get("$skiptoken", 0))

@@ -4,7 +4,9 @@ google-cloud-compute client (``HYPER_GCP_ENDPOINT``).
 It keeps the project's instances and disks per zone, firewall rules, images and operations in
 memory, and answers the real paths (``/compute/v1/projects/{p}/zones/{z}/instances``,
 ``.../operations/{op}[/wait]``, ``/global/firewalls[/{name}]``, ``/global/images[/family/{f}]``,
-``/aggregated/{instances,disks}``, ``/regions/{r}``, ``/zones``) with the real JSON shapes:
+``/aggregated/{instances,disks}``, ``/regions/{r}``, ``/zones``; the machine types, accelerator
+types and Cloud Billing Catalog SKUs of tests/cloudcatalog.py at
+``/aggregated/{machineTypes,acceleratorTypes}`` and ``/v1/services/{id}/skus``) with the real JSON shapes:
 camelCase fields, ``kind``, ``id`` (int64 as a string), ``selfLink``, full-URL references,
 errors as ``{"error": {"code", "message", "status", "errors": [{"reason", ...}]}}``.
 
@@ -52,6 +54,7 @@ from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, unquote, urlparse
 
+import cloudcatalog
 from gcpiamfake import IAMFake
 
 BASE = "/compute/v1/projects/"
@@ -322,6 +325,10 @@ class ComputeFake(IAMFake):
                             "reason": "authError", "location": "Authorization",
                             "locationType": "header"}]}}
         self._settle()
+        if path.startswith("/v1/services/"):  # the Cloud Billing Catalog (tests/cloudcatalog.py)
+            if path != f"/v1/services/{cloudcatalog.COMPUTE_SERVICE}/skus":
+                return self._error(404, "notFound", f"no route for {method} {path}")
+            return 200, {"skus": cloudcatalog.gcp_skus(), "nextPageToken": ""}
         if path.rstrip("/") == BASE + self.project:
             return 200, {"kind": "compute#project", "id": "4242", "name": self.project,
                          "selfLink": self.link("")[:-1]}
@@ -353,6 +360,10 @@ class ComputeFake(IAMFake):
             return 200, {"kind": "compute#region", "id": "1000", "name": self.region,
                          "status": "UP", "selfLink": self.link(rest),
                          "zones": [self.link(f"zones/{z}") for z in self.zones]}
+        m = re.fullmatch(r"aggregated/(machineTypes|acceleratorTypes)", rest)
+        if m:  # the machines and GPUs of tests/cloudcatalog.py
+            return 200, {**cloudcatalog.gcp_aggregated(m[1], self.link),
+                         "selfLink": self.link(rest)}
         m = re.fullmatch(r"aggregated/(instances|disks)", rest)
         if m:
             kind = m[1]

@@ -91,3 +91,15 @@ def test_installed_wheel_runs_a_recipe(venv, tmp_path):
     r = subprocess.run([hyper, "data", "push", "data", f"file://{tmp_path}/store/ds"],
                        cwd=work, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_installed_wheel_has_the_catalog_snapshot(wheel, venv, tmp_path):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for f in ("aws.csv.gz", "gcp.csv.gz", "azure.csv.gz", "snapshot.json", "NOTICE.md"):
+        assert f"hypercli/offers/data/{f}" in names, f
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(HYPER_HOME=str(tmp_path / "home"), COLUMNS="200")
+    r = subprocess.run([str(venv / "bin" / "hyper"), "offers", "L4:8", "--json"], env=env,
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert '"instance_type": "g2-standard-96"' in r.stdout

@@ -36,7 +36,7 @@ def plan(recipe, as_json, env, env_files):
     as ***)."""
     from hypercli.envvars import masked
     from hypercli.workflows import load
-    r, wf = load(recipe, env, env_files)
+    r, wf = load(recipe, env, env_files, offer=False)  # the machines are shown below, all of them
     hidden = {e.name: e.secrets for e in wf.experiments}
     if as_json:
         print_json([{"task": t.id, "experiment": t.experiment, "params": t.params,
@@ -65,6 +65,44 @@ def plan(recipe, as_json, env, env_files):
     con.print(table)
     if len(wf.tasks) > 200:
         con.print(f"… and {len(wf.tasks) - 200} more (use --json for all)")
+    _plan_machines(con, r, wf)
+
+
+def _plan_machines(con, r, wf) -> None:
+    """The optimizer's choice per experiment, its alternatives and the workflow's estimate
+    (cloud recipes only; hypercli.offers.estimate.plan_recipe)."""
+    from hypercli.offers.estimate import plan_recipe
+    from hypercli.state import State
+    machines = plan_recipe(r, wf, State())
+    if not machines:
+        return
+    total, known = 0.0, True
+    con.print(text(("machines", "bold"), " (cheapest offer first, $ per node-hour):"))
+    for c in machines["choices"]:
+        if not c.offers:
+            known = False
+            con.print(text((c.experiment, "bold"), f" [{c.shape.describe()}]: ",
+                           (c.note or "", "yellow")))
+            continue
+        best = c.offers[0]
+        nodes = f" × {c.shape.nodes} nodes" if c.shape.nodes > 1 else ""
+        con.print(text((c.experiment, "bold"), f" [{c.shape.describe()}]: ",
+                       (best.describe(), "green"), nodes))
+        for alt in c.offers[1:]:
+            con.print(text(f"    then {alt.describe()}"))
+        if c.cost is None:
+            known = False
+            con.print(text(("    no estimate", "dim"), ": give minutes: (one task's minutes)"))
+        else:
+            total += c.cost
+            con.print(text(f"    {c.tasks} tasks × {c.minutes:.3g} min "
+                           f"({machines['minutes_from'][c.experiment]}) = "
+                           f"{c.node_hours:.3g} node-hours ≈ ${c.cost:.2f}"))
+    if known:
+        con.print(text(("estimate", "bold"), f": ${total:.2f} for the workflow"))
+    for cloud in machines["stale"]:
+        con.print(text(("note:", "dim"), f" the {cloud} catalog is older than a week: "
+                       f"`hyper catalog refresh --cloud {cloud}`"))
 
 
 # -- run ----------------------------------------------------------------------------------

@@ -65,6 +65,24 @@ def _cidr(ctx: _Ctx, item: _Item, field: str) -> str:
     return v
 
 
+CLOUDS = ("aws", "gcp", "azure")
+
+
+def _clouds(ctx: _Ctx, item: _Item, field: str) -> list:
+    """``clouds: [aws, gcp]``: the clouds the optimizer may choose offers from."""
+    out = []
+    for cloud, line in _strings(ctx, item, field, single_ok=True, empty_ok=False):
+        if cloud not in CLOUDS:
+            ctx.fail(f"unknown cloud {_show(cloud)}", line, field,
+                     _suggest(cloud, list(CLOUDS), "clouds"))
+        out.append(cloud)
+    return list(dict.fromkeys(out))
+
+
+def _list(ctx: _Ctx, item: _Item, field: str) -> list:
+    return [v for v, _ in _strings(ctx, item, field, single_ok=True, empty_ok=False)]
+
+
 def _price(ctx: _Ctx, item: _Item, field: str) -> float:
     v = _get(ctx, item, field, _is_number, "a number")
     if not (_finite(v) and v > 0):
@@ -78,6 +96,9 @@ _CLOUD_KEYS: dict[str, _Check] = {
     "disk_gb": lambda c, i, f: _int(c, i, f, lo=10), "max_price": _price,
     "idle_minutes": lambda c, i, f: _int(c, i, f, lo=1), "replace_preempted": _bool,
     "ssh_cidr": _cidr,
+    # where the optimizer may look when an experiment says what it needs, not which
+    # instance (hypercli.offers.optimizer): max_price above caps the price per node-hour
+    "clouds": _clouds, "regions": _list, "zones": _list,
 }
 _PROVIDER_KEYS: dict[str, dict[str, _Check]] = {
     "local": {},

@@ -37,9 +37,9 @@ MAX_TASKS = 1_000_000        #: largest number of tasks one recipe may make
 
 # --- experiments -----------------------------------------------------------------------------
 
-_EXPERIMENT_KEYS = ("command", "image", "parameters", "sampling", "samples", "after",
-                    "retries", "env", "workers", "resources", "hardware", "nodes",
-                    "checkpoint_every", "engine", "registry_auth", "secrets",
+_EXPERIMENT_KEYS = ("command", "commands", "image", "parameters", "sampling", "samples",
+                    "after", "retries", "env", "workers", "resources", "hardware", "nodes",
+                    "checkpoint_every", "engine", "registry_auth", "minutes", "secrets",
                     "timeout")
 ENGINES = ("spark", "ray")   #: what ``engine:`` may name (hypercli/node/engine.py starts them)
 
@@ -74,9 +74,23 @@ def _experiment(ctx: _Ctx, name: str, item: _Item) -> tuple[ExperimentSpec, int,
     f = f"experiments.{name}"
     keys = _mapping(ctx, item, f)
     _check_keys(ctx, keys, _EXPERIMENT_KEYS, f)
+    if "command" in keys and "commands" in keys:
+        ctx.fail("give command or commands, not both", keys["commands"].line,
+                 f"{f}.commands", "commands: [a, b] is command: [a, b]")
+    if "commands" in keys:  # Hyper's form: a list run in order, stopping at the first failure
+        if not isinstance(keys["commands"].node, SequenceNode):
+            ctx.fail("commands must be a list of lines", keys["commands"].line,
+                     f"{f}.commands", "for a single line write command: ...")
+        keys["command"] = keys["commands"]
     if "command" not in keys:
         ctx.fail("command is required", item.line, f"{f}.command", "add command: python ...")
-    command = _command(ctx, keys["command"], f"{f}.command")
+    cfield = f"{f}.commands" if "commands" in keys else f"{f}.command"
+    command = _command(ctx, keys["command"], cfield)
+    minutes = None
+    if "minutes" in keys:
+        minutes = _get(ctx, keys["minutes"], f"{f}.minutes",
+                       lambda v: _is_number(v) and _finite(v) and v > 0,
+                       "a number of minutes above 0")
     parameters = _parameters(ctx, keys.get("parameters"), f"{f}.parameters")
     sampling = _sampling(ctx, keys["sampling"], f"{f}.sampling") if "sampling" in keys else "grid"
     samples = _int(ctx, keys["samples"], f"{f}.samples", lo=1) if "samples" in keys else None
@@ -105,7 +119,7 @@ def _experiment(ctx: _Ctx, name: str, item: _Item) -> tuple[ExperimentSpec, int,
         if engine not in ENGINES:
             ctx.fail(f"engine must be spark or ray, not {_show(engine)}", keys["engine"].line,
                      f"{f}.engine", _suggest(engine, list(ENGINES), "choices"))
-    _check_placeholders(ctx, command, parameters, keys["command"].line, f"{f}.command")
+    _check_placeholders(ctx, command, parameters, keys["command"].line, cfield)
     for var, (value, line) in env.items():
         _check_placeholders(ctx, value, parameters, line, f"{f}.env.{var}")
     try:
@@ -119,7 +133,7 @@ def _experiment(ctx: _Ctx, name: str, item: _Item) -> tuple[ExperimentSpec, int,
         env={k: v for k, (v, _) in env.items()}, workers=workers, line=item.line,
         resources=resources(ctx, keys, f), checkpoint_every=every, engine=engine,
         registry_auth=registry_auth(ctx, keys, f), secrets=secrets,
-        timeout=timeout)
+        timeout=timeout, minutes=minutes)
     return spec, count, after
 
 

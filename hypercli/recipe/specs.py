@@ -40,6 +40,13 @@ class Resources:
         gpus: whole GPUs (0: none, and the task sees none).
         gpu_type: a GPU name the node's GPUs must contain (``A100``, case-insensitive), or None.
         nodes: ranks of a multi-node (gang) task, each on a node of its own (default 1).
+        disk_gb: boot disk of a node launched for it, GiB, or None for the cluster's.
+        spot: ``True`` (spot only), ``False`` (on-demand only), ``"auto"`` (spot, then
+            on-demand) or None for the cluster's ``spot``; chooses offers on clouds.
+        instance_type: an explicit instance type for clouds, or None to let the optimizer
+            choose (:mod:`hypercli.offers.optimizer`).
+        arch: ``x86_64`` or ``arm64``: the CPU architecture of instances chosen on clouds,
+            or None (x86_64).
     """
 
     cpus: float = 1
@@ -47,11 +54,21 @@ class Resources:
     gpus: int = 0
     gpu_type: str | None = None
     nodes: int = 1
+    disk_gb: int | None = None
+    spot: bool | str | None = None
+    instance_type: str | None = None
+    arch: str | None = None
 
     def as_dict(self) -> dict:
-        """Plain values (the state file keeps them as JSON)."""
-        return {"cpus": self.cpus, "memory": self.memory, "gpus": self.gpus,
-                "gpu_type": self.gpu_type, "nodes": self.nodes}
+        """Plain values (the state file keeps them as JSON); the choices of clouds
+        (``disk_gb``, ``spot``, ``instance_type``) only when given, so a recipe without them
+        plans as it did before they existed."""
+        out = {"cpus": self.cpus, "memory": self.memory, "gpus": self.gpus,
+               "gpu_type": self.gpu_type, "nodes": self.nodes}
+        for k in ("disk_gb", "spot", "instance_type", "arch"):
+            if getattr(self, k) is not None:
+                out[k] = getattr(self, k)
+        return out
 
 
 @dataclass(frozen=True)
@@ -81,6 +98,8 @@ class ExperimentSpec:
             are never recorded (:mod:`hypercli.envvars`).
         timeout: seconds an attempt may run before it is stopped and counted as a failure,
             or None for no limit.
+        minutes: the expected minutes of one task (``minutes:``), for ``hyper plan``'s cost
+            estimate, or None.
     """
 
     name: str
@@ -100,6 +119,7 @@ class ExperimentSpec:
     registry_auth: dict | None = None
     secrets: tuple = ()
     timeout: float | None = None
+    minutes: float | None = None
 
 
 @dataclass(frozen=True)
