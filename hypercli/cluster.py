@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import fcntl
 import os
+import time
 from typing import Callable
 
 from hypercli.console import plural
@@ -60,9 +61,12 @@ def up(state: State, spec: ClusterSpec, provider=None,
         names.add(inst.name)
         state.put_node(spec.name, inst.name, slots=inst.slots, provider_id=inst.provider_id,
                        address=inst.address, info=inst.extra)
-    for n in state.nodes(spec.name, status="up"):
-        if n["name"] not in names:
-            state.set_node_status(n["name"], "down")
+        if inst.extra.get("launched_at"):  # a cloud node launched now: the cost ledger
+            state.ledger_launch(spec.name, inst.name, inst.provider_id, inst.extra)
+    gone = [n["name"] for n in state.nodes(spec.name, status="up") if n["name"] not in names]
+    for name in gone:
+        state.set_node_status(name, "down")
+    state.ledger_end(spec.name, gone, reason="gone")
     state.event("cluster", f"up with {plural(len(instances), 'node')} ({spec.provider})")
     return state.nodes(spec.name, status="up")
 
@@ -133,6 +137,10 @@ def replace(state: State, provider, node: dict) -> list[dict]:
         HyperError: the launch failed (CloudError, CredentialsError, InfraError).
     """
     spec = provider.replacement(node) if hasattr(provider, "replacement") else None
+    # the cloud took the node back (the scheduler asks for a replacement only then): its
+    # cost ends now, and a spot node's region goes last in launches for a while
+    state.ledger_end(node["cluster"], [node["name"]],
+                     reason="preempted" if (node.get("info") or {}).get("spot") else "gone")
     if spec is None:
         return []
     before = {n["name"] for n in state.nodes(spec.name)}
@@ -180,9 +188,11 @@ def down(state: State, name: str) -> list[str]:
     removed = []
     if paths and hasattr(provider, "unmount"):
         removed += provider.unmount(live_nodes, paths)
+    ended = time.time()  # the nodes are not used after this: their cost ends here
     removed += provider.terminate(name, live_nodes)
     for n in nodes:
         state.set_node_status(n["name"], "down")
+    state.ledger_end(name, [n["name"] for n in nodes], at=ended, reason="down")
     state.set_cluster_status(name, "down")
     state.event("cluster", f"{name} down: removed {len(removed)} resources")
     return removed
@@ -235,7 +245,10 @@ def gc(state: State, provider: str, options: dict, dry_run: bool = False) -> lis
     api = make_api(provider, options)
     if dry_run:
         return [str(r) for r in api.resources(None) if r.cluster and r.cluster not in live]
+    ended = time.time()
     removed = remove_all(api, None, keep=live)
+    gone = [line.split()[1] for line in removed if line.split()[:1] == ["instance"]]
+    state.ledger_end_instances(provider, gone, at=ended, reason="gc")
     state.event("cluster", f"gc {provider}: removed {len(removed)} resources")
     return removed
 
