@@ -209,3 +209,17 @@ def test_hyper_cost_prints_clusters_workflows_and_json(hyper_home, hyper):
     assert out["clusters"][0]["cost"] == pytest.approx(2.0, abs=0.01)
     r = hyper("cost", "nope")
     assert r.returncode == 2 and "no cluster or workflow named 'nope'" in r.stderr
+
+
+def test_recipe_takes_spot_auto_and_max_cost_and_refuses_bad_ones():
+    from hypercli.errors import RecipeError
+    spec = parse_recipe("name: n\ncluster: {provider: gcp, spot: auto, max_cost: 12.5}\n"
+                        "experiments: {a: {command: x}}\n").cluster
+    assert spec.options["spot"] == "auto" and spec.options["max_cost"] == 12.5
+    with pytest.raises(RecipeError) as e:
+        parse_recipe("name: n\ncluster: {provider: aws, max_cost: -3}\n"
+                     "experiments: {a: {command: x}}\n")
+    assert e.value.field == "cluster.max_cost" and "US dollars above 0" in str(e.value)
+    with pytest.raises(RecipeError, match="applies to providers aws, gcp, azure"):
+        parse_recipe("name: n\ncluster: {provider: ssh, hosts: [h], max_cost: 3}\n"
+                     "experiments: {a: {command: x}}\n")
