@@ -246,3 +246,174 @@ def test_the_first_cloud_out_of_capacity_the_launch_lands_on_the_second(
         booter.stopping.set()
         booter.join(10)
         fake.close()
+
+
+def test_a_spot_instance_left_pending_is_terminated_and_the_next_offer_tried(
+        moto_aws, ssh_hosts, tmp_path, hyper_home, monkeypatch):
+    """EC2 accepts the spot request but the instance stays pending (answered so by
+    DescribeInstances at the client boundary): after SPOT_WAIT it is terminated and the node
+    is launched in the next zone."""
+    from hypercli.providers import cloud_provider
+    monkeypatch.setattr(cloud_provider, "SPOT_WAIT", 1.0)
+    monkeypatch.setattr(cloud_provider, "DESCRIBE_EVERY", 0.2)
+    hosts = ssh_hosts.start(2)
+    booter = booted([ec2_source(moto_aws[EAST])], hosts, tmp_path)
+    api = AWSAPI(EAST)
+    stuck: set = set()
+
+    def keep_pending(parsed, **_):
+        for res in parsed.get("Reservations", []):
+            for inst in res["Instances"]:
+                if inst["InstanceId"] in stuck and inst["State"]["Name"] == "running":
+                    inst["State"]["Name"] = "pending"
+
+    def first_is_stuck(parsed, **_):
+        if not stuck:
+            stuck.add(parsed["Instances"][0]["InstanceId"])
+    api.ec2.meta.events.register("after-call.ec2.DescribeInstances", keep_pending)
+    api.ec2.meta.events.register("after-call.ec2.RunInstances", first_is_stuck)
+    spec = ClusterSpec("slow", "aws", 1, {"region": EAST, "instance_type": "m5.large",
+                                          "zone": [f"{EAST}a", f"{EAST}b"], "ssh_cidr": CIDR})
+    state = State()
+    try:
+        [node] = C.up(state, spec, CloudProvider("aws", options=spec.options, api=api))
+        assert node["info"]["zone"] == f"{EAST}b" and node["provider_id"] not in stuck
+        [first] = stuck
+        gone = moto_aws[EAST].describe_instances(InstanceIds=[first])["Reservations"][0][
+            "Instances"][0]["State"]["Name"]
+        assert gone in ("shutting-down", "terminated")
+        assert [e["message"] for e in state.cluster_events("slow")] == [
+            f"{EAST}a: spot request for m5.large not fulfilled in time → {EAST}b"]
+        C.down(state, "slow")
+        assert left(moto_aws[EAST], "slow") == []
+    finally:
+        booter.stopping.set()
+        booter.join(10)
+
+
+def test_a_region_just_preempted_goes_last(moto_aws, hyper_home):
+    """A spot node of us-east-1 taken back (the scheduler's replacement path,
+    ``cluster.replace``) ends its ledger row as preempted; the next launch asks us-west-2
+    first."""
+    state = State()
+    state.put_cluster("pre", "aws", {"options": {"region": EAST}})
+    info = {"cloud": "aws", "region": EAST, "zone": f"{EAST}a", "instance_type": "m5.large",
+            "spot": True, "price": 0.05, "launched_at": 1.0}
+    state.put_node("pre", "pre-0", slots=2, provider_id="i-0", info=info)
+    state.ledger_launch("pre", "pre-0", "i-0", info)
+    assert C.replace(state, object(), state.nodes("pre")[0]) == []  # no provider to relaunch
+    [row] = state.ledger("pre")
+    assert row["end_reason"] == "preempted" and row["ended_at"] is not None
+    apis = {("aws", EAST): AWSAPI(EAST), ("aws", WEST): AWSAPI(WEST)}
+    east, west = Refuse(apis["aws", EAST], {"*"}), Refuse(apis["aws", WEST], {"*"})
+    offers = [Offer("aws", "m5.large", EAST, f"{EAST}a", True, 0.05, 2, 8),
+              Offer("aws", "m5.large", WEST, f"{WEST}a", True, 0.07, 2, 8)]
+    spec = ClusterSpec("pre2", "aws", 1, {"region": EAST, "instance_type": "m5.large",
+                                          "ssh_cidr": CIDR})
+    provider = CloudProvider("aws", options=spec.options, api=apis["aws", EAST], apis=apis,
+                             offers=offers)
+    result = provider.launch(spec)
+    assert result.instances == [] and east.asked and west.asked
+    steps = [e["message"] for e in state.cluster_events("pre2")]
+    assert steps[0].startswith(f"{WEST}a: no spot capacity") and steps[0].endswith(f"{EAST}a")
+    provider.terminate("pre2", [])
+    assert left(moto_aws[EAST], "pre2") == [] and left(moto_aws[WEST], "pre2") == []
+
+
+def test_max_cost_launches_nothing_more_and_says_so(moto_aws, hyper_home):
+    state = State()
+    state.cluster_uid("cap")
+    import time
+    state.ledger_launch("cap", "cap-0", "i-old", {
+        "cloud": "aws", "region": EAST, "zone": f"{EAST}a", "instance_type": "m5.large",
+        "spot": True, "price": 2.0, "launched_at": time.time() - 3600})  # $2 spent, running
+    api = AWSAPI(EAST)
+    asked = Refuse(api, set())  # records requests, refuses none
+    spec = ClusterSpec("cap", "aws", 1, {"region": EAST, "instance_type": "m5.large",
+                                         "ssh_cidr": CIDR, "max_cost": 4.5})
+    provider = CloudProvider("aws", options=spec.options, api=api,
+                             offers=[Offer("aws", "m5.large", EAST, f"{EAST}a", True, 1.0, 2, 8)])
+    with pytest.raises(Exception) as e:
+        C.up(state, spec, provider)
+    assert "max_cost $4.50 of cluster cap" in str(e.value) and asked.asked == []
+    assert any("max_cost" in x["message"] for x in state.cluster_events("cap", ("cluster",)))
+    assert state.ledger("cap")[0]["ended_at"] is None  # nothing running is stopped
+    provider.terminate("cap", [])
+
+
+def test_gcp_zone_exhausted_then_the_next_zone_through_the_compute_stand_in(
+        moto_aws, ssh_hosts, tmp_path, hyper_home, monkeypatch):
+    pytest.importorskip("google.cloud.compute_v1")
+    from google.auth.credentials import AnonymousCredentials
+
+    from gcpfake import ComputeFake
+    from hypercli.providers.gcp import GCPAPI
+    fake = ComputeFake()
+    monkeypatch.setenv("HYPER_GCP_ENDPOINT", fake.url)
+    hosts = ssh_hosts.start(1)
+    booter = booted([gcp_source(fake)], hosts, tmp_path, publish=gcp_publisher(fake))
+    fake.exhaust("us-central1-a")
+    api = GCPAPI("proj", "us-central1", credentials=AnonymousCredentials())
+    spec = ClusterSpec("g", "gcp", 1, {"project": "proj", "region": "us-central1",
+                                       "zone": ["us-central1-a", "us-central1-b"],
+                                       "instance_type": "e2-standard-4", "ssh_cidr": CIDR,
+                                       "image": "projects/proj/global/images/x"})
+    state = State()
+    try:
+        [node] = C.up(state, spec, CloudProvider("gcp", options=spec.options, api=api))
+        assert node["info"]["zone"] == "us-central1-b"
+        assert [e["message"] for e in state.cluster_events("g")] == [
+            "us-central1-a: no spot capacity for e2-standard-4 → us-central1-b"]
+        fake.fail("us-central1-c", "quota")  # then a quota error, and no offer left
+        spec2 = ClusterSpec("g2", "gcp", 1, {**spec.options, "zone": ["us-central1-a",
+                                                                      "us-central1-c"]})
+        with pytest.raises(Exception) as e:
+            C.up(state, spec2, CloudProvider("gcp", options=spec2.options, api=api))
+        text = str(e.value)
+        assert "us-central1-a: no spot capacity for e2-standard-4 → us-central1-c" in text
+        assert "us-central1-c: quota 'CPUS' of gcp us-central1 → no offer left" in text
+        assert "console.cloud.google.com/iam-admin/quotas" in (e.value.hint or "")
+        C.down(state, "g")
+        CloudProvider("gcp", options=spec2.options, api=api).terminate("g2", [])
+        assert fake.instances == {z: {} for z in fake.zones}
+        assert not booter.errors, booter.errors
+    finally:
+        booter.stopping.set()
+        booter.join(10)
+        fake.close()
+
+
+def test_azure_allocation_failures_and_quota_name_each_step(hyper_home, tmp_path,
+                                                            monkeypatch):
+    pytest.importorskip("azure.mgmt.compute")
+    from azurefake import ArmFake
+    from test_azure import Token
+    from hypercli.providers.azure import AzureAPI
+    fake = ArmFake(tmp_path)
+    monkeypatch.setenv("HYPER_AZURE_ENDPOINT", fake.url)
+    monkeypatch.setenv("HYPER_AZURE_CA_BUNDLE", str(fake.ca))
+    try:
+        fake.no_sku_in("1")
+        fake.no_capacity_in("2")
+        api = AzureAPI("sub-1", "eastus", credential=Token())
+        spec = ClusterSpec("az", "azure", 1, {
+            "region": "eastus", "zone": ["1", "2"], "instance_type": "Standard_D4s_v5",
+            "ssh_cidr": CIDR, "image": "Canonical:ubuntu-24_04-lts:server:latest"})
+        provider = CloudProvider("azure", options=spec.options, api=api)
+        with pytest.raises(Exception) as e:
+            C.up(State(), spec, provider)
+        text = str(e.value)
+        assert "1: no spot capacity for Standard_D4s_v5 → 2" in text
+        assert "2: no spot capacity for Standard_D4s_v5 → no offer left" in text
+        fake.vm_limit = 0  # zone 3: the VM family's quota
+        spec = ClusterSpec("az", "azure", 1, {**spec.options, "zone": ["1", "3"]})
+        with pytest.raises(Exception) as e:
+            C.up(State(), spec, provider)
+        text = str(e.value)
+        assert "1: no spot capacity for Standard_D4s_v5 → 3" in text
+        assert "3: quota 'standardDSv5Family vCPUs' of azure eastus → no offer left" in text
+        assert "portal.azure.com" in (e.value.hint or "")
+        provider.terminate("az", [])
+        assert fake.res == {}
+    finally:
+        fake.close()

@@ -84,7 +84,7 @@ def preempted_regions(state, now: float | None = None) -> set[tuple[str, str]]:
     """(cloud, region) of every ledger node preempted in the last
     :data:`~hypercli.offers.failover.PREEMPTED_LAST` s (they go last in a launch)."""
     now = now or time.time()
-    return {(r["cloud"], r["region"]) for r in state.ledger(since=now - 7 * 86400)
+    return {(r["cloud"], r["region"]) for r in state.ledger()
             if r.get("end_reason") == "preempted" and r.get("ended_at")
             and r["ended_at"] >= now - PREEMPTED_LAST}
 
