@@ -417,3 +417,28 @@ def test_azure_allocation_failures_and_quota_name_each_step(hyper_home, tmp_path
         assert fake.res == {}
     finally:
         fake.close()
+
+
+def test_gc_ends_the_ledger_rows_of_the_instances_it_removed_once(moto_aws, hyper_home):
+    """`hyper gc` (the state file lost its cluster) removes a cluster's instance: its open
+    ledger row ends then, and a later gc or down does not move that end."""
+    ec2 = moto_aws[EAST]
+    image = ec2.describe_images(Owners=["self"])["Images"][0]["ImageId"]
+    tags = [{"Key": "hyper:cluster", "Value": "orphan"}, {"Key": "hyper:node",
+                                                          "Value": "orphan-0"}]
+    iid = ec2.run_instances(ImageId=image, MinCount=1, MaxCount=1, InstanceType="m5.large",
+                            TagSpecifications=[{"ResourceType": "instance", "Tags": tags}])[
+        "Instances"][0]["InstanceId"]
+    state = State()
+    state.ledger_launch("orphan", "orphan-0", iid, {"cloud": "aws", "region": EAST,
+                                                    "price": 0.1, "launched_at": 1.0})
+    state.ledger_launch("kept", "kept-0", "i-other", {"cloud": "aws", "region": EAST,
+                                                      "price": 0.1, "launched_at": 1.0})
+    removed = C.gc(state, "aws", {"region": EAST})
+    assert f"instance {iid}" in removed
+    rows = {r["node"]: r for r in state.ledger()}
+    assert rows["orphan-0"]["end_reason"] == "gc" and rows["kept-0"]["ended_at"] is None
+    ended = rows["orphan-0"]["ended_at"]
+    C.gc(state, "aws", {"region": EAST})
+    assert state.ledger_end("orphan", ["orphan-0"], reason="down") == 0
+    assert state.ledger("orphan")[0]["ended_at"] == ended
