@@ -18,12 +18,17 @@ provider's (:mod:`hypercli.providers.ssh`).
    refused like on any SSH host;
 3. the cloud's shared resources are made (:meth:`CloudAPI.prepare`: key pair, firewall for port
    22 from the caller's address only and for all traffic between the cluster's own nodes),
-   the instances are created (zones tried in order on capacity errors), and each node is
-   bootstrapped over SSH as soon as it is running, with retries while it boots; its ``info``
-   records its private address (:func:`node_info`), where the other nodes reach it.
+   the instances are created along the launch's offers (:mod:`hypercli.offers.failover`:
+   the next zone, region or cloud on capacity and quota errors, and for a spot instance left
+   pending :data:`SPOT_WAIT` s; each (cloud, region) prepared is kept in
+   ``keys/<cluster>/places.json`` for teardown), and each node is bootstrapped over SSH as
+   soon as it is running, with retries while it boots; its ``info`` records its private
+   address (:func:`node_info`), where the other nodes reach it, and for a node launched now
+   its offer's price (USD/h) and launch time, which ``hypercli.cluster.up`` enters in the
+   cost ledger.
 
 ``terminate`` (``hyper down``) terminates the instances, then lists everything tagged for the
-cluster and deletes it, again and again until the cloud reports nothing left (or a deadline),
+cluster in each (cloud, region) it was launched in and deletes it, again and again until the cloud reports nothing left (or a deadline),
 and says what it removed. :func:`gc` does the same for every ``hyper:*`` resource that no live
 cluster of the state file owns.
 
@@ -506,11 +511,13 @@ class CloudProvider(SSHProvider):
         from hypercli.providers.cloud import CapacityError
         deadline = time.monotonic() + SPOT_WAIT
         pending = {v.id: v for v in created if v.state == "pending"}
-        while pending and time.monotonic() < deadline:
-            time.sleep(DESCRIBE_EVERY)
+        while pending:
             now = {v.id: v for v in api.describe(cs.cluster)}
             pending = {i: v for i, v in pending.items() if i in now
                        and now[i].state == "pending"}
+            if not pending or time.monotonic() > deadline:
+                break
+            time.sleep(DESCRIBE_EVERY)
         if not pending:
             return created, {}
         api.terminate(cs.cluster, list(pending))
