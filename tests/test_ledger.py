@@ -223,3 +223,16 @@ def test_recipe_takes_spot_auto_and_max_cost_and_refuses_bad_ones():
     with pytest.raises(RecipeError, match="applies to providers aws, gcp, azure"):
         parse_recipe("name: n\ncluster: {provider: ssh, hosts: [h], max_cost: 3}\n"
                      "experiments: {a: {command: x}}\n")
+
+
+@pytest.mark.parametrize("code", ["capacity-not-available", "capacity-oversubscribed",
+                                  "price-too-low", "InsufficientInstanceCapacity"])
+def test_ec2_spot_request_status_codes_are_capacity_errors(code):
+    """EC2's spot request status codes for a request it cannot fulfil move a launch on."""
+    from botocore.exceptions import ClientError
+
+    from hypercli.providers.aws import aws_errors
+    with pytest.raises(CapacityError) as e:
+        with aws_errors("launching c-0 in us-east-1a"):
+            raise ClientError({"Error": {"Code": code, "Message": "m"}}, "RunInstances")
+    assert e.value.code == code and e.value.failover == "capacity"
