@@ -61,8 +61,6 @@ def up(state: State, spec: ClusterSpec, provider=None,
         names.add(inst.name)
         state.put_node(spec.name, inst.name, slots=inst.slots, provider_id=inst.provider_id,
                        address=inst.address, info=inst.extra)
-        if inst.extra.get("launched_at"):  # a cloud node launched now: the cost ledger
-            state.ledger_launch(spec.name, inst.name, inst.provider_id, inst.extra)
     gone = [n["name"] for n in state.nodes(spec.name, status="up") if n["name"] not in names]
     for name in gone:
         state.set_node_status(name, "down")
@@ -192,7 +190,7 @@ def down(state: State, name: str) -> list[str]:
     removed += provider.terminate(name, live_nodes)
     for n in nodes:
         state.set_node_status(n["name"], "down")
-    state.ledger_end(name, [n["name"] for n in nodes], at=ended, reason="down")
+    state.ledger_end(name, None, at=ended, reason="down")  # every instance it had
     state.set_cluster_status(name, "down")
     state.event("cluster", f"{name} down: removed {len(removed)} resources")
     return removed

@@ -752,18 +752,22 @@ class State:
                         info.get("instance_type") or "", 1 if info.get("spot") else 0,
                         info.get("price"), info.get("launched_at") or time.time()))
 
-    def ledger_end(self, cluster: str, nodes: Iterable[str], at: float | None = None,
+    def ledger_end(self, cluster: str, nodes: Iterable[str] | None, at: float | None = None,
                    reason: str = "down") -> int:
-        """Record the end (unix s, default now) of the named nodes' instances that have none
-        yet: a recorded end is never overwritten. Returns the rows ended."""
-        nodes = list(nodes)
-        if not nodes:
-            return 0
+        """Record the end (unix s, default now) of the named nodes' instances (None: every
+        instance of the cluster) that have none yet: a recorded end is never overwritten.
+        Returns the rows ended."""
+        only = ""
+        args: list = []
+        if nodes is not None:
+            args = list(nodes)
+            if not args:
+                return 0
+            only = f" AND node IN ({','.join('?' * len(args))})"
         with self.tx() as db:
             return db.execute(
                 "UPDATE ledger SET ended_at=?, end_reason=? WHERE cluster=? AND ended_at IS "
-                f"NULL AND node IN ({','.join('?' * len(nodes))})",
-                (at or time.time(), reason, cluster, *nodes)).rowcount
+                f"NULL{only}", (at or time.time(), reason, cluster, *args)).rowcount
 
     def ledger_end_instances(self, cloud: str, ids: Iterable[str], at: float | None = None,
                              reason: str = "gc") -> int:

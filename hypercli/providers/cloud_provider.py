@@ -24,8 +24,8 @@ provider's (:mod:`hypercli.providers.ssh`).
    ``keys/<cluster>/places.json`` for teardown), and each node is bootstrapped over SSH as
    soon as it is running, with retries while it boots; its ``info`` records its private
    address (:func:`node_info`), where the other nodes reach it, and for a node launched now
-   its offer's price (USD/h) and launch time, which ``hypercli.cluster.up`` enters in the
-   cost ledger.
+   its offer's price (USD/h) and launch time. Each instance is entered in the cost ledger
+   (:mod:`hypercli.offers.ledger`) as soon as the cloud created it, whether or not it comes up.
 
 ``terminate`` (``hyper down``) terminates the instances, then lists everything tagged for the
 cluster in each (cloud, region) it was launched in and deletes it, again and again until the cloud reports nothing left (or a deadline),
@@ -480,8 +480,12 @@ class CloudProvider(SSHProvider):
                     offer = offer if offer.price else failover.with_price(
                         offer, self._prices(api, ocs))
                 now = time.time()
-                for vm in created:
+                for vm in created:  # billed from now on, whether or not it comes up
                     where[vm.id] = (api, ocs, offer, now)
+                    state.ledger_launch(cs.cluster, vm.node, vm.id, {
+                        "cloud": offer.cloud, "region": offer.region,
+                        "zone": vm.zone or offer.zone, "instance_type": offer.instance_type,
+                        "spot": offer.spot, "price": offer.price or None, "launched_at": now})
                 return created, failed
 
             created, failed, _ = failover.walk(
