@@ -4,8 +4,8 @@ them when a cloud answers that it has no room.
 A launch gets an ordered list of :class:`~hypercli.offers.offer.Offer` (the optimizer's,
 cheapest first, or :func:`offers_from_options`: the recipe's own ``instance_type`` in each of
 its zones). :func:`ordered` puts spot offers before on-demand ones (``spot: auto``: on-demand
-only when no spot capacity is left) and a region whose spot nodes were preempted in the last
-:data:`PREEMPTED_LAST` seconds after the others. :func:`walk` launches the nodes on the first
+only when no spot capacity is left) and the spot offers of a region whose spot nodes were
+preempted in the last :data:`PREEMPTED_LAST` seconds after the other spot offers. :func:`walk` launches the nodes on the first
 offer; the nodes that meet a capacity error (``hypercli.providers.cloud.CapacityError``:
 AWS ``InsufficientInstanceCapacity``, a spot request not fulfilled; GCP
 ``ZONE_RESOURCE_POOL_EXHAUSTED``; Azure ``SkuNotAvailable`` / ``AllocationFailed`` /
@@ -72,10 +72,10 @@ def offers_from_options(cloud: str, options: dict) -> list[Offer]:
 
 
 def ordered(offers: Iterable[Offer], preempted: Iterable[tuple[str, str]] = ()) -> list[Offer]:
-    """The order a launch tries ``offers`` in: spot before on-demand, and within each, the
-    offers of a region in ``preempted`` ((cloud, region) pairs whose spot nodes were
-    preempted in the last :data:`PREEMPTED_LAST` s) after the others; otherwise the given
-    order (the optimizer's, cheapest first) is kept."""
+    """The order a launch tries ``offers`` in: spot before on-demand, and the spot offers of
+    a region in ``preempted`` ((cloud, region) pairs whose spot nodes were preempted in the
+    last :data:`PREEMPTED_LAST` s) after the other spot offers (on-demand capacity is not
+    taken back); otherwise the given order (the optimizer's, cheapest first) is kept."""
     hot = set(preempted)
     return sorted(offers, key=lambda o: (not o.spot, o.spot and (o.cloud, o.region) in hot))
 
