@@ -235,7 +235,8 @@ def test_the_first_cloud_out_of_capacity_the_launch_lands_on_the_second(
         t2 = __import__("time").time()
         rows = state.ledger("xc")
         assert all(t1 <= r["ended_at"] <= t2 and r["end_reason"] == "down" for r in rows)
-        assert fake.instances == {z: {} for z in fake.zones}
+        assert fake.instances == {z: {} for z in fake.zones}  # and nothing else of it
+        assert not fake.firewalls and not fake.service_accounts
         assert left(moto_aws[EAST], "xc") == []
         r = hyper("cost", "xc", "--json")
         out = json.loads(r.stdout)

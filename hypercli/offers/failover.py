@@ -5,14 +5,14 @@ A launch gets an ordered list of :class:`~hypercli.offers.offer.Offer` (the opti
 cheapest first, or :func:`offers_from_options`: the recipe's own ``instance_type`` in each of
 its zones). :func:`ordered` puts spot offers before on-demand ones (``spot: auto``: on-demand
 only when no spot capacity is left) and the spot offers of a region whose spot nodes were
-preempted in the last :data:`PREEMPTED_LAST` seconds after the other spot offers. :func:`walk` launches the nodes on the first
-offer; the nodes that meet a capacity error (``hypercli.providers.cloud.CapacityError``:
-AWS ``InsufficientInstanceCapacity``, a spot request not fulfilled; GCP
-``ZONE_RESOURCE_POOL_EXHAUSTED``; Azure ``SkuNotAvailable`` / ``AllocationFailed`` /
-``ZonalAllocationFailed``) or a quota error go on to the next offer: next zone, next region,
-next cloud, in the list's order. Each step is one line (:class:`Step`,
-``us-east-1a: no spot capacity for p3.8xlarge → us-west-2b``) that the caller logs as an
-event, and when every offer failed the nodes' error (:class:`FailoverError`) lists them all.
+preempted in the last :data:`PREEMPTED_LAST` seconds after the other spot offers. :func:`walk`
+launches the nodes on the first offer; the nodes that meet a capacity error
+(``hypercli.providers.cloud.CapacityError``: AWS ``InsufficientInstanceCapacity``, a spot
+request not fulfilled; GCP ``ZONE_RESOURCE_POOL_EXHAUSTED``; Azure ``SkuNotAvailable`` /
+``AllocationFailed`` / ``ZonalAllocationFailed``) or a quota error go on to the next offer:
+next zone, next region, next cloud, in the list's order. Each step is one line (:class:`Step`,
+``us-east-1a: no spot capacity for p3.8xlarge → us-west-2b``) that the caller logs as an event,
+and when every offer failed the nodes' error (:class:`FailoverError`) lists them all.
 
 SkyPilot's failover (``sky/backends/cloud_vm_ray_backend.py``, ``FailoverCloudErrorHandlerV2``:
 zone, then region, then cloud, blocking what failed) is the model; this module is cloud-free:

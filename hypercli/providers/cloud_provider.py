@@ -28,9 +28,9 @@ provider's (:mod:`hypercli.providers.ssh`).
    (:mod:`hypercli.offers.ledger`) as soon as the cloud created it, whether or not it comes up.
 
 ``terminate`` (``hyper down``) terminates the instances, then lists everything tagged for the
-cluster in each (cloud, region) it was launched in and deletes it, again and again until the cloud reports nothing left (or a deadline),
-and says what it removed. :func:`gc` does the same for every ``hyper:*`` resource that no live
-cluster of the state file owns.
+cluster in each (cloud, region) it was launched in and deletes it, again and again until the
+cloud reports nothing left (or a deadline), and says what it removed. :func:`gc` does the same
+for every ``hyper:*`` resource that no live cluster of the state file owns.
 
 Test seam: with ``HYPER_CLOUD_ADDRESSES`` naming a JSON file ``{instance id: "host:port"}``,
 an instance listed there is reached at that address instead of its public IP (the test suite
