@@ -26,12 +26,16 @@ from hypercli.stop import cancel_workflow
 
 
 def up(state: State, spec: ClusterSpec, provider=None,
-       report: Callable[[str], None] = lambda line: None) -> list[dict]:
+       report: Callable[[str], None] = lambda line: None, offers: list | None = None
+       ) -> list[dict]:
     """Bring the cluster of ``spec`` up and return its live nodes (``nodes`` rows).
 
     Args:
         provider: the provider instance to use (default: a new one of ``spec.provider``).
         report: receives one line per target that could not be brought up.
+        offers: for a cloud provider, the :class:`~hypercli.offers.offer.Offer` values its
+            launch walks along, in order (:mod:`hypercli.offers.failover`; default: the
+            recipe's own instance type and zones).
     Raises:
         UsageError: a cluster of that name exists with another provider.
         InfraError: no node at all came up (the message lists every target's error).
@@ -43,7 +47,7 @@ def up(state: State, spec: ClusterSpec, provider=None,
                          f"`hyper down {spec.name}` first, or name another cluster")
     base, spec = with_granted(state, spec, old)
     provider = provider or get_provider(spec.provider, options=spec.options)
-    result = provider.launch(spec)
+    result = provider.launch(spec, offers=offers) if offers else provider.launch(spec)
     instances = result.instances
     for target, err in result.errors.items():
         report(f"{target}: {err}" + (f" ({err.hint})" if getattr(err, "hint", None) else ""))

@@ -107,11 +107,10 @@ def test_capacity_errors_per_zone_then_per_region_land_in_the_next_region(
               Offer("aws", "m5.large", WEST, f"{WEST}b", True, 0.06, 2, 8)]
     spec = ClusterSpec("fo", "aws", 1, {"region": EAST, "instance_type": "m5.large",
                                         "ssh_cidr": CIDR})
-    provider = CloudProvider("aws", options=spec.options, api=apis["aws", EAST], apis=apis,
-                             offers=offers)
+    provider = CloudProvider("aws", options=spec.options, api=apis["aws", EAST], apis=apis)
     state = State()
     try:
-        [node] = C.up(state, spec, provider)
+        [node] = C.up(state, spec, provider, offers=offers)
         assert [z for z, _ in refused.asked] == [f"{EAST}a", f"{EAST}b"]
         assert (node["info"]["cloud"], node["info"]["region"], node["info"]["zone"]) == \
             ("aws", WEST, f"{WEST}b")

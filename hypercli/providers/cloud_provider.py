@@ -410,9 +410,9 @@ class CloudProvider(SSHProvider):
         Args:
             spec: the cluster.
             offers: :class:`~hypercli.offers.offer.Offer` values in the order to try (the
-                optimizer's); default: those given to the constructor, else the recipe's own
-                ``instance_type`` in each of its zones
-                (:func:`hypercli.offers.failover.offers_from_options`).
+                optimizer's), kept for later launches (replacements); default: those given
+                before (or to the constructor), else the recipe's own ``instance_type`` in
+                each of its zones (:func:`hypercli.offers.failover.offers_from_options`).
         Returns:
             the nodes up and an error per node that is not: a
             :class:`~hypercli.offers.failover.FailoverError` listing every step when no
@@ -422,8 +422,9 @@ class CloudProvider(SSHProvider):
         """
         from hypercli.offers import failover, ledger
         cs = self.cloud_spec(spec)
-        offers = list(offers or self.offers or failover.offers_from_options(self.name,
-                                                                            spec.options))
+        if offers:  # kept for the replacements this provider launches later
+            self.offers = list(offers)
+        offers = list(self.offers or failover.offers_from_options(self.name, spec.options))
         if not all(o.instance_type for o in offers):
             raise UsageError(f"provider {self.name} needs cluster.instance_type",
                              "e.g. instance_type: m5.large (aws), e2-standard-4 (gcp), "
