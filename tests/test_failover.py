@@ -111,6 +111,7 @@ def test_capacity_errors_per_zone_then_per_region_land_in_the_next_region(
     state = State()
     try:
         [node] = C.up(state, spec, provider, offers=offers)
+        assert provider.offers == offers  # what a replacement launch walks along
         assert [z for z, _ in refused.asked] == [f"{EAST}a", f"{EAST}b"]
         assert (node["info"]["cloud"], node["info"]["region"], node["info"]["zone"]) == \
             ("aws", WEST, f"{WEST}b")
