@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import fcntl
 import os
+import time
 from typing import Callable
 
 from hypercli.console import plural
@@ -25,12 +26,16 @@ from hypercli.stop import cancel_workflow
 
 
 def up(state: State, spec: ClusterSpec, provider=None,
-       report: Callable[[str], None] = lambda line: None) -> list[dict]:
+       report: Callable[[str], None] = lambda line: None, offers: list | None = None
+       ) -> list[dict]:
     """Bring the cluster of ``spec`` up and return its live nodes (``nodes`` rows).
 
     Args:
         provider: the provider instance to use (default: a new one of ``spec.provider``).
         report: receives one line per target that could not be brought up.
+        offers: for a cloud provider, the :class:`~hypercli.offers.offer.Offer` values its
+            launch walks along, in order (:mod:`hypercli.offers.failover`; default: the
+            recipe's own instance type and zones).
     Raises:
         UsageError: a cluster of that name exists with another provider.
         InfraError: no node at all came up (the message lists every target's error).
@@ -42,7 +47,7 @@ def up(state: State, spec: ClusterSpec, provider=None,
                          f"`hyper down {spec.name}` first, or name another cluster")
     base, spec = with_granted(state, spec, old)
     provider = provider or get_provider(spec.provider, options=spec.options)
-    result = provider.launch(spec)
+    result = provider.launch(spec, offers=offers) if offers else provider.launch(spec)
     instances = result.instances
     for target, err in result.errors.items():
         report(f"{target}: {err}" + (f" ({err.hint})" if getattr(err, "hint", None) else ""))
@@ -60,9 +65,10 @@ def up(state: State, spec: ClusterSpec, provider=None,
         names.add(inst.name)
         state.put_node(spec.name, inst.name, slots=inst.slots, provider_id=inst.provider_id,
                        address=inst.address, info=inst.extra)
-    for n in state.nodes(spec.name, status="up"):
-        if n["name"] not in names:
-            state.set_node_status(n["name"], "down")
+    gone = [n["name"] for n in state.nodes(spec.name, status="up") if n["name"] not in names]
+    for name in gone:
+        state.set_node_status(name, "down")
+    state.ledger_end(spec.name, gone, reason="gone")
     state.event("cluster", f"up with {plural(len(instances), 'node')} ({spec.provider})")
     return state.nodes(spec.name, status="up")
 
@@ -133,6 +139,10 @@ def replace(state: State, provider, node: dict) -> list[dict]:
         HyperError: the launch failed (CloudError, CredentialsError, InfraError).
     """
     spec = provider.replacement(node) if hasattr(provider, "replacement") else None
+    # the cloud took the node back (the scheduler asks for a replacement only then): its
+    # cost ends now, and a spot node's region goes last in launches for a while
+    state.ledger_end(node["cluster"], [node["name"]],
+                     reason="preempted" if (node.get("info") or {}).get("spot") else "gone")
     if spec is None:
         return []
     before = {n["name"] for n in state.nodes(spec.name)}
@@ -180,9 +190,11 @@ def down(state: State, name: str) -> list[str]:
     removed = []
     if paths and hasattr(provider, "unmount"):
         removed += provider.unmount(live_nodes, paths)
+    ended = time.time()  # the nodes are not used after this: their cost ends here
     removed += provider.terminate(name, live_nodes)
     for n in nodes:
         state.set_node_status(n["name"], "down")
+    state.ledger_end(name, None, at=ended, reason="down")  # every instance it had
     state.set_cluster_status(name, "down")
     state.event("cluster", f"{name} down: removed {len(removed)} resources")
     return removed
@@ -235,7 +247,10 @@ def gc(state: State, provider: str, options: dict, dry_run: bool = False) -> lis
     api = make_api(provider, options)
     if dry_run:
         return [str(r) for r in api.resources(None) if r.cluster and r.cluster not in live]
+    ended = time.time()
     removed = remove_all(api, None, keep=live)
+    gone = [line.split()[1] for line in removed if line.split()[:1] == ["instance"]]
+    state.ledger_end_instances(provider, gone, at=ended, reason="gc")
     state.event("cluster", f"gc {provider}: removed {len(removed)} resources")
     return removed
 

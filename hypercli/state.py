@@ -1,7 +1,7 @@
 """The state file: one SQLite database under ``$HYPER_HOME`` holding everything hypercli knows.
 
 Tables: clusters, nodes, workflows, experiments, tasks, attempts, events, samples
-(utilisation), and ``schema_migrations`` (numbered migrations, each applied once, in order). This is the only
+(utilisation), ledger (cost: each cloud instance's offer, price and lifetime), and ``schema_migrations`` (numbered migrations, each applied once, in order). This is the only
 module that writes SQL. JSON columns hold structured values (never pickle).
 
 Concurrency: WAL journal, so ``hyper ps`` reads while ``hyper run`` writes; a 10 s busy
@@ -151,6 +151,27 @@ def m008_cluster_ids(db: sqlite3.Connection) -> None:
     name made in advance by someone else is not guessed."""
     db.execute("CREATE TABLE cluster_ids (name TEXT PRIMARY KEY, uid TEXT NOT NULL, "
                "created_at REAL NOT NULL)")
+
+
+@migration
+def m009_ledger(db: sqlite3.Connection) -> None:
+    """``ledger``: the cost ledger (:mod:`hypercli.offers.ledger`), one row per cloud instance
+    launched: cluster, node, the cloud's instance id, the offer it was launched on (cloud,
+    region, zone, instance type, spot), ``price`` in USD per node-hour (NULL when the cloud
+    gave none), ``launched_at`` and ``ended_at`` (unix s; NULL while it runs; written once)
+    and ``end_reason`` (``down``, ``preempted``, ``gone``, ``gc``). Rows outlive their cluster
+    (``forget`` keeps them). ``events.cluster``: the cluster an event is about (launch
+    failover steps)."""
+    _script(db, """
+    CREATE TABLE ledger (
+        id INTEGER PRIMARY KEY AUTOINCREMENT, cluster TEXT NOT NULL, node TEXT NOT NULL,
+        instance_id TEXT NOT NULL, cloud TEXT NOT NULL, region TEXT NOT NULL DEFAULT '',
+        zone TEXT, instance_type TEXT NOT NULL DEFAULT '', spot INTEGER NOT NULL DEFAULT 0,
+        price REAL, launched_at REAL NOT NULL, ended_at REAL, end_reason TEXT,
+        UNIQUE (cloud, instance_id));
+    CREATE INDEX ledger_cluster ON ledger(cluster, launched_at);
+    ALTER TABLE events ADD COLUMN cluster TEXT
+    """)
 
 
 def _script(db: sqlite3.Connection, sql: str) -> None:
@@ -690,13 +711,14 @@ class State:
     # -- events -------------------------------------------------------------------------
     @staticmethod
     def _event(db, kind: str, message: str, **ids) -> None:
-        db.execute("INSERT INTO events (ts, workflow, task, attempt, node, kind, message) "
-                   "VALUES (?,?,?,?,?,?,?)", (time.time(), ids.get("workflow"), ids.get("task"),
-                                              ids.get("attempt"), ids.get("node"), kind, message))
+        db.execute("INSERT INTO events (ts, workflow, task, attempt, node, kind, message, "
+                   "cluster) VALUES (?,?,?,?,?,?,?,?)",
+                   (time.time(), ids.get("workflow"), ids.get("task"), ids.get("attempt"),
+                    ids.get("node"), kind, message, ids.get("cluster")))
 
     def event(self, kind: str, message: str, **ids) -> None:
-        """Append to the event log (kind: workflow, attempt, node, cluster; ids: workflow,
-        task, attempt, node)."""
+        """Append to the event log (kind: workflow, attempt, node, cluster, launch; ids:
+        workflow, task, attempt, node, cluster)."""
         with self.tx() as db:
             self._event(db, kind, message, **ids)
 
@@ -704,6 +726,87 @@ class State:
         rows = self.db.execute("SELECT * FROM events WHERE workflow=? ORDER BY id DESC LIMIT ?",
                                (wid, limit)).fetchall()
         return [dict(r) for r in reversed(rows)]
+
+    def cluster_events(self, cluster: str, kinds: Iterable[str] = ("launch",),
+                       since: float = 0.0, limit: int = 20) -> list[dict]:
+        """The latest events about ``cluster`` of these kinds after ``since`` (unix s),
+        oldest first (at most ``limit``)."""
+        kinds = list(kinds)
+        rows = self.db.execute(
+            f"SELECT * FROM events WHERE cluster=? AND kind IN ({','.join('?' * len(kinds))})"
+            " AND ts>=? ORDER BY id DESC LIMIT ?", (cluster, *kinds, since, limit)).fetchall()
+        return [dict(r) for r in reversed(rows)]
+
+    # -- cost ledger --------------------------------------------------------------------
+    def ledger_launch(self, cluster: str, node: str, instance_id: str, info: dict) -> None:
+        """Record a launched cloud instance (migration ``m009_ledger``) from its node ``info``
+        (``cloud``, ``region``, ``zone``, ``instance_type``, ``spot``, ``price`` USD/h,
+        ``launched_at`` unix s). Recorded once: a second call for the instance changes
+        nothing."""
+        with self.tx() as db:
+            db.execute("INSERT OR IGNORE INTO ledger (cluster, node, instance_id, cloud, region,"
+                       " zone, instance_type, spot, price, launched_at) "
+                       "VALUES (?,?,?,?,?,?,?,?,?,?)",
+                       (cluster, node, instance_id, info.get("cloud") or "",
+                        info.get("region") or "", info.get("zone"),
+                        info.get("instance_type") or "", 1 if info.get("spot") else 0,
+                        info.get("price"), info.get("launched_at") or time.time()))
+
+    def ledger_end(self, cluster: str, nodes: Iterable[str] | None, at: float | None = None,
+                   reason: str = "down") -> int:
+        """Record the end (unix s, default now) of the named nodes' instances (None: every
+        instance of the cluster) that have none yet: a recorded end is never overwritten.
+        Returns the rows ended."""
+        only = ""
+        args: list = []
+        if nodes is not None:
+            args = list(nodes)
+            if not args:
+                return 0
+            only = f" AND node IN ({','.join('?' * len(args))})"
+        with self.tx() as db:
+            return db.execute(
+                "UPDATE ledger SET ended_at=?, end_reason=? WHERE cluster=? AND ended_at IS "
+                f"NULL{only}", (at or time.time(), reason, cluster, *args)).rowcount
+
+    def ledger_end_instances(self, cloud: str, ids: Iterable[str], at: float | None = None,
+                             reason: str = "gc") -> int:
+        """Record the end of these instances of ``cloud`` (``hyper gc`` removed them) where
+        none is recorded yet. Returns the rows ended."""
+        ids = list(ids)
+        if not ids:
+            return 0
+        with self.tx() as db:
+            return db.execute(
+                "UPDATE ledger SET ended_at=?, end_reason=? WHERE cloud=? AND ended_at IS NULL"
+                f" AND instance_id IN ({','.join('?' * len(ids))})",
+                (at or time.time(), reason, cloud, *ids)).rowcount
+
+    def ledger(self, cluster: str | None = None, since: float = 0.0) -> list[dict]:
+        """Ledger rows (of ``cluster``, launched at or after ``since``), oldest first."""
+        q, args = "SELECT * FROM ledger WHERE launched_at>=?", [since]
+        if cluster is not None:
+            q, args = q + " AND cluster=?", args + [cluster]
+        return [dict(r) for r in self.db.execute(q + " ORDER BY launched_at, id", args)]
+
+    def cluster_since(self, name: str) -> float:
+        """When the cluster's id (migration 8) was made (unix s; 0.0 without one): its
+        ledger since it was last forgotten."""
+        r = self.db.execute("SELECT created_at FROM cluster_ids WHERE name=?", (name,)).fetchone()
+        return r[0] if r else 0.0
+
+    def node_work(self, nodes: Iterable[str]) -> list[dict]:
+        """Every attempt on these nodes: ``{"node", "workflow", "experiment", "start",
+        "end", "status"}`` (start: started, else created; end NULL while it runs)."""
+        nodes = list(nodes)
+        if not nodes:
+            return []
+        rows = self.db.execute(
+            "SELECT a.node, a.workflow, t.experiment, COALESCE(a.started_at, a.created_at) "
+            "AS start, a.ended_at AS end, a.status FROM attempts a JOIN tasks t ON "
+            f"t.workflow=a.workflow AND t.id=a.task WHERE a.node IN "
+            f"({','.join('?' * len(nodes))})", nodes)
+        return [dict(r) for r in rows]
 
     def task_matches(self, ref: str) -> list[dict]:
         """Every workflow that a bare task reference (``search-0007``, or the name of a

@@ -128,10 +128,22 @@ def test_up_run_spot_interruption_and_down_on_aws(aws, ssh_hosts, tmp_path, hype
         assert ("PUT", "/latest/api/token") in [r[:2] for r in from_nodes]
         assert all(r[2] for r in from_nodes if r[0] == "GET")
 
+        # the cost ledger: each node's lifetime, the preempted one ended when it was taken
+        rows = {r["node"]: r for r in state.ledger("spotjob")}
+        assert set(rows) == set(all_nodes)
+        victim = rows[injected["node"]]
+        assert victim["end_reason"] == "preempted" and victim["ended_at"] is not None
+        assert rows[replacement]["launched_at"] >= victim["ended_at"]
+        assert all(r["ended_at"] is None for n, r in rows.items() if n != injected["node"])
+
         r = hyper("down", "spotjob", timeout=120)
         assert r.returncode == 0, r.stdout + r.stderr
         assert "removed instance" in r.stdout and "security_group" in r.stdout
         assert tagged_left(aws, "spotjob") == []
+        rows = {r["node"]: r for r in State().ledger("spotjob")}
+        assert rows[injected["node"]]["ended_at"] == victim["ended_at"]  # not moved by down
+        assert all(r["end_reason"] == "down" and r["ended_at"] >= r["launched_at"]
+                   for n, r in rows.items() if n != injected["node"])
         iam = boto3.client("iam", region_name=REGION,
                            endpoint_url=aws.meta.endpoint_url)
         assert iam.list_roles(PathPrefix="/hyper/")["Roles"] == []

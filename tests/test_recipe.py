@@ -422,7 +422,7 @@ def test_bad_experiment_fields(body, field, message):
     ("cluster: {provider: ssh, hosts: ['a b']}\n", "cluster.hosts", "user@host:port"),
     ("cluster: {provider: aws, disk_gb: 5}\n", "cluster.disk_gb", "at least 10"),
     ("cluster: {provider: aws, max_price: 0}\n", "cluster.max_price", "above 0"),
-    ("cluster: {provider: aws, spot: 'yes'}\n", "cluster.spot", "true or false"),
+    ("cluster: {provider: aws, spot: 'yes'}\n", "cluster.spot", "true, false or auto"),
     ("cluster: {provider: aws, ssh_cidr: nope}\n", "cluster.ssh_cidr", "not a network"),
     ("cluster: {provider: aws, workers: 0}\n", "cluster.workers", "at least 1"),
     ("cluster: {provider: aws, regoin: x}\n", "cluster.regoin", "did you mean 'region'?"),

@@ -3,7 +3,7 @@
 One module per command or group (``run``: plan, run, attach; ``tasks``: ps, results,
 outputs, logs, cancel; ``cluster``: up, down, check, gc, status, forget; ``remote``: exec,
 ssh, ssh-config; ``data``, ``image``, ``usage``: top, stats; ``ui``; ``config``; ``ports``:
-port-forward, jupyter, tensorboard; ``offers``: offers, catalog), registered here and nowhere else. Imports run one way: this package imports the library below it and its own
+port-forward, jupyter, tensorboard; ``offers``: offers, catalog; ``cost``), registered here and nowhere else. Imports run one way: this package imports the library below it and its own
 ``common`` module; the command modules never import each other or this module.
 
 This package is the only one that imports click and the only place where a HyperError
@@ -17,7 +17,7 @@ import click
 
 from hypercli import __version__
 from hypercli.cli import cluster, data, image, remote, run, tasks, ui, usage
-from hypercli.cli import config, offers, ports
+from hypercli.cli import config, cost, offers, ports
 from hypercli.cli.common import console, text
 from hypercli.errors import HyperError
 
@@ -49,7 +49,7 @@ for _command in (run.plan, run.run, run.attach,
                  data.data, image.image, remote.exec_, remote.ssh, remote.ssh_config,
                  ui.ui, usage.top, usage.stats,
                  config.config, ports.port_forward, ports.jupyter, ports.tensorboard,
-                 offers.offers, offers.catalog):
+                 offers.offers, offers.catalog, cost.cost):
     cli.add_command(_command)
 
 

@@ -8,7 +8,7 @@ import sys
 
 import click
 
-from hypercli.cli.common import console, open_state, plural, print_json, text
+from hypercli.cli.common import ago, console, open_state, plural, print_json, text
 
 
 # -- clusters -----------------------------------------------------------------------------
@@ -68,9 +68,16 @@ def up(recipe, provider, hosts, identity_file, user, workers, name, trust_new_ho
         raise UsageError("give a RECIPE or --provider", "e.g. `hyper up --provider ssh "
                          "--host root@10.0.0.5 --identity-file ~/.ssh/id_ed25519`")
     err = console(stderr=True)
-    nodes = up_(open_state(), spec, trust_new_hosts=trust_new_hosts,
-                log=lambda line: err.print(text(("not up:", "yellow"), f" {line}"),
-                                          soft_wrap=True))
+    import time
+    started = time.time()
+    state = open_state()
+    try:
+        nodes = up_(state, spec, trust_new_hosts=trust_new_hosts,
+                    log=lambda line: err.print(text(("not up:", "yellow"), f" {line}"),
+                                              soft_wrap=True))
+    finally:  # the launch's failover steps (a spot → on-demand move costs more)
+        for e in state.cluster_events(spec.name, ("launch",), since=started):
+            err.print(text(("failover:", "yellow"), f" {e['message']}"), soft_wrap=True)
     click.echo(f"cluster {spec.name} is up: {plural(len(nodes), spec.provider + ' node')}")
     for n in nodes:
         click.echo(f"  {n['name']}  {n['provider_id']}  {_node_facts(n['info'], spec.provider)}")
@@ -172,7 +179,18 @@ def gc(provider, region, project, subscription, dry_run):
 def status(cluster, show_all, as_json):
     """Show clusters and their nodes (the clusters that are not down, or CLUSTER)."""
     from hypercli.workflows import cluster_rows
-    out, hidden = cluster_rows(open_state(), cluster, show_all)
+    state = open_state()
+    out, hidden = cluster_rows(state, cluster, show_all)
+    for c in out:  # the offer each node runs on, and the latest launch failover steps
+        offers = {r["node"]: r for r in state.ledger(c["cluster"]) if r["ended_at"] is None}
+        for n in c["nodes"]:
+            r = offers.get(n["name"])
+            n["offer"] = None if r is None else {
+                k: r[k] for k in ("cloud", "region", "zone", "instance_type", "price")}
+            if r is not None:
+                n["offer"]["spot"] = bool(r["spot"])
+        c["launch"] = [{"ts": e["ts"], "step": e["message"]}
+                       for e in state.cluster_events(c["cluster"], ("launch",), limit=5)]
     if as_json:
         print_json(out)
         return
@@ -183,8 +201,15 @@ def status(cluster, show_all, as_json):
         click.echo(f"{c['cluster']}  {c['provider']}  {c['status']}  "
                    f"{up_nodes}/{len(c['nodes'])} nodes up")
         for n in c["nodes"]:
+            o = n.get("offer")
+            where = "" if not o else (
+                f"  {o['cloud']} {o['zone'] or o['region']} {o['instance_type']} "
+                f"{'spot' if o['spot'] else 'on-demand'}"
+                + (f" ${o['price']:.4f}/h" if o["price"] else ""))
             click.echo(f"  {n['name']:<24} {n['status']:<6} slots {n['slots']}  "
-                       f"{n['provider_id'] or ''}")
+                       f"{n['provider_id'] or ''}{where}")
+        for e in c.get("launch", []):
+            click.echo(f"  launch {ago(e['ts'])}: {e['step']}")
     if hidden:
         click.echo(f"{plural(hidden, 'cluster that is down', 'clusters that are down')} not "
                    f"shown (--all shows {'it' if hidden == 1 else 'them'}; `hyper forget "

@@ -93,7 +93,10 @@ DENIED_CODES = {"UnauthorizedOperation", "AccessDenied", "AccessDeniedException"
 #: no room for the request in that zone: the next zone is tried
 CAPACITY_CODES = {"InsufficientInstanceCapacity", "InsufficientCapacity",
                   "InsufficientHostCapacity", "InsufficientReservedInstanceCapacity",
-                  "Unsupported", "SpotMaxPriceTooLow", "InsufficientFreeAddressesInSubnet"}
+                  "Unsupported", "SpotMaxPriceTooLow", "InsufficientFreeAddressesInSubnet",
+                  # a spot request's status when EC2 cannot fulfil it (EC2 User Guide,
+                  # "Spot request status": capacity-not-available, ...), as an error code
+                  "capacity-not-available", "capacity-oversubscribed", "price-too-low"}
 #: account limits: not retried elsewhere
 QUOTA_CODES = {"VcpuLimitExceeded", "MaxSpotInstanceCountExceeded", "InstanceLimitExceeded",
                "ResourceLimitExceeded", "AddressLimitExceeded", "VolumeLimitExceeded"}

@@ -74,11 +74,16 @@ class IdentityConflict(UsageError):
 class CapacityError(CloudError):
     """No capacity for the request in a zone (AWS ``InsufficientInstanceCapacity``, GCP
     ``ZONE_RESOURCE_POOL_EXHAUSTED``, Azure ``SkuNotAvailable`` / ``AllocationFailed``): the
-    next zone is tried."""
+    next zone is tried, then the next offer (:mod:`hypercli.offers.failover`)."""
+
+    failover = "capacity"
 
 
 class QuotaError(CloudError):
-    """The account's quota does not allow the request (not retried in another zone)."""
+    """The account's quota does not allow the request (not retried in another zone of the
+    region; the launch goes on to the next offer of another region, cloud or instance type)."""
+
+    failover = "quota"
 
 
 class CredentialsError(UsageError):

@@ -18,14 +18,19 @@ provider's (:mod:`hypercli.providers.ssh`).
    refused like on any SSH host;
 3. the cloud's shared resources are made (:meth:`CloudAPI.prepare`: key pair, firewall for port
    22 from the caller's address only and for all traffic between the cluster's own nodes),
-   the instances are created (zones tried in order on capacity errors), and each node is
-   bootstrapped over SSH as soon as it is running, with retries while it boots; its ``info``
-   records its private address (:func:`node_info`), where the other nodes reach it.
+   the instances are created along the launch's offers (:mod:`hypercli.offers.failover`:
+   the next zone, region or cloud on capacity and quota errors, and for a spot instance left
+   pending :data:`SPOT_WAIT` s; each (cloud, region) prepared is kept in
+   ``keys/<cluster>/places.json`` for teardown), and each node is bootstrapped over SSH as
+   soon as it is running, with retries while it boots; its ``info`` records its private
+   address (:func:`node_info`), where the other nodes reach it, and for a node launched now
+   its offer's price (USD/h) and launch time. Each instance is entered in the cost ledger
+   (:mod:`hypercli.offers.ledger`) as soon as the cloud created it, whether or not it comes up.
 
 ``terminate`` (``hyper down``) terminates the instances, then lists everything tagged for the
-cluster and deletes it, again and again until the cloud reports nothing left (or a deadline),
-and says what it removed. :func:`gc` does the same for every ``hyper:*`` resource that no live
-cluster of the state file owns.
+cluster in each (cloud, region) it was launched in and deletes it, again and again until the
+cloud reports nothing left (or a deadline), and says what it removed. :func:`gc` does the same
+for every ``hyper:*`` resource that no live cluster of the state file owns.
 
 Test seam: with ``HYPER_CLOUD_ADDRESSES`` naming a JSON file ``{instance id: "host:port"}``,
 an instance listed there is reached at that address instead of its public IP (the test suite
@@ -48,7 +53,7 @@ import yaml
 from hypercli import state as S
 from hypercli.errors import HyperError, NodeError, UsageError
 from hypercli.providers.base import Instance, LaunchResult
-from hypercli.providers.cloud import Boot, CloudAPI, CloudSpec, VM
+from hypercli.providers.cloud import Boot, CloudAPI, CloudError, CloudSpec, VM
 from hypercli.providers.ssh import SSHProvider
 from hypercli.recipe import ClusterSpec
 from hypercli.ssh.conn import Target
@@ -57,6 +62,10 @@ from hypercli.ssh.fanout import fan_out
 BOOT_TIMEOUT = 600.0      # s from create until a node must answer over SSH
 DESCRIBE_EVERY = 2.0      # s between looks at instances that are still pending
 TEARDOWN_TIMEOUT = 600.0  # s that ``terminate`` keeps deleting until nothing is left
+#: s a new spot instance may stay pending before its request counts as not fulfilled: it is
+#: terminated and the launch goes on to the next offer. hypercli's choice, well above the
+#: time a fulfilled instance stays pending (EC2, GCE, Azure: well under a minute).
+SPOT_WAIT = 300.0
 SSH_USER = "root"
 CHECKIP_URL = "https://checkip.amazonaws.com"
 
@@ -272,7 +281,8 @@ def cloud_spec(spec: ClusterSpec, count: int | None = None) -> CloudSpec:
     return CloudSpec(
         cluster=spec.name, count=count if count is not None else (spec.workers or 1),
         region=o.get("region", ""), zones=zones,
-        instance_type=o.get("instance_type", ""), spot=o.get("spot", True), image=image,
+        instance_type=o.get("instance_type", ""), spot=o.get("spot", True) in (True, "auto"),
+        image=image,
         variant=variant, disk_gb=o.get("disk_gb", 50), max_price=o.get("max_price"),
         ssh_cidr=o.get("ssh_cidr"), idle_minutes=o.get("idle_minutes", 30),
         replace_preempted=o.get("replace_preempted", o.get("spot", True)),
@@ -314,6 +324,17 @@ def node_info(provider: str, cs: CloudSpec, vm: VM, target: Target, extra: dict)
             "private_address": target.host if seamed else (vm.private_ip or target.host)}
 
 
+#: an offer's extras that a cloud's API needs beyond the region (GCP project, Azure
+#: subscription and resource group), kept with the places a cluster was launched in
+PLACE_KEYS = ("project", "subscription_id", "resource_group")
+
+
+def place_options(offer) -> dict:
+    """What the API of an offer's cloud needs beyond its region: :data:`PLACE_KEYS` of its
+    ``extra``."""
+    return {k: v for k, v in offer.extra if k in PLACE_KEYS}
+
+
 def make_api(provider: str, options: dict) -> CloudAPI:
     """The CloudAPI of ``provider`` for a cluster's options (``region``, ``project``, ...).
 
@@ -350,16 +371,22 @@ class CloudProvider(SSHProvider):
         options: the cluster's ``cluster:`` options (region, ...), when known before
             ``launch`` (``hyper down`` passes the recorded ones).
         api: a ready CloudAPI (tests); default: made from ``options`` on first use.
+        apis: ready CloudAPIs by (cloud, region), for offers on other clouds or regions
+            (tests); default: each made on first use (:meth:`api_for`).
+        offers: the offers ``launch`` walks along (:mod:`hypercli.offers.failover`).
     """
 
     remote = True
 
     def __init__(self, name: str, options: dict | None = None, api: CloudAPI | None = None,
-                 trust_new_hosts: bool = False):
+                 trust_new_hosts: bool = False, apis: dict | None = None,
+                 offers: list | None = None):
         super().__init__(trust_new_hosts=False)  # cloud nodes' keys are known in advance
         self.name = name
         self.options = dict(options or {})
         self._api = api
+        self._apis = dict(apis or {})
+        self.offers = list(offers) if offers else None
 
     @staticmethod
     def cloud_spec(spec: ClusterSpec) -> CloudSpec:
@@ -388,40 +415,221 @@ class CloudProvider(SSHProvider):
                 "to_create": new, "price_per_hour": best, "zone_prices": prices,
                 "cost_per_hour": None if best is None else round(best * cs.count, 4)}
 
-    def launch(self, spec: ClusterSpec) -> LaunchResult:
+    def launch(self, spec: ClusterSpec, offers: list | None = None) -> LaunchResult:
+        """Bring the cluster's nodes up (module docstring), launching what it lacks along
+        ``offers`` (:mod:`hypercli.offers.failover`).
+
+        Args:
+            spec: the cluster.
+            offers: :class:`~hypercli.offers.offer.Offer` values in the order to try (the
+                optimizer's), kept for later launches (replacements); default: those given
+                before (or to the constructor), else the recipe's own ``instance_type`` in
+                each of its zones (:func:`hypercli.offers.failover.offers_from_options`).
+        Returns:
+            the nodes up and an error per node that is not: a
+            :class:`~hypercli.offers.failover.FailoverError` listing every step when no
+            offer had room, a budget error when ``max_cost`` stopped its launch.
+        Raises:
+            UsageError: no instance type; CredentialsError, CloudError from the cloud.
+        """
+        from hypercli.offers import failover, ledger
         cs = self.cloud_spec(spec)
-        if not cs.instance_type:
+        if offers:  # kept for the replacements this provider launches later
+            self.offers = list(offers)
+        offers = list(self.offers or failover.offers_from_options(self.name, spec.options))
+        if not all(o.instance_type for o in offers):
             raise UsageError(f"provider {self.name} needs cluster.instance_type",
                              "e.g. instance_type: m5.large (aws), e2-standard-4 (gcp), "
                              "Standard_D4s_v5 (azure)")
         if cs.ssh_cidr is None:
             cs = replace(cs, ssh_cidr=caller_cidr())
         self.options = dict(spec.options)
-        api = self.api(spec.options)
+        state = S.State()
+        offers = failover.ordered(offers, ledger.preempted_regions(state))
         key_path, public = cluster_key(cs.cluster)
-        live = [v for v in api.describe(cs.cluster) if v.state in ("pending", "running")]
+        where: dict[str, tuple] = {}  # instance id → (api, spec of its place, offer or None)
+        live: list[VM] = []
+        for cloud, region, opts in self._places(cs.cluster, offers):
+            api = self.api_for(cloud, region, opts)
+            for v in api.describe(cs.cluster):
+                if v.state in ("pending", "running") and v.id not in where:
+                    live.append(v)
+                    where[v.id] = (api, replace(cs, region=region), None, None)
         errors: dict[str, Exception] = {}
         new_nodes = self._new_names(cs, live)
-        if not new_nodes:
-            api.identity(cs)  # a later recipe on the cluster may need other storage
+        if not new_nodes:  # a later recipe on the cluster may need other storage
+            for api in {id(a): a for a, *_ in where.values()}.values() or [self.api_for(
+                    offers[0].cloud, offers[0].region, place_options(offers[0]))]:
+                api.identity(cs)
+        if new_nodes and spec.options.get("max_cost") is not None:
+            new_nodes, over = ledger.within_budget(state, cs.cluster, spec.options["max_cost"],
+                                                   new_nodes, self._first_price(cs, offers))
+            for node, err in over.items():
+                errors[node] = err
+            if over:
+                state.event("cluster", str(next(iter(over.values()))), cluster=cs.cluster)
         if new_nodes:
-            prepared = api.prepare(cs, public)
-            docs = {}
-            own_keys = getattr(api, "node_host_keys", False)
-            for node in new_nodes:
-                if own_keys:  # the node makes its own and publishes the public half
-                    private = host_public = None
-                    reserve_name(cs.cluster, node)
-                else:
-                    private, host_public = host_key(cs.cluster, node)
-                docs[node] = boot_document(cs, self.name, node, private, host_public, public,
-                                           prepared.get("node_env"))
-            created, failed = api.create(cs, new_nodes, Boot(docs, SSH_USER, public), prepared)
+            prepared_at: dict = {}
+
+            def launch_on(offer, nodes):
+                api = self.api_for(offer.cloud, offer.region, place_options(offer))
+                ocs = replace(cs, region=offer.region, instance_type=offer.instance_type,
+                              zones=(offer.zone,) if offer.zone else (), spot=offer.spot,
+                              image=self._image_for(cs, offer))
+                try:
+                    if (offer.cloud, offer.region) not in prepared_at:
+                        self._remember_place(cs.cluster, offer)
+                        prepared_at[offer.cloud, offer.region] = api.prepare(ocs, public)
+                    prepared = prepared_at[offer.cloud, offer.region]
+                    docs = self._boot_docs(ocs, offer.cloud, api, nodes, public, prepared)
+                    created, failed = api.create(ocs, nodes, Boot(docs, SSH_USER, public),
+                                                 prepared)
+                    if offer.spot:
+                        created, unfulfilled = self._fulfilled(api, ocs, created)
+                        failed = {**failed, **unfulfilled}
+                except CloudError as e:  # this place cannot be used: its nodes' error
+                    return [], {n: e for n in nodes}
+                if created:
+                    offer = offer if offer.price else failover.with_price(
+                        offer, self._prices(api, ocs))
+                now = time.time()
+                for vm in created:  # billed from now on, whether or not it comes up
+                    where[vm.id] = (api, ocs, offer, now)
+                    state.ledger_launch(cs.cluster, vm.node, vm.id, {
+                        "cloud": offer.cloud, "region": offer.region,
+                        "zone": vm.zone or offer.zone, "instance_type": offer.instance_type,
+                        "spot": offer.spot, "price": offer.price or None, "launched_at": now})
+                return created, failed
+
+            created, failed, _ = failover.walk(
+                offers, new_nodes, launch_on,
+                step=lambda s: state.event("launch", s.line(), cluster=cs.cluster))
             errors.update(failed)
             live += created
-        instances, more = self._bring_up(cs, live, key_path)
+        instances, more = self._bring_up(cs, live, key_path, where)
         errors.update(more)
         return LaunchResult(instances, errors)
+
+    def _image_for(self, cs: CloudSpec, offer) -> str | None:
+        """The image to boot on ``offer``: the recipe's ``image`` in the recipe's own cloud
+        and region (an AMI, a GCP image or an Azure image is of one cloud, an AMI of one
+        region); elsewhere the offer's ``image`` extra, else None: that cloud's newest baked
+        image (:meth:`CloudAPI.find_image`)."""
+        if offer.cloud == self.name and offer.region in ("", cs.region):
+            return cs.image
+        return dict(offer.extra).get("image")
+
+    @staticmethod
+    def _fulfilled(api: CloudAPI, cs: CloudSpec, created: list[VM]
+                   ) -> tuple[list[VM], dict[str, Exception]]:
+        """The spot VMs of ``created`` that left ``pending`` within :data:`SPOT_WAIT` s, and a
+        CapacityError (code ``SpotNotFulfilled``) per node whose VM did not: those VMs are
+        terminated, so the launch goes on to the next offer. Raises CloudError."""
+        from hypercli.providers.cloud import CapacityError
+        deadline = time.monotonic() + SPOT_WAIT
+        pending = {v.id: v for v in created if v.state == "pending"}
+        while pending:
+            now = {v.id: v for v in api.describe(cs.cluster)}
+            pending = {i: v for i, v in pending.items() if i in now
+                       and now[i].state == "pending"}
+            if not pending or time.monotonic() > deadline:
+                break
+            time.sleep(DESCRIBE_EVERY)
+        if not pending:
+            return created, {}
+        api.terminate(cs.cluster, list(pending))
+        return ([v for v in created if v.id not in pending],
+                {v.node: CapacityError(f"spot request for {v.node} in {v.zone or cs.region} "
+                                       f"not fulfilled in {SPOT_WAIT:.0f} s",
+                                       code="SpotNotFulfilled") for v in pending.values()})
+
+    def api_for(self, cloud: str, region: str, options: dict | None = None) -> CloudAPI:
+        """The CloudAPI of ``cloud`` in ``region``, made on first use and kept (the one given
+        to the constructor for this provider's own cloud and region; ``apis`` of the
+        constructor first).
+
+        Args:
+            options: for another cloud than the provider's own, what its API needs beyond
+                the region (``project``, ``subscription_id``: an offer's extras,
+                :data:`PLACE_KEYS`); the provider's own cloud uses the cluster's options.
+        """
+        key = (cloud, region)
+        if key in self._apis:
+            return self._apis[key]
+        if cloud == self.name and region in ("", self.options.get("region", "")):
+            return self.api()
+        opts = dict(self.options) if cloud == self.name else dict(options or {})
+        self._apis[key] = make_api(cloud, {**opts, "region": region})
+        return self._apis[key]
+
+    def _boot_docs(self, cs: CloudSpec, cloud: str, api: CloudAPI, nodes: list[str],
+                   cluster_public: str, prepared: dict) -> dict[str, str]:
+        """Each new node's boot document for ``cloud`` (module docstring, step 2)."""
+        docs = {}
+        own_keys = getattr(api, "node_host_keys", False)
+        for node in nodes:
+            if own_keys:  # the node makes its own and publishes the public half
+                private = host_public = None
+                reserve_name(cs.cluster, node)
+                # a key made for an offer of another cloud tried before is not this node's
+                (keys_dir(cs.cluster) / "hosts" / f"{node}.pub").write_text("")
+            else:
+                private, host_public = host_key(cs.cluster, node)
+            docs[node] = boot_document(cs, cloud, node, private, host_public, cluster_public,
+                                       prepared.get("node_env"))
+        return docs
+
+    @staticmethod
+    def _prices(api: CloudAPI, cs: CloudSpec) -> dict[str, float]:
+        """``api.spot_price`` for the place, {} when the cloud gives none or fails."""
+        try:
+            return api.spot_price(cs)
+        except HyperError:
+            return {}
+
+    def _first_price(self, cs: CloudSpec, offers: list) -> float:
+        """USD per node-hour of the first offer (asked of the cloud when the offer has none;
+        0.0 when it is not known): what ``max_cost`` counts for a node to launch."""
+        from hypercli.offers.failover import with_price
+        first = offers[0]
+        if first.price:
+            return first.price
+        ocs = replace(cs, region=first.region, instance_type=first.instance_type,
+                      zones=(first.zone,) if first.zone else (), spot=first.spot)
+        api = self.api_for(first.cloud, first.region, place_options(first))
+        return with_price(first, self._prices(api, ocs)).price
+
+    def _places(self, cluster: str, offers: list) -> list[tuple[str, str, dict]]:
+        """The (cloud, region, API options) where the cluster may have instances or
+        resources: the provider's own, those of ``offers``, and those a launch prepared
+        before (``keys/<cluster>/places.json``)."""
+        out = {(self.name, self.options.get("region", "")): {}}
+        for o in offers:
+            out.setdefault((o.cloud, o.region), place_options(o))
+        try:
+            for cloud, region, opts in json.loads((keys_dir(cluster) / "places.json")
+                                                  .read_text()):
+                out.setdefault((cloud, region), opts)
+        except (OSError, ValueError, TypeError):
+            pass
+        return [(c, r, o) for (c, r), o in out.items()]
+
+    def _remember_place(self, cluster: str, offer) -> None:
+        """Record that the cluster's resources are made in the offer's cloud and region
+        (with what its API needs there), before they are made, so that ``terminate`` (also
+        of a later ``hyper down``) looks there too."""
+        path = keys_dir(cluster) / "places.json"
+        try:
+            places = json.loads(path.read_text())
+        except (OSError, ValueError):
+            places = []
+        entry = [offer.cloud, offer.region, place_options(offer)]
+        if entry not in places:
+            places.append(entry)
+            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(places))
+            os.replace(tmp, path)
 
     def grant(self, spec: ClusterSpec) -> None:
         """Give the nodes of an up cluster the storage ``spec.grants`` asks (``hyper run
@@ -443,11 +651,20 @@ class CloudProvider(SSHProvider):
             i += 1
         return names
 
-    def _bring_up(self, cs: CloudSpec, vms: list[VM], key_path: Path
-                  ) -> tuple[list[Instance], dict]:
-        """Wait for each VM to run with an address, pin its host key and bootstrap it."""
+    def _bring_up(self, cs: CloudSpec, vms: list[VM], key_path: Path,
+                  where: dict | None = None) -> tuple[list[Instance], dict]:
+        """Wait for each VM to run with an address, pin its host key and bootstrap it.
+
+        Args:
+            where: instance id → (its CloudAPI, the spec of its place, the offer it was
+                launched on and when (unix s), or None, None for a node found running);
+                default: the provider's own API and ``cs``.
+        """
+        where = where or {}
+
         def one(node: str) -> Instance:
             vm = next(v for v in vms if v.node == node)
+            api, vcs, offer, launched = where.get(vm.id, (self.api(), cs, None, None))
             deadline = time.monotonic() + BOOT_TIMEOUT
             while vm.state != "running" or not self._reachable(vm):
                 if vm.state in ("terminated", "preempted", "stopping"):
@@ -456,10 +673,10 @@ class CloudProvider(SSHProvider):
                     raise NodeError(node, f"instance {vm.id} not running after "
                                     f"{BOOT_TIMEOUT:.0f} s (state {vm.state})")
                 time.sleep(DESCRIBE_EVERY)
-                vm = next((v for v in self.api().describe(cs.cluster) if v.id == vm.id),
+                vm = next((v for v in api.describe(cs.cluster) if v.id == vm.id),
                           replace(vm, state="terminated"))
-            if getattr(self.api(), "node_host_keys", False):
-                self._published_key(cs.cluster, vm, deadline)
+            if getattr(api, "node_host_keys", False):
+                self._published_key(cs.cluster, vm, deadline, api)
             last: Exception | None = None
             while time.monotonic() < deadline:
                 target = self._target(vm, key_path)
@@ -474,8 +691,10 @@ class CloudProvider(SSHProvider):
             else:
                 raise NodeError(node, f"instance {vm.id} did not answer over SSH within "
                                 f"{BOOT_TIMEOUT:.0f} s: {last}")
-            return Instance(node, vm.id, inst.slots, inst.address,
-                            node_info(self.name, cs, vm, target, inst.extra))
+            info = node_info(getattr(api, "name", self.name), vcs, vm, target, inst.extra)
+            if offer is not None:  # launched now: what the cost ledger records
+                info.update(price=offer.price or None, launched_at=launched)
+            return Instance(node, vm.id, inst.slots, inst.address, info)
         res = fan_out([v.node for v in vms], one)
         return list(res.ok.values()), dict(res.failed)
 
@@ -498,7 +717,8 @@ class CloudProvider(SSHProvider):
         if key:
             self.known_hosts(cluster).pin(target.host, target.port, key)
 
-    def _published_key(self, cluster: str, vm: VM, deadline: float) -> None:
+    def _published_key(self, cluster: str, vm: VM, deadline: float,
+                       api: CloudAPI | None = None) -> None:
         """Wait for the host key a node made itself and published through its cloud
         (:meth:`hypercli.providers.gcp.GCPAPI.host_key`), and keep it to be pinned. Raises
         NodeError when none is there by ``deadline``. A key already kept is not asked again:
@@ -507,7 +727,7 @@ class CloudProvider(SSHProvider):
         if pub.exists() and pub.read_text().strip():
             return
         while True:
-            key = self.api().host_key(vm)
+            key = (api or self.api()).host_key(vm)
             if key:
                 d = keys_dir(cluster) / "hosts"
                 d.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -533,7 +753,12 @@ class CloudProvider(SSHProvider):
         """What the cloud says of a node that stopped answering: ``running``, ``preempted``,
         ``gone`` (terminated or unknown to the cloud) or ``unknown`` (the API failed)."""
         try:
-            vms = self.api(self._options_of(node)).describe(node["cluster"])
+            info = node.get("info") or {}
+            cloud = info.get("cloud") or self.name
+            region = info.get("region") or self.options.get("region", "")
+            opts = next((o for c, r, o in self._places(node["cluster"], [])
+                         if (c, r) == (cloud, region)), {})
+            vms = self.api_for(cloud, region, opts).describe(node["cluster"])
         except HyperError:
             return "unknown"
         vm = next((v for v in vms if v.id == node["provider_id"]), None)
@@ -552,8 +777,18 @@ class CloudProvider(SSHProvider):
         resource. Raises CloudError when something is still there at the deadline."""
         for n in nodes:
             self.drop(n["name"])
-        api = self.api(self._options_of(nodes[0]) if nodes else None)
-        removed = remove_all(api, cluster)
+        if nodes and not self.options.get("region"):
+            self.options = self._options_of(nodes[0])
+        places = self._places(cluster, [])
+        known = {(c, r) for c, r, _ in places}
+        places += [(c, r, {}) for c, r in dict.fromkeys(
+            ((n.get("info") or {}).get("cloud") or self.name,
+             (n.get("info") or {}).get("region") or "") for n in nodes) if (c, r) not in known]
+        removed: list[str] = []
+        for cloud, region, opts in places:
+            if cloud == self.name and not region and self.options.get("region"):
+                continue  # the same place as the provider's own
+            removed += remove_all(self.api_for(cloud, region, opts), cluster)
         import shutil
         shutil.rmtree(keys_dir(cluster), ignore_errors=True)
         return removed

@@ -90,10 +90,26 @@ def _price(ctx: _Ctx, item: _Item, field: str) -> float:
     return v
 
 
+def _cost(ctx: _Ctx, item: _Item, field: str) -> float:
+    """``max_cost``: USD the cluster's nodes may cost in all (hypercli.offers.ledger)."""
+    v = _get(ctx, item, field, _is_number, "a number of US dollars")
+    if not (_finite(v) and v > 0):
+        ctx.fail(f"max_cost must be a number of US dollars above 0, not {_show(v)}",
+                 item.line, field)
+    return v
+
+
+def _spot(ctx: _Ctx, item: _Item, field: str) -> bool | str:
+    """``spot``: true, false, or ``auto`` (spot, then on-demand when no spot capacity is
+    left: hypercli.offers.failover)."""
+    return _get(ctx, item, field, lambda v: isinstance(v, bool) or v == "auto",
+                "true, false or auto")
+
+
 _Check = Callable[[_Ctx, _Item, str], Any]
 _CLOUD_KEYS: dict[str, _Check] = {
-    "region": _str, "zone": _zone, "instance_type": _str, "spot": _bool, "image": _str,
-    "disk_gb": lambda c, i, f: _int(c, i, f, lo=10), "max_price": _price,
+    "region": _str, "zone": _zone, "instance_type": _str, "spot": _spot, "image": _str,
+    "disk_gb": lambda c, i, f: _int(c, i, f, lo=10), "max_price": _price, "max_cost": _cost,
     "idle_minutes": lambda c, i, f: _int(c, i, f, lo=1), "replace_preempted": _bool,
     "ssh_cidr": _cidr,
     # where the optimizer may look when an experiment says what it needs, not which
