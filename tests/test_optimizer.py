@@ -342,3 +342,29 @@ def test_arm64_instances_are_left_out_unless_asked():
                    "experiments: {a: {command: a, resources: {cpus: 2, arch: arm64}}}\n")
     shape = shape_of(wf.experiments[0].resources, r.cluster.options)
     assert [o.instance_type for o in ranked_offers(shape, cat)] == ["m7g.large"]
+
+
+def test_a_cluster_without_instance_type_fails_over_along_the_ranked_offers(hyper_home):
+    """The launch of a cluster the optimizer chose walks the optimizer's whole list in its
+    order (cheapest first, spot before on-demand with spot: auto), not only the first."""
+    from hypercli.offers import failover
+    from hypercli.offers.optimizer import cluster_offers
+    write_tables([table("aws")])
+    r, _ = recipe("""
+        name: gpu
+        cluster: {provider: aws}
+        experiments:
+          train: {resources: {accelerators: "V100:4", spot: auto}, command: train}
+    """)
+    o = with_first_offer(r).cluster.options
+    ranked = cluster_offers([e.resources.as_dict() for e in r.experiments.values()],
+                            r.cluster.options, "aws")
+    walk = failover.offers_from_options("aws", o)
+    assert len(walk) > 1 and walk == ranked
+    assert (walk[0].instance_type, walk[0].region, walk[0].zone) == (
+        o["instance_type"], o["region"], o.get("zone"))
+    assert failover.ordered(walk) == walk  # spot first, then cheapest: the list's own order
+    assert any(not x.spot for x in walk) and walk[-1].spot is False
+    # the list survives the state file (JSON) as the launch reads it back
+    import json
+    assert failover.offers_from_options("aws", json.loads(json.dumps(o))) == ranked

@@ -61,8 +61,13 @@ def offers_from_options(cloud: str, options: dict) -> list[Offer]:
         cloud: ``aws``, ``gcp`` or ``azure``; options: the recipe's ``cluster:`` options.
     Returns:
         offers with ``price`` 0.0: the recipe gives none; the ledger asks the cloud for the
-        price of the offer a node was launched on.
+        price of the offer a node was launched on. When ``options`` carries ``offers`` (the
+        optimizer's ranked list, set by
+        :func:`hypercli.offers.optimizer.with_first_offer`), those, in their order.
     """
+    if options.get("offers"):
+        return [Offer(**{**d, "extra": tuple(tuple(p) for p in d.get("extra") or ())})
+                for d in options["offers"]]
     zone = options.get("zone")
     zones = list(zone) if isinstance(zone, list) else ([zone] if zone else [None])
     spot = options.get("spot", True)

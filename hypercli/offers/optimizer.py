@@ -286,27 +286,41 @@ def cluster_shape(experiments, options: dict) -> Shape | None:
                  nodes=max(s.nodes for s in shapes))
 
 
+FAILOVER_OFFERS = 16  #: most offers a launch without instance_type may fail over along
+
+
 def first_offer(experiments, options: dict, provider: str,
                 catalog: Catalog | None = None) -> Offer | None:
-    """The offer a cloud cluster with no ``instance_type`` is launched on: the cheapest of
-    the provider's own cloud for :func:`cluster_shape`; None when no experiment says what
-    it needs. Raises NoOffer (exit 2) when nothing satisfies it; UsageError when
-    ``cluster.clouds`` leaves out the provider."""
+    """The offer a cloud cluster with no ``instance_type`` is launched on: the first of
+    :func:`cluster_offers`; None when no experiment says what it needs."""
+    found = cluster_offers(experiments, options, provider, catalog, limit=1)
+    return found[0] if found else None
+
+
+def cluster_offers(experiments, options: dict, provider: str,
+                   catalog: Catalog | None = None,
+                   limit: int = FAILOVER_OFFERS) -> list[Offer]:
+    """The offers of the provider's own cloud that satisfy :func:`cluster_shape`, cheapest
+    first (spot before on-demand with ``spot: auto``), at most ``limit``: the cluster is
+    launched on the first and fails over along the rest (:mod:`hypercli.offers.failover`).
+    Empty when no experiment says what it needs. Raises NoOffer (exit 2) when nothing
+    satisfies it; UsageError when ``cluster.clouds`` leaves out the provider."""
     shape = cluster_shape(experiments, options)
     if shape is None:
-        return None
+        return []
     where = where_of(options, provider)
     if provider not in where["clouds"]:
         raise UsageError(f"cluster.clouds ({', '.join(where['clouds'])}) does not include "
                          f"the provider {provider}", f"add {provider} to cluster.clouds")
     where["clouds"] = [provider]
     catalog = catalog or Catalog([provider])
-    return choose(shape, catalog, what=f"cluster ({provider})", limit=1, **where)[0]
+    return choose(shape, catalog, what=f"cluster ({provider})", limit=limit, **where)
 
 
 def with_first_offer(recipe, state=None):
     """``recipe`` with its cloud cluster's ``instance_type``, ``region``, ``zone`` and
-    ``spot`` set from :func:`first_offer` when it names no instance type and its
+    ``spot`` set from the first of :func:`cluster_offers`, and ``offers`` (the whole
+    ranked list, as dicts, which the launch fails over along), when it names no instance type and its
     experiments say what they need (and ``disk_gb``, GiB, the largest they ask, when the
     cluster sets none); unchanged otherwise. A cluster already up (in
     ``state``) keeps the instance type it was launched with.
@@ -337,11 +351,13 @@ def with_first_offer(recipe, state=None):
         table = full.tables["gcp"]
         table.types = {k: v for k, v in table.types.items() if "/" not in k}
         catalog = full
-    offer = first_offer(needs, o, spec.provider, catalog)
-    if offer is None:
+    ranked = cluster_offers(needs, o, spec.provider, catalog)
+    if not ranked:
         return recipe
+    offer = ranked[0]
     chosen = {"instance_type": offer.instance_type, "region": offer.region,
-              "spot": offer.spot, **({"zone": offer.zone} if offer.zone else {})}
+              "spot": offer.spot, **({"zone": offer.zone} if offer.zone else {}),
+              "offers": [dataclasses.asdict(x) for x in ranked]}  # the failover order
     disks = [r["disk_gb"] for r in needs if r.get("disk_gb")]
     if disks and "disk_gb" not in o:  # the largest boot disk any experiment asks
         chosen["disk_gb"] = max(disks)
