@@ -21,13 +21,17 @@ Rules:
     then a manifest listing only what changed: a save sends little more than what changed
     (a 1 MiB change: 9 blocks of 128 KiB at worst, a small delta, and every FULL_EVERY saves a
     full manifest). A file whose size, mtime and ctime did not change is not read.
-  * A save never takes a file that was being written: a file is taken only when its size,
-    mtime and ctime (and inode) are the same before and after it is read, and when it last
-    changed at least SETTLE s before; it is tried TRIES times, then left at the version the
-    last generation holds (with a warning on stderr). The final save after an attempt that
+  * A save never takes a file that was being written: a file is taken only when no process
+    has it open for writing before and after it is read (a read lease, ``F_SETLEASE``,
+    is granted only then: fcntl(2), "Leases"; this catches a writer paused between two
+    writes, or between O_TRUNC and its first write) and its size, mtime, ctime and inode
+    are the same before and after the read; it is tried TRIES times, then left at the
+    version the last generation holds, with a warning on stderr. The final save after an attempt that
     did not succeed (``stopped_at``: when it ended) writes nothing when any file or folder
     changed within STOP_MARGIN s of that end: a task killed in the middle of writing leaves
-    a torn file that no longer changes, and the last complete generation must win.
+    a torn file that no longer changes, and the last complete generation must win. If a
+    periodic save took such a file as the attempt ended, the final save writes a copy of
+    the newest generation written before, so that one is restored.
   * A generation exists once its manifest does (written after its pack): a save cut short
     leaves no generation, and restore takes the newest *complete* one.
   * Generations are named by attempt number then sequence, and restore takes the greatest:
@@ -56,6 +60,7 @@ import hashlib
 import json
 import os
 import secrets
+import signal
 import stat
 import tempfile
 import time
@@ -71,10 +76,6 @@ from hypercli.mount.store import Store, StoreError, open_store
 
 WHOLE_PACK = 0.5  #: fetch a pack whole when at least this share of it is still in use
 PART = 16 << 20   #: bytes: a pack fetched whole is read in parallel ranges of at least this
-#: s a file must have been left alone before a save reads it: longer than a writer's pause
-#: between opening a file (O_TRUNC) and its first write, and than the kernel's coarse
-#: timestamp tick (a jiffy, at most 10 ms), short enough not to slow a save down
-SETTLE = 0.1
 TRIES = 5           #: reads of a file that keeps changing before its old version is kept
 RETRY_PAUSE = 0.05  #: s before the second read of a changing file, doubled for each next one
 #: s before an unsuccessful attempt's end within which a change makes its final save write
@@ -84,6 +85,7 @@ STOP_MARGIN = 2.0
 
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # a FIFO never blocks
+_F_SETSIG = getattr(fcntl, "F_SETSIG", 10)  # Linux's value (asm-generic/fcntl.h)
 
 
 class FolderError(InfraError):
@@ -217,9 +219,25 @@ class _Pack:
             del self.fresh[sha]
 
 
+def _written(fd: int) -> bool | None:
+    """Whether some process has the file of ``fd`` (opened read-only) open for writing: a
+    read lease is refused then (EAGAIN). The lease is let go at once; a writer that opens
+    the file meanwhile waits for that, and the break is told with SIGURG, which is ignored
+    unless a handler is set. None: leases cannot tell here (not the file's owner, no
+    CAP_LEASE, a file system without leases)."""
+    try:
+        fcntl.fcntl(fd, _F_SETSIG, signal.SIGURG)
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
+    except OSError as e:
+        return True if e.errno == errno.EAGAIN else None
+    fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+    return False
+
+
 def _read_stable(dfd: int, name: str, pack: _Pack, known: dict):
-    """Read one file into ``pack`` when it holds still (module docstring). Returns (stat,
-    [sha256 of each block]), or (None, why not)."""
+    """Read one file into ``pack`` when nothing writes it (module docstring). Returns
+    (stat, [sha256 of each block]), or (None, why not)."""
+    why = f"it kept changing while it was read ({TRIES} tries)"
     for k in range(TRIES):
         if k:
             time.sleep(RETRY_PAUSE * 2 ** (k - 1))
@@ -232,21 +250,20 @@ def _read_stable(dfd: int, name: str, pack: _Pack, known: dict):
             s = os.fstat(fd)
             if not stat.S_ISREG(s.st_mode):
                 return None, "it is no longer a regular file"
-            wait = SETTLE - (time.time_ns() - s.st_ctime_ns) / 1e9
-            if wait > 0:
-                time.sleep(wait)
-                if _sig(os.fstat(fd)) != _sig(s):
-                    continue
+            if _written(fd):
+                why = f"a process kept it open for writing ({TRIES} tries)"
+                continue
             mark, blocks, off = pack.mark(), [], 0
             while data := os.pread(fd, BLOCK, off):
                 blocks.append(pack.add(data, known))
                 off += len(data)
-            if off == s.st_size and _sig(os.fstat(fd)) == _sig(s):
+            if off == s.st_size and _sig(os.fstat(fd)) == _sig(s) and not _written(fd):
                 return s, blocks
             pack.rollback(mark)
+            why = f"it kept changing while it was read ({TRIES} tries)"
         finally:
             os.close(fd)
-    return None, f"it kept changing while it was read ({TRIES} tries)"
+    return None, why
 
 
 def _changed_since(root_fd: int, cutoff_ns: int) -> list[str]:
@@ -287,14 +304,60 @@ def save(folder: str | os.PathLike, url: str, attempt: int,
     store = open_store(url)
     with _state(Path(state_path)) as st, _folder(Path(folder)) as rfd:
         if stopped_at is not None:
-            late = _changed_since(rfd, int((stopped_at - STOP_MARGIN) * 1e9))
+            cutoff = int((stopped_at - STOP_MARGIN) * 1e9)
+            late = _changed_since(rfd, cutoff)
             if late:
-                shown = ", ".join(late[:3]) + (f" and {len(late) - 3} more" if len(late) > 3
-                                               else "")
-                return SaveReport(None, 0, 0, 0, [
-                    f"{shown} changed as the attempt ended: not saved, the last complete "
-                    f"generation ({st.get('gen') or 'none yet'}) stays the newest"])
+                return _stopped(store, st, attempt, cutoff, late)
         return _save(store, rfd, attempt, st, Path(state_path).parent)
+
+
+def _stopped(store: Store, st: dict, attempt: int, cutoff: int, late: list[str]) -> SaveReport:
+    """The final save of an attempt that did not succeed, when ``late`` (paths) changed after
+    ``cutoff`` (ns): nothing of now is saved. When the newest generation itself took a file
+    that changed after ``cutoff`` (a periodic save that ran as the attempt ended), a copy of
+    the newest generation written before ``cutoff`` is saved over it."""
+    shown = ", ".join(late[:3]) + (f" and {len(late) - 3} more" if len(late) > 3 else "")
+    note = f"{shown} changed as the attempt ended: not saved"
+    bad = sorted(rel for rel, f in st["files"].items() if (f.get("ctime_ns") or 0) > cutoff)
+    if not bad or not st.get("gen"):
+        return SaveReport(None, 0, 0, 0, [
+            f"{note}; the last complete generation ({st.get('gen') or 'none yet'}) stays the "
+            "newest"])
+    safe = _written_before(store, cutoff, attempt)
+    if safe is None:
+        return SaveReport(None, 0, 0, 0, [
+            f"{note}; {st['gen']} holds {', '.join(bad[:3])} as it was then, and no "
+            "generation before it was written"])
+    _, files = resolve(store.get, safe)
+    seq = st["seq"] + 1 if st.get("attempt") == attempt else 1
+    gen = {"attempt": attempt, "seq": seq, "time": time.time(), "base": None, "files": {
+        rel: {"size": f["size"], "mode": f["mode"], "n": len(f["blocks"]),
+              "blocks": {str(i): list(b) for i, b in enumerate(f["blocks"])}}
+        for rel, f in files.items()}}
+    name = _gen_name(attempt, seq)
+    data = json.dumps(gen, separators=(",", ":")).encode()
+    store.put(name, data)
+    st["blocks"].update({b[0]: list(b[1:]) for f in files.values() for b in f["blocks"]})
+    st.update(attempt=attempt, seq=seq, gen=name, chain=0, files={
+        rel: {"size": f["size"], "mode": f["mode"], "mtime_ns": None, "ctime_ns": None,
+              "blocks": [b[0] for b in f["blocks"]]} for rel, f in files.items()})
+    return SaveReport(name, len(data), sum(f["size"] for f in files.values()), 0, [
+        f"{note}; {', '.join(bad[:3])} of the newest generation changed then too: {name} "
+        f"is a copy of {safe}, written before"])
+
+
+def _written_before(store: Store, cutoff: int, attempt: int, look: int = 64) -> str | None:
+    """The newest generation of ``attempt`` or before written before ``cutoff`` (ns, by
+    its manifest's time), among the ``look`` newest; or None."""
+    for a, s in [g for g in generations(store) if g[0] <= attempt][::-1][:look]:
+        name = _gen_name(a, s)
+        try:
+            t = json.loads(store.get(name)).get("time")
+        except (StoreError, ValueError, AttributeError, RecursionError):
+            continue
+        if isinstance(t, (int, float)) and t * 1e9 <= cutoff:
+            return name
+    return None
 
 
 def _save(store: Store, rfd: int, attempt: int, st: dict, tmpdir: Path) -> SaveReport:
