@@ -10,10 +10,13 @@ import hashlib
 import json
 import os
 import stat
+import sys
+import sysconfig
 import tempfile
 from pathlib import Path
 
 import pytest
+from conftest import ROOT
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as hs
 
@@ -251,3 +254,69 @@ def test_fuzz_any_manifest_gives_a_folder_or_a_clear_error_and_nothing_outside(
             for n in names + dirs:
                 s = (Path(dirpath) / n).lstat()
                 assert not s.st_mode & (stat.S_ISUID | stat.S_ISGID | stat.S_ISVTX)
+
+
+# ------------------------------------------------------- the attack from inside a container
+
+#: the task's attempt 1 writes a generation of its own into its checkpoint store (under
+#: $HYPER_OUTPUTS with file:// storage on the local provider; any object store it can reach
+#: otherwise) with one hostile entry, and fails; attempt 2 shows what the restore made
+EVIL = r"""
+s="$HYPER_OUTPUTS/.checkpoints/$HYPER_TASK_ID"
+if [ "$HYPER_ATTEMPT" = 1 ]; then
+  mkdir -p "$s/packs" "$s/gen"
+  printf 'pwned\n' > /tmp/p
+  sha=$(sha256sum /tmp/p | cut -d' ' -f1)
+  cp /tmp/p "$s/packs/$sha"
+  ln -s /root "$HYPER_CHECKPOINT/link"
+  case {{kind}} in
+    dotdot) path=../../../../../../../../../tmp/escaped-dotdot; mode=420 ;;
+    abs) path=/tmp/escaped-abs; mode=420 ;;
+    link) path=link/escaped-link; mode=420 ;;
+    setuid) path=tool; mode=2541 ;;
+  esac
+  printf '{"attempt":99,"seq":1,"time":0,"base":null,"files":{"%s":{"size":6,"mode":%d,"n":1,"blocks":{"0":["%s","packs/%s",0,6]}}}}' \
+    "$path" "$mode" "$sha" "$sha" > "$s/gen/00000099.00000001.json"
+  exit 1
+fi
+ls -ln "$HYPER_CHECKPOINT/"
+"""
+
+
+@pytest.mark.slow
+def test_a_container_task_cannot_make_the_next_restore_write_outside(ssh_hosts, tiny_image,
+                                                                      tmp_path):
+    """A real container task (podman, on an SSH test host running the local provider as a
+    node does) crafts its checkpoint store; the next attempt's restore, run as root outside
+    the container, creates nothing outside the checkpoint folder and no setuid file."""
+    import yaml
+    from sshhosts import TINY_IMAGE, load_image
+    [host] = ssh_hosts.start(1)
+    load_image(host, tiny_image)
+    recipe = {"name": "evil", "workdir": "none", "cluster": {"provider": "local", "workers": 2},
+              "experiments": {"t": {"image": TINY_IMAGE, "retries": 1, "checkpoint_every": 1,
+                                    "parameters": {"kind": ["dotdot", "abs", "link", "setuid"]},
+                                    "command": EVIL}}}
+    host.run("cat > /root/evil.yaml", input=yaml.safe_dump(recipe), check=True)
+    home = "/root/hh"
+    # this Python's own binary lives under /root, which a host has its own of: the host's
+    # /usr/bin/python3 (the same 3.11) runs hypercli from here with this Python's packages
+    path = f"{ROOT}:{sysconfig.get_paths()['purelib']}"
+    run = host.run(f"HYPER_HOME={home} PYTHONPATH={path} /usr/bin/python3 -m hypercli run "
+                   "/root/evil.yaml", timeout=600)
+    out = run.stdout + run.stderr
+    left = host.run("ls -d /tmp/escaped-* /root/escaped-* 2>/dev/null; "
+                    f"find / -xdev -name 'escaped-*' -newer /root/evil.yaml 2>/dev/null; "
+                    f"find {home} -perm /6000 -type f").stdout
+    assert left == "", out
+    stderr = {}
+    for kind in ("dotdot", "abs", "link", "setuid"):
+        i = ["dotdot", "abs", "link", "setuid"].index(kind)
+        d = f"{home}/local/tasks/evil-1.t-{i:04d}.2-*"  # the attempt's folder
+        stderr[kind] = host.run(f"cat {d}/stderr {d}/stdout").stdout
+    for kind, entry in (("dotdot", "../../../../../../../../../tmp/escaped-dotdot"),
+                        ("abs", "/tmp/escaped-abs"), ("link", "link/escaped-link")):
+        assert ("checkpoint generation gen/00000099.00000001.json, entry "
+                f"'{entry}'") in stderr[kind], (kind, stderr[kind], out)
+        assert "restoring the checkpoint failed" in stderr[kind]
+    assert "-rwxr-xr-x" in stderr["setuid"] and " tool" in stderr["setuid"], stderr["setuid"]
