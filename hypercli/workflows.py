@@ -79,6 +79,10 @@ def start_or_resume(state: S.State, recipe: Recipe, wf: Workflow, *, new: bool =
                                       "rw_mounts": sorted(recipe.rw_mounts),
                                       "token": secrets.token_hex(4),
                                       "log_params": log_params(recipe),
+                                      # experiments whose gangs keep rank 0's checkpoint only
+                                      "checkpoint_rank0": sorted(
+                                          n for n, e in recipe.experiments.items()
+                                          if e.checkpoint_ranks == "rank0"),
                                       # references only, never a password's value
                                       "registry_auth": registry.stored(
                                           registry.of_recipe(recipe), recipe.digest)})

@@ -283,3 +283,64 @@ def test_a_task_killed_halfway_through_a_save_resumes_from_its_last_whole_one(
         r.stdout + r.stderr, logs)
     assert state.task("torn-1", "train-0000")["metrics"] == {"size": 1 << 20, "byte": 1}
     assert "changed as the attempt ended" in logs[0]
+
+
+def test_every_rank_of_a_gang_gets_its_own_checkpoint_back(hyper_home, write_recipe,
+                                                            tmp_path):
+    """Rank 0 and rank 1 each keep a file of their own (the default, ``each``): after the
+    gang is retried, each finds its own. With ``checkpoint_ranks: rank0`` (a folder the
+    ranks share) rank 0's is kept and every rank gets it."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "ranks.py").write_text((JOB / "ranks.py").read_text())
+    path = write_recipe(f"""
+        name: ranks
+        workdir: {work}
+        cluster: {{workers: 4}}
+        experiments:
+          own:
+            nodes: 2
+            retries: 1
+            checkpoint_every: 1
+            command: python3 ranks.py each
+          shared:
+            nodes: 2
+            retries: 1
+            checkpoint_every: 1
+            checkpoint_ranks: rank0
+            command: python3 ranks.py rank0
+    """)
+    r = subprocess.run([*hyper_cmd(), "run", str(path)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+    state = State()
+    found = {}
+    for task in ("own-0000", "shared-0000"):
+        for a in state.attempts("ranks-1", task):
+            out = (hyper_home / "local" / "tasks" / a["id"] / "stdout").read_text()
+            found[task, a["number"], a["rank"]] = out.split("found: ", 1)[-1].strip()
+    assert r.returncode == 0, (r.stdout + r.stderr, found)
+    assert found[("own-0000", 2, 0)] == "written by rank 0"
+    assert found[("own-0000", 2, 1)] == "written by rank 1"
+    assert found[("shared-0000", 2, 0)] == found[("shared-0000", 2, 1)] == "written by rank 0"
+    kept = hyper_home / "storage" / "ranks-1" / ".checkpoints"
+    for rank in (0, 1):  # each rank's own generations, and its own file in them
+        out = tmp_path / f"rank-{rank}"
+        C.restore(f"file://{kept}/own-0000/rank-{rank}", out, tmp_path / f"r{rank}.json")
+        assert (out / "mine").read_text() == f"written by rank {rank}"
+    assert list((kept / "shared-0000" / "gen").glob("*.json"))
+    assert not (kept / "shared-0000" / "rank-1").exists()
+
+
+def test_checkpoint_ranks_is_checked_with_a_did_you_mean():
+    from hypercli.errors import RecipeError
+    from hypercli.recipe import parse_recipe
+    ok = parse_recipe("name: r\nexperiments:\n  t:\n    nodes: 2\n    checkpoint_ranks: rank0\n"
+                      "    command: 'true'\n")
+    assert ok.experiments["t"].checkpoint_ranks == "rank0"
+    assert parse_recipe("name: r\nexperiments:\n  t:\n    command: 'true'\n").experiments[
+        "t"].checkpoint_ranks == "each"
+    with pytest.raises(RecipeError) as e:
+        parse_recipe("name: r\nexperiments:\n  t:\n    checkpoint_ranks: rank-0\n"
+                     "    command: 'true'\n")
+    assert e.value.field == "experiments.t.checkpoint_ranks" and e.value.line == 4
+    assert "not 'rank-0'" in str(e.value) and "did you mean 'rank0'?" in str(e.value)
