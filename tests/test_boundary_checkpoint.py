@@ -10,7 +10,6 @@ import hashlib
 import json
 import os
 import stat
-import sys
 import sysconfig
 import tempfile
 from pathlib import Path
@@ -275,7 +274,8 @@ if [ "$HYPER_ATTEMPT" = 1 ]; then
     link) path=link/escaped-link; mode=420 ;;
     setuid) path=tool; mode=2541 ;;
   esac
-  printf '{"attempt":99,"seq":1,"time":0,"base":null,"files":{"%s":{"size":6,"mode":%d,"n":1,"blocks":{"0":["%s","packs/%s",0,6]}}}}' \
+  f='{"size":6,"mode":%d,"n":1,"blocks":{"0":["%s","packs/%s",0,6]}}'
+  printf "{\"attempt\":99,\"seq\":1,\"time\":0,\"base\":null,\"files\":{\"%s\":$f}}" \
     "$path" "$mode" "$sha" "$sha" > "$s/gen/00000099.00000001.json"
   exit 1
 fi

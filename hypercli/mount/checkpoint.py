@@ -26,7 +26,8 @@ Rules:
     is granted only then: fcntl(2), "Leases"; this catches a writer paused between two
     writes, or between O_TRUNC and its first write) and its size, mtime, ctime and inode
     are the same before and after the read; it is tried TRIES times, then left at the
-    version the last generation holds, with a warning on stderr. The final save after an attempt that
+    version the last generation holds, with a warning on stderr
+    (:mod:`hypercli.mount.checkpoint_folder`). The final save after an attempt that
     did not succeed (``stopped_at``: when it ended) writes nothing when any file or folder
     changed within STOP_MARGIN s of that end: a task killed in the middle of writing leaves
     a torn file that no longer changes, and the last complete generation must win. If a
@@ -60,8 +61,6 @@ import hashlib
 import json
 import os
 import secrets
-import signal
-import stat
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -69,27 +68,20 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hypercli.errors import InfraError
+from hypercli.mount.checkpoint_folder import (FolderError, Pack,  # noqa: F401
+                                              changed_since, open_dirs, open_folder,
+                                              read_stable, remove_tree, same_stat,
+                                              walk_files)
 from hypercli.mount.checkpoint_manifest import (BLOCK, FULL_EVERY, GEN_NAME,  # noqa: F401
                                                 BadManifest, resolve)
 from hypercli.mount.store import Store, StoreError, open_store
 
 WHOLE_PACK = 0.5  #: fetch a pack whole when at least this share of it is still in use
 PART = 16 << 20   #: bytes: a pack fetched whole is read in parallel ranges of at least this
-TRIES = 5           #: reads of a file that keeps changing before its old version is kept
-RETRY_PAUSE = 0.05  #: s before the second read of a changing file, doubled for each next one
 #: s before an unsuccessful attempt's end within which a change makes its final save write
 #: nothing: a process killed mid-write ends at once, and a container's end reaches the
 #: wrapper through its runtime's client well within this
 STOP_MARGIN = 2.0
-
-_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # a FIFO never blocks
-_F_SETSIG = getattr(fcntl, "F_SETSIG", 10)  # Linux's value (asm-generic/fcntl.h)
-
-
-class FolderError(InfraError):
-    """The checkpoint folder itself cannot be used (a symlink, not a folder)."""
 
 
 @dataclass
@@ -152,137 +144,6 @@ def _state(path: Path):
         os.close(fd)
 
 
-@contextmanager
-def _folder(root: Path):
-    """A descriptor of the checkpoint folder (made when missing), never through a symlink.
-    Raises FolderError."""
-    root.mkdir(parents=True, exist_ok=True)
-    try:
-        fd = os.open(root, _DIR)
-    except OSError as e:
-        raise FolderError(f"checkpoint folder {root}: {e.strerror} (a symlink is refused)",
-                          "remove it; hypercli makes it again") from None
-    try:
-        yield fd
-    finally:
-        os.close(fd)
-
-
-def _files(root_fd: int):
-    """(path, its folder's descriptor, name) of every regular file under the folder, sorted;
-    symlinks are neither followed nor listed. The descriptor is good until the next item."""
-    for top, dirs, names, dfd in os.fwalk(".", dir_fd=root_fd, follow_symlinks=False):
-        dirs.sort()
-        prefix = "" if top == "." else top[2:] + "/"
-        for name in sorted(names):
-            try:
-                s = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-            except OSError:
-                continue  # gone since it was listed
-            if stat.S_ISREG(s.st_mode):
-                yield prefix + name, dfd, name
-
-
-def _sig(s: os.stat_result) -> tuple:
-    return s.st_size, s.st_mtime_ns, s.st_ctime_ns, s.st_ino
-
-
-def _same(old: dict, s: os.stat_result) -> bool:
-    return (old.get("size"), old.get("mtime_ns"), old.get("ctime_ns")) == (
-        s.st_size, s.st_mtime_ns, s.st_ctime_ns)
-
-
-class _Pack:
-    """The pack a save writes: new blocks appended, its SHA-256 kept as it grows, and the
-    blocks of one file taken back when that file changed while it was read."""
-
-    def __init__(self, f):
-        self.f, self.h = f, hashlib.sha256()
-        self.fresh: dict[str, tuple[int, int]] = {}  # sha → (offset, length) in this pack
-
-    def add(self, data: bytes, known: dict) -> str:
-        sha = hashlib.sha256(data).hexdigest()
-        if sha not in known and sha not in self.fresh:
-            self.fresh[sha] = (self.f.tell(), len(data))
-            self.f.write(data)
-            self.h.update(data)
-        return sha
-
-    def mark(self) -> tuple:
-        return self.f.tell(), self.h.copy(), len(self.fresh)
-
-    def rollback(self, mark: tuple) -> None:
-        pos, self.h, n = mark
-        self.f.seek(pos)
-        self.f.truncate()
-        for sha in list(self.fresh)[n:]:
-            del self.fresh[sha]
-
-
-def _written(fd: int) -> bool | None:
-    """Whether some process has the file of ``fd`` (opened read-only) open for writing: a
-    read lease is refused then (EAGAIN). The lease is let go at once; a writer that opens
-    the file meanwhile waits for that, and the break is told with SIGURG, which is ignored
-    unless a handler is set. None: leases cannot tell here (not the file's owner, no
-    CAP_LEASE, a file system without leases)."""
-    try:
-        fcntl.fcntl(fd, _F_SETSIG, signal.SIGURG)
-        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
-    except OSError as e:
-        return True if e.errno == errno.EAGAIN else None
-    fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
-    return False
-
-
-def _read_stable(dfd: int, name: str, pack: _Pack, known: dict):
-    """Read one file into ``pack`` when nothing writes it (module docstring). Returns
-    (stat, [sha256 of each block]), or (None, why not)."""
-    why = f"it kept changing while it was read ({TRIES} tries)"
-    for k in range(TRIES):
-        if k:
-            time.sleep(RETRY_PAUSE * 2 ** (k - 1))
-        try:
-            fd = os.open(name, _FILE, dir_fd=dfd)
-        except OSError as e:
-            return None, ("it became a symlink" if e.errno == errno.ELOOP
-                          else f"it could not be opened ({e.strerror})")
-        try:
-            s = os.fstat(fd)
-            if not stat.S_ISREG(s.st_mode):
-                return None, "it is no longer a regular file"
-            if _written(fd):
-                why = f"a process kept it open for writing ({TRIES} tries)"
-                continue
-            mark, blocks, off = pack.mark(), [], 0
-            while data := os.pread(fd, BLOCK, off):
-                blocks.append(pack.add(data, known))
-                off += len(data)
-            if off == s.st_size and _sig(os.fstat(fd)) == _sig(s) and not _written(fd):
-                return s, blocks
-            pack.rollback(mark)
-            why = f"it kept changing while it was read ({TRIES} tries)"
-        finally:
-            os.close(fd)
-    return None, why
-
-
-def _changed_since(root_fd: int, cutoff_ns: int) -> list[str]:
-    """Paths under the folder (files, folders, links; "." for itself) whose ctime is after
-    ``cutoff_ns`` (ns since the epoch)."""
-    out = []
-    for top, dirs, names, dfd in os.fwalk(".", dir_fd=root_fd, follow_symlinks=False):
-        if os.fstat(dfd).st_ctime_ns > cutoff_ns:
-            out.append(top[2:] or ".")
-        prefix = "" if top == "." else top[2:] + "/"
-        for name in names:
-            try:
-                if os.stat(name, dir_fd=dfd, follow_symlinks=False).st_ctime_ns > cutoff_ns:
-                    out.append(prefix + name)
-            except OSError:
-                out.append(prefix + name)
-    return sorted(out)
-
-
 def save(folder: str | os.PathLike, url: str, attempt: int,
          state_path: str | os.PathLike, stopped_at: float | None = None) -> SaveReport:
     """Save the folder as a new generation of ``attempt`` (nothing when no file changed).
@@ -302,10 +163,10 @@ def save(folder: str | os.PathLike, url: str, attempt: int,
         FolderError: the folder is a symlink or not a folder.
     """
     store = open_store(url)
-    with _state(Path(state_path)) as st, _folder(Path(folder)) as rfd:
+    with _state(Path(state_path)) as st, open_folder(Path(folder)) as rfd:
         if stopped_at is not None:
             cutoff = int((stopped_at - STOP_MARGIN) * 1e9)
-            late = _changed_since(rfd, cutoff)
+            late = changed_since(rfd, cutoff)
             if late:
                 return _stopped(store, st, attempt, cutoff, late)
         return _save(store, rfd, attempt, st, Path(state_path).parent)
@@ -365,19 +226,19 @@ def _save(store: Store, rfd: int, attempt: int, st: dict, tmpdir: Path) -> SaveR
     known, old_files = st["blocks"], st["files"]
     files, changed, total, read, warnings = {}, False, 0, 0, []
     with tempfile.NamedTemporaryFile(dir=tmpdir) as f:
-        pack = _Pack(f)
-        for rel, dfd, name in _files(rfd):
+        pack = Pack(f)
+        for rel, dfd, name in walk_files(rfd):
             old = old_files.get(rel)
             usable = bool(old) and all(b in known for b in old["blocks"])
             try:
                 s = os.stat(name, dir_fd=dfd, follow_symlinks=False)
             except OSError:
                 continue
-            if usable and _same(old, s):
+            if usable and same_stat(old, s):
                 files[rel] = old
                 total += s.st_size
                 continue
-            s, got = _read_stable(dfd, name, pack, known)
+            s, got = read_stable(dfd, name, pack, known)
             if s is None:
                 if usable:
                     files[rel] = old
@@ -463,7 +324,7 @@ def restore(url: str, folder: str | os.PathLike, state_path: str | os.PathLike,
         root.mkdir(parents=True, exist_ok=True)
         return RestoreReport(None, 0, 0)
     name = _gen_name(*gens[-1])
-    with _state(Path(state_path)) as st, _folder(root) as rfd:  # one restore at a time
+    with _state(Path(state_path)) as st, open_folder(root) as rfd:  # one restore at a time
         if st.get("gen") == name and _unchanged(rfd, st["files"]):
             return RestoreReport(name, 0, sum(f["size"] for f in st["files"].values()))
         return _restore_into(store, rfd, st, name, gens[-1], jobs)
@@ -474,56 +335,8 @@ def _unchanged(root_fd: int, files: dict) -> bool:
     ctime: the folder is already the generation the state names (restored by another rank
     that shares it, or saved here and not touched since)."""
     here = {rel: os.stat(name, dir_fd=dfd, follow_symlinks=False)
-            for rel, dfd, name in _files(root_fd)}
-    return set(here) == set(files) and all(_same(f, here[rel]) for rel, f in files.items())
-
-
-def _open_dirs(rfd: int, dirs: dict, rel: str, gen: str) -> int:
-    """The descriptor of the folder that holds ``rel``, each folder on the way opened from
-    its parent without following symlinks and made when missing; a file in the way (not in
-    the generation) is removed. ``dirs``: folder path → descriptor, "" the root. Raises
-    BadManifest when a part of the way is a symlink."""
-    parts = rel.split("/")[:-1]
-    for k in range(len(parts)):
-        key = "/".join(parts[:k + 1])
-        if key in dirs:
-            continue
-        parent, part = dirs["/".join(parts[:k])], parts[k]
-        for _ in range(3):
-            try:
-                dirs[key] = os.open(part, _DIR, dir_fd=parent)
-                break
-            except FileNotFoundError:
-                try:
-                    os.mkdir(part, 0o755, dir_fd=parent)
-                except FileExistsError:
-                    pass
-            except OSError as e:
-                if e.errno not in (errno.ELOOP, errno.ENOTDIR):
-                    raise
-                if stat.S_ISLNK(os.stat(part, dir_fd=parent, follow_symlinks=False).st_mode):
-                    raise BadManifest(gen, rel, f"it passes through {key!r}, a symlink in "
-                                      "the checkpoint folder (never followed)",
-                                      hint=f"remove the symlink {key!r} from the task's "
-                                      "checkpoint folder") from None
-                os.unlink(part, dir_fd=parent)  # a stale file where a folder goes
-        else:
-            raise FolderError(f"checkpoint folder: {key!r} keeps changing while it is restored")
-    return dirs["/".join(parts)]
-
-
-def _remove_tree(name: str, parent: int) -> None:
-    """Remove folder ``name`` of ``parent`` and all in it, never following a symlink."""
-    fd = os.open(name, _DIR, dir_fd=parent)
-    try:
-        for e in os.scandir(fd):
-            if e.is_dir(follow_symlinks=False):
-                _remove_tree(e.name, fd)
-            else:
-                os.unlink(e.name, dir_fd=fd)
-    finally:
-        os.close(fd)
-    os.rmdir(name, dir_fd=parent)
+            for rel, dfd, name in walk_files(root_fd)}
+    return set(here) == set(files) and all(same_stat(f, here[rel]) for rel, f in files.items())
 
 
 def _restore_into(store, rfd: int, st: dict, name: str, gen: tuple[int, int],
@@ -540,7 +353,7 @@ def _restore_into(store, rfd: int, st: dict, name: str, gen: tuple[int, int],
     temps: dict[str, tuple[int, str, int]] = {}  # path → (folder fd, temp name, fd)
     try:
         for rel, f in files.items():
-            d = _open_dirs(rfd, dirs, rel, name)
+            d = open_dirs(rfd, dirs, rel, name)
             tmp = f".hyper-restoring.{secrets.token_hex(8)}"
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
                          | os.O_CLOEXEC, 0o600, dir_fd=d)
@@ -633,11 +446,11 @@ def _restore_into(store, rfd: int, st: dict, name: str, gen: tuple[int, int],
                 if e.errno not in (errno.EISDIR, errno.ENOTEMPTY, errno.EEXIST):
                     os.unlink(tmp, dir_fd=d)
                     raise
-                _remove_tree(base, d)
+                remove_tree(base, d)
                 os.replace(tmp, base, src_dir_fd=d, dst_dir_fd=d)
             kept[rel] = os.stat(base, dir_fd=d, follow_symlinks=False)
             total += files[rel]["size"]
-        for rel, dfd, fname in _files(rfd):
+        for rel, dfd, fname in walk_files(rfd):
             if rel not in files:
                 os.unlink(fname, dir_fd=dfd)
     finally:
