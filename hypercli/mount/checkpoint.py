@@ -176,7 +176,7 @@ def _stopped(store: Store, st: dict, attempt: int, cutoff: int, late: list[str])
     """The final save of an attempt that did not succeed, when ``late`` (paths) changed after
     ``cutoff`` (ns): nothing of now is saved. When the newest generation itself took a file
     that changed after ``cutoff`` (a periodic save that ran as the attempt ended), a copy of
-    the newest generation written before ``cutoff`` is saved over it."""
+    the newest generation written before the first such change is saved over it."""
     shown = ", ".join(late[:3]) + (f" and {len(late) - 3} more" if len(late) > 3 else "")
     note = f"{shown} changed as the attempt ended: not saved"
     bad = sorted(rel for rel, f in st["files"].items() if (f.get("ctime_ns") or 0) > cutoff)
@@ -184,7 +184,8 @@ def _stopped(store: Store, st: dict, attempt: int, cutoff: int, late: list[str])
         return SaveReport(None, 0, 0, 0, [
             f"{note}; the last complete generation ({st.get('gen') or 'none yet'}) stays the "
             "newest"])
-    safe = _written_before(store, cutoff, attempt)
+    # a generation written before the first of those changes cannot hold them
+    safe = _written_before(store, min(st["files"][rel]["ctime_ns"] for rel in bad), attempt)
     if safe is None:
         return SaveReport(None, 0, 0, 0, [
             f"{note}; {st['gen']} holds {', '.join(bad[:3])} as it was then, and no "
@@ -208,15 +209,15 @@ def _stopped(store: Store, st: dict, attempt: int, cutoff: int, late: list[str])
 
 
 def _written_before(store: Store, cutoff: int, attempt: int, look: int = 64) -> str | None:
-    """The newest generation of ``attempt`` or before written before ``cutoff`` (ns, by
-    its manifest's time), among the ``look`` newest; or None."""
+    """The newest generation of ``attempt`` or before written before ``cutoff`` (ns since
+    the epoch, by its manifest's time), among the ``look`` newest; or None."""
     for a, s in [g for g in generations(store) if g[0] <= attempt][::-1][:look]:
         name = _gen_name(a, s)
         try:
             t = json.loads(store.get(name)).get("time")
         except (StoreError, ValueError, AttributeError, RecursionError):
             continue
-        if isinstance(t, (int, float)) and t * 1e9 <= cutoff:
+        if isinstance(t, (int, float)) and t * 1e9 < cutoff:
             return name
     return None
 
