@@ -177,6 +177,7 @@ def _stopped(store: Store, st: dict, attempt: int, cutoff: int, late: list[str])
     ``cutoff`` (ns): nothing of now is saved. When the newest generation itself took a file
     that changed after ``cutoff`` (a periodic save that ran as the attempt ended), a copy of
     the newest generation written before the first such change is saved over it."""
+    late = [x for x in late if x != "."] or ["the folder"]
     shown = ", ".join(late[:3]) + (f" and {len(late) - 3} more" if len(late) > 3 else "")
     note = f"{shown} changed as the attempt ended: not saved"
     bad = sorted(rel for rel, f in st["files"].items() if (f.get("ctime_ns") or 0) > cutoff)
