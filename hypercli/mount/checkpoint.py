@@ -157,9 +157,11 @@ def save(folder: str | os.PathLike, url: str, attempt: int,
         state_path: the node's state file for this folder.
         stopped_at: for the final save of an attempt that did not succeed, when it ended
             (s since the epoch): nothing is saved when anything in the folder changed less
-            than STOP_MARGIN s before.
+            than STOP_MARGIN s before (and a generation that took such a change is
+            superseded by a copy of the one written before it).
     Raises:
         StoreError: the store failed (no generation is written then).
+        BadManifest: the generation to go back to is malformed.
         FolderError: the folder is a symlink or not a folder.
     """
     store = open_store(url)
