@@ -97,6 +97,10 @@ def start_or_resume(state: S.State, recipe: Recipe, wf: Workflow, *, new: bool =
                                       # experiment → s an attempt may run (``timeout:``)
                                       "timeouts": {n: e.timeout for n, e in
                                                    recipe.experiments.items() if e.timeout},
+                                      # experiments whose gangs keep rank 0's checkpoint only
+                                      "checkpoint_rank0": sorted(
+                                          n for n, e in recipe.experiments.items()
+                                          if e.checkpoint_ranks == "rank0"),
                                       # references only, never a password's value
                                       "registry_auth": registry.stored(
                                           registry.of_recipe(recipe), recipe.digest),

@@ -1,7 +1,7 @@
 """Checkpoints that follow a task: HYPER_CHECKPOINT saved in generations while the attempt
 runs, and restored for the next attempt, on the local provider (file:// storage); the store's
 own rules (only changed blocks sent, generations by attempt, a late save of an older attempt
-never wins, a corrupt block refused)."""
+never wins, a corrupt block refused, a file being written never taken torn)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import random
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -169,3 +170,180 @@ def test_many_saves_chain_deltas_and_restore_fetches_little_more_than_it_needs(t
     assert (out / "step").read_text() == str(2 * C.FULL_EVERY + 2)
     assert not (out / "extra").exists()
     assert r.downloaded <= size * 1.15  # ranged reads of old packs, not whole packs
+
+
+#: rewrites a file in place again and again as torch.save does (open with O_TRUNC, then write
+#: 64 KiB at a time), every version all one 8-byte word (its number); prints the last number
+WRITER = r"""
+import os, sys
+path, size, stop = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+v = 1
+while not os.path.exists(stop):
+    v += 1
+    word = v.to_bytes(8, "little") * 8192
+    with open(path, "wb") as f:
+        for _ in range(size // len(word)):
+            f.write(word)
+print(v, flush=True)
+"""
+
+
+def one_version(data: bytes, size: int) -> int | None:
+    """The version a file written by WRITER holds, or None when it is torn."""
+    if len(data) != size or data != data[:8] * (size // 8):
+        return None
+    return int.from_bytes(data[:8], "little")
+
+
+def test_a_file_rewritten_in_place_while_saves_run_is_never_saved_torn(tmp_path):
+    src, url, state = tmp_path / "ck", f"file://{tmp_path}/store", tmp_path / "s.json"
+    src.mkdir()
+    size = 4 << 20
+    (src / "model.pt").write_bytes((1).to_bytes(8, "little") * (size // 8))
+    (src / "step").write_text("1")
+    assert C.save(src, url, 1, state).generation
+    stop = tmp_path / "stop"
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(src / "model.pt"), str(size),
+                               str(stop)], stdout=subprocess.PIPE, text=True)
+    try:
+        first = (src / "model.pt").stat().st_ctime_ns
+        wait_for(lambda: (src / "model.pt").stat().st_ctime_ns != first, timeout=60,
+                 what="the writer at work")
+        warnings, seen = [], 1
+        for i in range(4):
+            (src / "step").write_text(str(i + 2))
+            r = C.save(src, url, 1, state)
+            warnings += r.warnings
+            out = tmp_path / f"out{i}"
+            C.restore(url, out, tmp_path / f"out{i}.json")
+            # one whole version: the last one kept, or one the writer had closed and not
+            # yet opened again while it was read (a writer kept waiting for a CPU)
+            v = one_version((out / "model.pt").read_bytes(), size)
+            assert v is not None and v >= seen, v
+            seen = v
+            assert (out / "step").read_text() == str(i + 2)  # the rest of the save is taken
+    finally:
+        stop.touch()
+        last = int(writer.communicate(timeout=120)[0])
+    assert warnings and all("model.pt" in w and "previous version is kept" in w
+                            for w in warnings), warnings
+    assert C.save(src, url, 1, state).warnings == []  # it holds still now: taken
+    C.restore(url, tmp_path / "final", tmp_path / "final.json")
+    assert one_version((tmp_path / "final" / "model.pt").read_bytes(), size) == last
+
+
+def test_the_final_save_of_a_stopped_attempt_never_replaces_a_complete_generation(tmp_path):
+    src, url, state = tmp_path / "ck", f"file://{tmp_path}/store", tmp_path / "s.json"
+    src.mkdir()
+    size = 1 << 20
+    model = src / "model.pt"
+    model.write_bytes(b"\x01" * size)
+    complete = C.save(src, url, 1, state)
+    time.sleep(0.1)  # the torn write's ctime (a coarse clock) after the save's time
+    with open(model, "r+b") as f:  # a writer killed halfway: torn, and still from now on
+        f.write(b"\x02" * (size // 2))
+    r = C.save(src, url, 1, state, stopped_at=time.time())
+    assert r.generation is None and "model.pt changed as the attempt ended" in r.warnings[0]
+    C.restore(url, tmp_path / "a", tmp_path / "a.json")
+    assert (tmp_path / "a" / "model.pt").read_bytes() == b"\x01" * size
+
+    # a periodic save ran as the attempt was ending and took the torn file (it held still):
+    # the final save puts the generation written before it back on top
+    torn = C.save(src, url, 1, state)
+    assert torn.generation and torn.generation != complete.generation
+    r = C.save(src, url, 1, state, stopped_at=time.time())  # even when written just before
+    assert r.generation and complete.generation in r.warnings[0], r.warnings
+    C.restore(url, tmp_path / "b", tmp_path / "b.json")
+    assert (tmp_path / "b" / "model.pt").read_bytes() == b"\x01" * size
+    # an attempt that ended long after its last change saves as usual
+    assert C.save(src, url, 1, state, stopped_at=time.time() + 60).generation
+
+
+def test_a_task_killed_halfway_through_a_save_resumes_from_its_last_whole_one(
+        hyper_home, write_recipe, tmp_path):
+    """The whole way: the task's last save before it is killed mid-write is the one the
+    retry gets, not the torn file the wrapper's final save found."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "torn.py").write_text((JOB / "torn.py").read_text())
+    path = write_recipe(f"""
+        name: torn
+        workdir: {work}
+        cluster: {{workers: 1}}
+        experiments:
+          train:
+            retries: 1
+            checkpoint_every: 1
+            command: python3 torn.py
+    """)
+    r = subprocess.run([*hyper_cmd(), "run", str(path)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+    state = State()
+    attempts = state.attempts("torn-1", "train-0000")
+    logs = [(hyper_home / "local" / "tasks" / a["id"] / "stderr").read_text()
+            for a in attempts]
+    assert r.returncode == 0 and [a["status"] for a in attempts] == ["failed", "succeeded"], (
+        r.stdout + r.stderr, logs)
+    assert state.task("torn-1", "train-0000")["metrics"] == {"size": 1 << 20, "byte": 1}
+    assert "changed as the attempt ended" in logs[0]
+
+
+def test_every_rank_of_a_gang_gets_its_own_checkpoint_back(hyper_home, write_recipe,
+                                                            tmp_path):
+    """Rank 0 and rank 1 each keep a file of their own (the default, ``each``): after the
+    gang is retried, each finds its own. With ``checkpoint_ranks: rank0`` (a folder the
+    ranks share) rank 0's is kept and every rank gets it."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "ranks.py").write_text((JOB / "ranks.py").read_text())
+    path = write_recipe(f"""
+        name: ranks
+        workdir: {work}
+        cluster: {{workers: 4}}
+        experiments:
+          own:
+            nodes: 2
+            retries: 1
+            checkpoint_every: 1
+            command: python3 ranks.py each
+          shared:
+            nodes: 2
+            retries: 1
+            checkpoint_every: 1
+            checkpoint_ranks: rank0
+            command: python3 ranks.py rank0
+    """)
+    r = subprocess.run([*hyper_cmd(), "run", str(path)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+    state = State()
+    found = {}
+    for task in ("own-0000", "shared-0000"):
+        for a in state.attempts("ranks-1", task):
+            out = (hyper_home / "local" / "tasks" / a["id"] / "stdout").read_text()
+            found[task, a["number"], a["rank"]] = out.split("found: ", 1)[-1].strip()
+    assert r.returncode == 0, (r.stdout + r.stderr, found)
+    assert found[("own-0000", 2, 0)] == "written by rank 0"
+    assert found[("own-0000", 2, 1)] == "written by rank 1"
+    assert found[("shared-0000", 2, 0)] == found[("shared-0000", 2, 1)] == "written by rank 0"
+    kept = hyper_home / "storage" / "ranks-1" / ".checkpoints"
+    for rank in (0, 1):  # each rank's own generations, and its own file in them
+        out = tmp_path / f"rank-{rank}"
+        C.restore(f"file://{kept}/own-0000/rank-{rank}", out, tmp_path / f"r{rank}.json")
+        assert (out / "mine").read_text() == f"written by rank {rank}"
+    assert list((kept / "shared-0000" / "gen").glob("*.json"))
+    assert not (kept / "shared-0000" / "rank-1").exists()
+
+
+def test_checkpoint_ranks_is_checked_with_a_did_you_mean():
+    from hypercli.errors import RecipeError
+    from hypercli.recipe import parse_recipe
+    ok = parse_recipe("name: r\nexperiments:\n  t:\n    nodes: 2\n    checkpoint_ranks: rank0\n"
+                      "    command: 'true'\n")
+    assert ok.experiments["t"].checkpoint_ranks == "rank0"
+    assert parse_recipe("name: r\nexperiments:\n  t:\n    command: 'true'\n").experiments[
+        "t"].checkpoint_ranks == "each"
+    with pytest.raises(RecipeError) as e:
+        parse_recipe("name: r\nexperiments:\n  t:\n    checkpoint_ranks: rank-0\n"
+                     "    command: 'true'\n")
+    assert e.value.field == "experiments.t.checkpoint_ranks" and e.value.line == 4
+    assert "not 'rank-0'" in str(e.value) and "did you mean 'rank0'?" in str(e.value)

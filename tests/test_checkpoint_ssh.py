@@ -1,11 +1,15 @@
 """Checkpoint resume after a host is killed, on SSH test hosts: with file:// storage (the
 node saves into a store of its own, which the driver copies here) and with S3 storage on
 loopback (the node saves there itself), the retry on another host starts from the last
-saved step, not from 0."""
+saved step, not from 0; a gang whose ranks each save their own shard with
+torch.distributed.checkpoint resumes on a spare with every rank's shard back."""
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import sysconfig
 import threading
 import time
 from pathlib import Path
@@ -81,3 +85,65 @@ def test_resume_after_a_host_is_killed_s3_storage(ssh_hosts, tmp_path, hyper_hom
         from hypercli.mount.store import open_store
         gens = generations(open_store("s3://bkt/out/lab-1/.checkpoints/train-0000"))
         assert {a for a, _ in gens} == {1, 2}  # both attempts saved, in generations of their own
+
+
+def need_torch():
+    try:
+        import torch.distributed.checkpoint  # noqa: F401
+    except ImportError:
+        if os.environ.get("HYPER_REQUIRE_SSH_HOSTS") == "1":
+            pytest.fail("PyTorch is not installed beside hypercli (scripts/test.sh installs it)")
+        pytest.skip("PyTorch is not installed beside hypercli")
+
+
+def test_sharded_checkpoint_resumes_on_a_spare_with_every_ranks_shard(ssh_hosts, tmp_path,
+                                                                       hyper_home):
+    """2 ranks (gloo, CPU) each save their own shard with torch.distributed.checkpoint into
+    their own HYPER_CHECKPOINT every step; the host under rank 1 is killed once both ranks'
+    saves of a finished step have reached here; the gang is retried on the spare and resumes
+    from the newest step both ranks kept, each rank loading its own shard."""
+    need_torch()
+    hosts = ssh_hosts.start(3)
+    work = tmp_path / "work"
+    shutil.copytree(JOB, work)
+    # the hosts' /usr/bin/python3 (3.11, as this one) with this Python's packages: PyTorch's
+    # CPU build (Debian's 1.13 has no torch.distributed.checkpoint)
+    path = ssh_recipe(tmp_path, ssh_hosts, hosts, {"train": {
+        "nodes": 2, "retries": 2, "checkpoint_every": 1,
+        "env": {"PYTHONPATH": sysconfig.get_paths()["purelib"]},
+        "command": "/usr/bin/python3 dcp_train.py 80 0.25"}}, workdir=str(work))
+    kept = hyper_home / "storage" / "lab-1" / ".checkpoints" / "train-0000"
+    killed = {}
+
+    def a_done_step_saved(rank: int) -> bool:
+        try:
+            newest = sorted((kept / f"rank-{rank}" / "gen").glob("*.json"))[-1]
+            return any(f.endswith("/done") for f in json.loads(newest.read_bytes())["files"])
+        except (IndexError, OSError, ValueError):
+            return False
+
+    def kill_under_rank_1():
+        wait_for(lambda: a_done_step_saved(0) and a_done_step_saved(1), timeout=300,
+                 what="a finished step of each rank saved here")
+        [a] = [x for x in State().attempts("lab-1", status=["running"])
+               if x["rank"] == 1 and x["number"] == 1]
+        killed["node"] = a["node"]
+        hosts[int(a["node"].rsplit("-", 1)[1])].kill()
+    t = threading.Thread(target=kill_under_rank_1)
+    t.start()
+    state, summary = run_in_process(path)
+    t.join()
+    by = {(a["number"], a["rank"]): a for a in state.attempts("lab-1", "train-0000")}
+    logs = {k: (Path(State().path).parent / "logs" / a["id"] / "stdout").read_text()
+            if (Path(State().path).parent / "logs" / a["id"] / "stdout").exists() else ""
+            for k, a in by.items()}
+    assert summary.exit_code == 0, (by, logs)
+    assert by[(1, 1)]["status"] == "lost" and by[(1, 1)]["node"] == killed["node"]
+    last = max(n for n, _ in by)
+    assert [by[(last, r)]["status"] for r in (0, 1)] == ["succeeded"] * 2
+    assert killed["node"] not in {by[(last, r)]["node"] for r in (0, 1)}  # the spare took it
+    metrics = state.task("lab-1", "train-0000")["metrics"]
+    assert metrics["shards_ok"] is True and metrics["steps"] == 80, (metrics, logs)
+    assert 0 < metrics["start"] < 80, (metrics, logs)  # resumed, each from its own shard
+    assert f"rank 1 attempt {last} starts at step {metrics['start']}, shard as saved" in logs[
+        (last, 1)]

@@ -4,7 +4,7 @@ mfusepy (a node may have hypercli's bundled runtime only, without click or rich)
     python3 -m hypercli.mount.node mount URL MOUNTPOINT --cache-dir D [--cache-mib N]
     python3 -m hypercli.mount.node push-output DIR URL
     python3 -m hypercli.mount.node pull-outputs STORAGE WORKFLOW DEST EXPERIMENT...
-    python3 -m hypercli.mount.node checkpoint-save FOLDER URL ATTEMPT STATE
+    python3 -m hypercli.mount.node checkpoint-save FOLDER URL ATTEMPT STATE [--stopped-at S]
     python3 -m hypercli.mount.node checkpoint-restore URL FOLDER STATE
 
 Exit 0 on success; otherwise 1 with the reason on stderr.
@@ -40,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("url")
     c.add_argument("attempt", type=int)
     c.add_argument("state")
+    c.add_argument("--stopped-at", type=float, default=None,
+                   help="the final save of an attempt that did not succeed: when it ended "
+                        "(s since the epoch)")
     r = sub.add_parser("checkpoint-restore")
     r.add_argument("url")
     r.add_argument("folder")
@@ -58,7 +61,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{plural(r.bytes, 'byte')}")
         elif a.cmd == "checkpoint-save":
             from hypercli.mount.checkpoint import save
-            s = save(a.folder, a.url, a.attempt, a.state)
+            s = save(a.folder, a.url, a.attempt, a.state, stopped_at=a.stopped_at)
+            for line in s.warnings:
+                print(f"hyper: checkpoint: {line}", file=sys.stderr)
             if s.generation is None:
                 print(f"checkpoint: unchanged ({plural(s.total, 'byte')})", file=sys.stderr)
             else:  # what was uploaded holds the manifest too: it is no part of the folder

@@ -135,17 +135,19 @@ METRICS_MAX = 4 << 20  # bytes of metrics.jsonl read at most (the last 4 MiB)
 SOCKET_IFNAME = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 #: runs a task whose spec has a checkpoint: restore first (exit 75 when that fails), then the
 #: task with a loop beside it that saves every HYPER_CKPT_EVERY s and at once when the node's
-#: preemption marker appears, then a last save; saves only a folder that is not empty (a
-#: task that never checkpoints costs no save), one at a time (the save takes an flock). The
-#: task itself runs without the wrapper's HYPER_CKPT_* variables (its commands are internal)
-#: and without HYPER_HOME (the state folder of the machine that runs ``hyper``)
+#: preemption marker appears, then a last save (after a failure told when the task ended:
+#: mount/checkpoint.py keeps the last complete generation if a file changed as it ended);
+#: saves only a folder that is not empty (a task that never checkpoints costs no save), one
+#: at a time (the save takes an flock). The task itself runs without the wrapper's
+#: HYPER_CKPT_* variables (its commands are internal) and without HYPER_HOME (the state
+#: folder of the machine that runs ``hyper``)
 CHECKPOINT_WRAPPER = r"""
 ck="$HYPER_CHECKPOINT"
 save() {
   [ -n "$HYPER_CKPT_SAVE" ] || return 0
   for f in "$ck"/* "$ck"/.[!.]* "$ck"/..?*; do  # not empty (a shell test, no process)
     if [ -e "$f" ] || [ -L "$f" ]; then
-      sh -c "$HYPER_CKPT_SAVE" || echo "hyper: saving the checkpoint failed" >&2
+      sh -c "$HYPER_CKPT_SAVE $*" || echo "hyper: saving the checkpoint failed" >&2
       return 0
     fi
   done
@@ -168,9 +170,10 @@ side=$!
 (unset HYPER_CKPT_SAVE HYPER_CKPT_RESTORE HYPER_CKPT_EVERY HYPER_CKPT_PREEMPTED HYPER_HOME
  exec "$@")
 code=$?
+ended=; [ "$code" = 0 ] || ended="--stopped-at $(date +%s)"
 kill "$side" 2>/dev/null
 wait "$side" 2>/dev/null
-save
+save $ended
 exit "$code"
 """
 #: a container's first command when its task has secrets: ``export NAME='value'`` lines

@@ -172,6 +172,18 @@ def unmount_command(path: str, root: str) -> str:
             f"{_detach(p)}; rm -f {rec}; exit 0; fi; rm -f {rec}; exit 1")
 
 
+def checkpoint_name(wf: dict, spec: dict) -> str:
+    """Whose checkpoint a launch spec's attempt keeps, as a path under the workflow's
+    checkpoints: the task's id, or ``<task>/rank-<r>`` for rank ``r`` of a multi-node task
+    (unless its experiment has ``checkpoint_ranks: rank0``, kept in the workflow's spec)."""
+    env = spec["env"]
+    task = env["HYPER_TASK_ID"]
+    if int(env.get("HYPER_NUM_NODES") or 1) <= 1 or env.get("HYPER_EXPERIMENT") in (
+            (wf.get("spec") or {}).get("checkpoint_rank0") or ()):
+        return task
+    return f"{task}/rank-{int(env.get('HYPER_NODE_RANK') or 0)}"
+
+
 class NodeRuntime:
     """Mounts and object-store outputs for one workflow on one node.
 
@@ -233,22 +245,24 @@ class NodeRuntime:
 
     def checkpoint(self, spec: dict, every: float, url: str | None = None) -> None:
         """Give a launch spec its checkpoint (:mod:`hypercli.mount.checkpoint`): the folder
-        ``<root>/ckpt/<workflow>/<task>`` as ``HYPER_CHECKPOINT``, and the node-side commands
-        the agent runs around the task: restore (attempts after the first) and save (every
-        ``every`` s, at a preemption notice, at the end). Every rank of a multi-node task
-        restores; only rank 0's folder is saved.
+        ``<root>/ckpt/<workflow>/<name>`` as ``HYPER_CHECKPOINT`` (``name``:
+        :func:`checkpoint_name`), and the node-side commands the agent runs around the task:
+        restore (attempts after the first) and save (every ``every`` s, at a preemption
+        notice, at the end). Each rank of a multi-node task saves its own folder and gets it
+        back; with ``checkpoint_ranks: rank0`` only rank 0's is saved, and every rank gets it.
 
         Args:
             url: the checkpoint store as the node reaches it; default the workflow's storage.
         """
         wid, task = self.wf["id"], spec["env"]["HYPER_TASK_ID"]
         number = int(spec["env"]["HYPER_ATTEMPT"])
-        folder = f"{self.root}/ckpt/{wid}/{task}"
+        name = checkpoint_name(self.wf, spec)
+        folder = f"{self.root}/ckpt/{wid}/{name}"
         state = shlex.quote(f"{folder}.state.json")
-        url = shlex.quote(url or checkpoint_url(self.wf["storage"], wid, task))
+        url = shlex.quote(url or checkpoint_url(self.wf["storage"], wid, name))
         q = shlex.quote(folder)
         spec["env"]["HYPER_CHECKPOINT"] = folder
-        saves = spec["env"].get("HYPER_NODE_RANK", "0") == "0"  # a gang saves rank 0's
+        saves = name != task or spec["env"].get("HYPER_NODE_RANK", "0") == "0"
         spec["checkpoint"] = {
             "dir": folder, "every": every, "preempted": f"{self.root}/preempted",
             "save": (f"{env_prefix()}{self.hyper} checkpoint-save {q} {url} {number} {state}"

@@ -40,7 +40,8 @@ from hypercli.errors import HyperError, InfraError, NodeError, UsageError
 from hypercli.node.bundle import bundle, remote_python
 from hypercli.node.client import AgentClient, agent_source
 from hypercli.providers.base import Instance, LaunchResult
-from hypercli.providers.runtime import NodeRuntime, forwarded_env, unmount_command
+from hypercli.providers.runtime import (NodeRuntime, checkpoint_name, forwarded_env,
+                                       unmount_command)
 from hypercli.recipe import ClusterSpec
 from hypercli.ssh import images
 from hypercli.ssh.conn import CONNECT_TIMEOUT, Connection, Target, tcp_silent
@@ -329,22 +330,23 @@ class SSHSession:
         """The spec's checkpoint commands; with ``file://`` storage, which the node cannot
         reach, the node saves into a store of its own that :meth:`mirror_checkpoints` copies
         here, and an attempt after the first gets the newest generation copied there first."""
-        task = spec["env"]["HYPER_TASK_ID"]
         if self.storage is None:
             self.rt.checkpoint(spec, spec.get("checkpoint_every", 60))
             return
+        name = checkpoint_name(self.wf, spec)
         self.rt.checkpoint(spec, spec.get("checkpoint_every", 60),
-                           url=f"file://{self._node_store(task)}")
+                           url=f"file://{self._node_store(name)}")
         if int(spec["env"]["HYPER_ATTEMPT"]) > 1:
-            self._push_checkpoint(conn, task)
+            self._push_checkpoint(conn, name)
 
-    def _push_checkpoint(self, conn: Connection, task: str) -> None:
-        """Copy the newest generation kept here (its chain, and the packs it needs) to the
-        node."""
+    def _push_checkpoint(self, conn: Connection, name: str) -> None:
+        """Copy the newest generation kept here of checkpoint ``name`` (a task, or a rank of
+        one: :func:`~hypercli.providers.runtime.checkpoint_name`), its chain and the packs it
+        needs, to the node."""
         from hypercli.mount.checkpoint import newest
         from hypercli.mount.outputs import checkpoint_url
         from hypercli.mount.store import open_store
-        store = open_store(checkpoint_url(self.wf["storage"], self.wf["id"], task))
+        store = open_store(checkpoint_url(self.wf["storage"], self.wf["id"], name))
         found = newest(store)
         if found is None:
             return
@@ -354,7 +356,7 @@ class SSHSession:
         with tarfile.open(fileobj=buf, mode="w") as tar:
             for rel in sorted(packs) + chain[::-1]:  # the generations last, the newest last
                 tar.add(str(base / rel), arcname=rel)
-        d = shlex.quote(self._node_store(task))
+        d = shlex.quote(self._node_store(name))
         conn.run(f"mkdir -p {d} && tar -C {d} -xf -", stdin=buf.getvalue(), timeout=600)
 
     def mirror_checkpoints(self) -> int:

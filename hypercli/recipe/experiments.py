@@ -39,9 +39,12 @@ MAX_TASKS = 1_000_000        #: largest number of tasks one recipe may make
 
 _EXPERIMENT_KEYS = ("command", "commands", "image", "parameters", "sampling", "samples",
                     "after", "retries", "env", "workers", "resources", "hardware", "nodes",
-                    "checkpoint_every", "engine", "registry_auth", "minutes", "secrets",
-                    "timeout")
+                    "checkpoint_every", "checkpoint_ranks", "engine", "registry_auth", "minutes",
+                    "secrets", "timeout")
 ENGINES = ("spark", "ray")   #: what ``engine:`` may name (hypercli/node/engine.py starts them)
+#: ``checkpoint_ranks:``: ``each`` keeps every rank's HYPER_CHECKPOINT and gives each rank its
+#: own back; ``rank0`` keeps rank 0's and gives it to every rank (a folder the ranks share)
+CHECKPOINT_RANKS = ("each", "rank0")
 
 
 def _experiments(ctx: _Ctx, item: _Item) -> tuple[dict, tuple]:
@@ -113,6 +116,13 @@ def _experiment(ctx: _Ctx, name: str, item: _Item) -> tuple[ExperimentSpec, int,
                      lambda v: _is_number(v) and _finite(v) and v >= 1,
                      "a number of seconds, at least 1")
     timeout = _timeout(ctx, keys["timeout"], f"{f}.timeout") if "timeout" in keys else None
+    ranks = "each"
+    if "checkpoint_ranks" in keys:
+        ranks = _str(ctx, keys["checkpoint_ranks"], f"{f}.checkpoint_ranks")
+        if ranks not in CHECKPOINT_RANKS:
+            ctx.fail(f"checkpoint_ranks must be each or rank0, not {_show(ranks)}",
+                     keys["checkpoint_ranks"].line, f"{f}.checkpoint_ranks",
+                     _suggest(ranks, list(CHECKPOINT_RANKS), "choices"))
     engine = None
     if "engine" in keys:
         engine = _str(ctx, keys["engine"], f"{f}.engine")
@@ -131,7 +141,8 @@ def _experiment(ctx: _Ctx, name: str, item: _Item) -> tuple[ExperimentSpec, int,
         name=name, command=command, parameters=parameters, sampling=sampling, samples=samples,
         after=tuple(dict.fromkeys(a for a, _ in after)), retries=retries, image=image,
         env={k: v for k, (v, _) in env.items()}, workers=workers, line=item.line,
-        resources=resources(ctx, keys, f), checkpoint_every=every, engine=engine,
+        resources=resources(ctx, keys, f), checkpoint_every=every, checkpoint_ranks=ranks,
+        engine=engine,
         registry_auth=registry_auth(ctx, keys, f), secrets=secrets,
         timeout=timeout, minutes=minutes)
     return spec, count, after

@@ -90,6 +90,8 @@ class ExperimentSpec:
         line: 1-based line of the experiment's key in the file.
         resources: what each task needs of a node (:class:`Resources`).
         checkpoint_every: seconds between saves of a running attempt's ``HYPER_CHECKPOINT``.
+        checkpoint_ranks: ``"each"`` (every rank of a multi-node task keeps its own
+            ``HYPER_CHECKPOINT``) or ``"rank0"`` (rank 0's is kept and given to every rank).
         engine: ``"spark"`` or ``"ray"``, started across each task's nodes around its command
             (``hypercli/node/engine.py``), or None.
         registry_auth: ``{"username", "password"}`` for the image's registry, each the text
@@ -115,6 +117,7 @@ class ExperimentSpec:
     line: int | None
     resources: Resources = field(default_factory=Resources)
     checkpoint_every: float = 60.0
+    checkpoint_ranks: str = "each"
     engine: str | None = None
     registry_auth: dict | None = None
     secrets: tuple = ()
