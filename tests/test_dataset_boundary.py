@@ -236,6 +236,9 @@ def test_crafted_index_is_a_clear_error_in_pull_and_ls(dataset, tmp_path, hyper_
             assert repr(entry) in p.stderr, (args, p.stderr)
         assert "hint:" in p.stderr
     assert not dest.exists()  # the index is read whole before anything is written
+    p = hyper_data("verify", url)  # a problem found, not a traceback
+    assert (p.returncode, "Traceback" in p.stderr) == (1, False), p.stdout + p.stderr
+    assert why in p.stdout and (entry is None or repr(entry) in p.stdout), p.stdout
 
 
 def test_manifest_naming_a_chunk_or_index_by_a_path_is_refused(dataset, tmp_path):

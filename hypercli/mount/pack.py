@@ -743,13 +743,29 @@ def pull(url: str, dest_dir: str | os.PathLike, *, jobs: int = 16, path_prefix: 
                       bytes=done, chunks=len(order), seconds=time.monotonic() - t0)
 
 
+def _entry_problems(idx: Index) -> list[str]:
+    """Every row of the index that is not a well-formed entry, and every file whose segments
+    are wrong or do not add up to its size (one line each, naming the entry)."""
+    problems = []
+    for e in idx.walk(bad="keep"):
+        if not isinstance(e, Entry):
+            problems.append(e.reason)
+        elif e.kind == "f":
+            try:
+                idx.segments(e.path, e.size)
+            except CorruptIndex as ex:
+                problems.append(str(ex))
+    return problems
+
+
 def verify(url: str, *, jobs: int = 16, endpoint_url: str | None = None) -> VerifyReport:
     """Check the dataset at ``url`` against its manifest, and report every fault found.
 
     Checks: the index object exists and has the manifest's SHA-256; the index names the
-    manifest's chunks; every chunk exists (one LIST), has the manifest's size, and its bytes
-    have the SHA-256 that names it (each chunk downloaded once, by ``jobs`` threads). The
-    index is downloaded again (not taken from a cache).
+    manifest's chunks; every row of it is a well-formed entry, and every file's segments are
+    bytes of its chunks that add up to its size; every chunk exists (one LIST), has the
+    manifest's size, and its bytes have the SHA-256 that names it (each chunk downloaded
+    once, by ``jobs`` threads). The index is downloaded again (not taken from a cache).
 
     Raises:
         UsageError: no dataset at url.
@@ -765,6 +781,7 @@ def verify(url: str, *, jobs: int = 16, endpoint_url: str | None = None) -> Veri
             idx = Index(fetch_index(store, m, tmp))  # the store's copy, never a cached one
             if [(sha, size) for _, sha, size in idx.chunk_list] != chunks:
                 report.problems.append(f"{m['index']}: names other chunks than the manifest")
+            report.problems += [f"{m['index']}: {p}" for p in _entry_problems(idx)]
         except NotFound:
             report.problems.append(f"{m['index']}: missing")
         except DatasetError as e:
