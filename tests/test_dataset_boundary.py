@@ -63,7 +63,7 @@ def rewrite_index(url: str, tmp: Path, sql: str = "", params=(), raw: bytes | No
     m = pack.load_manifest(store)
     path = tmp / "evil.sqlite"
     if raw is None:
-        shutil.copy(pack.fetch_index(store, m, tmp / "orig-index"), path)
+        shutil.copyfile(pack.fetch_index(store, m, tmp / "orig-index"), path)
         db = sqlite3.connect(path)
         if params:
             db.execute(sql, params)
@@ -295,9 +295,10 @@ def test_mount_answers_eio_for_a_bad_entry_alone(dataset, tmp_path):
 @pytest.mark.skipif(not FUSE or not shutil.which("setpriv"),
                     reason="needs FUSE and setpriv")
 def test_cached_chunks_cannot_be_changed_by_another_user(dataset):
-    """The chunk cache's files are read-only and its folder the daemon's alone, whatever the
-    umask (here 0, which made them writable by all): another user cannot change, replace or
-    read a cached chunk, and the mount keeps serving the right bytes."""
+    """The chunk cache's files (and the cached index) are read-only and their folders the
+    daemon's alone, whatever the umask (here 0, which made them writable by all): another
+    user cannot change, replace or read a cached chunk or index, and the mount keeps serving
+    the right bytes."""
     from test_mount import Mounted, drop_page_cache
     url, files = dataset
     base = Path(tempfile.mkdtemp(prefix="hyper-cache-test-"))  # not under root's 0700 tmp
@@ -311,6 +312,8 @@ def test_cached_chunks_cannot_be_changed_by_another_user(dataset):
         chunks = base / "cache" / "chunks"
         cached = [p for p in chunks.iterdir() if not p.name.startswith(".")]
         assert cached
+        index = list((base / "cache" / "index").glob("*.sqlite"))
+        assert len(index) == 1
         attack = ("import os, sys\n"
                   "ok = []\n"
                   "for p in sys.argv[1:]:\n"
@@ -328,7 +331,7 @@ def test_cached_chunks_cannot_be_changed_by_another_user(dataset):
                   "        print(p, e.strerror)\n"
                   "print('CHANGED', ok)\n")
         r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
-                            "/usr/bin/python3", "-c", attack, *map(str, cached)],
+                            "/usr/bin/python3", "-c", attack, *map(str, cached + index)],
                            capture_output=True, text=True, timeout=60)
         assert "CHANGED []" in r.stdout, r.stdout + r.stderr
         assert "Permission denied" in r.stdout
@@ -336,8 +339,9 @@ def test_cached_chunks_cannot_be_changed_by_another_user(dataset):
         for name in ("g1", "g2", "short"):
             assert (m.mp / "d" / name).read_bytes() == files[f"d/{name}"]
         assert m.stats()["verify_failures"] == 0
-        assert all(os.stat(p).st_mode & 0o777 == 0o400 for p in cached)
+        assert all(os.stat(p).st_mode & 0o777 == 0o400 for p in cached + index)
         assert os.stat(chunks).st_mode & 0o777 == 0o700
+        assert os.stat(index[0].parent).st_mode & 0o777 == 0o700
     finally:
         os.umask(old)
         if m is not None:

@@ -154,8 +154,10 @@ def fetch_index(store: Store, manifest: dict, cache_dir: str | os.PathLike) -> P
     """The dataset's index as a local file, downloaded once into ``cache_dir``.
 
     The file is ``cache_dir/<index sha256>.sqlite``; a download is checked against the
-    manifest's ``index_sha256`` before it is renamed into place, so a file found there is
-    whole and right. Safe to call from many threads and processes at once.
+    manifest's ``index_sha256`` before it is renamed into place, read-only (``0o400``, in a
+    ``0o700`` folder when this makes it), so a file found there is whole and right and no
+    other user has changed it (as cached chunks, :mod:`hypercli.mount.cache`). Safe to call
+    from many threads and processes at once.
 
     Raises:
         DatasetError: the downloaded index has the wrong SHA-256.
@@ -166,7 +168,7 @@ def fetch_index(store: Store, manifest: dict, cache_dir: str | os.PathLike) -> P
     path = cache / f"{sha}.sqlite"
     if path.is_file():
         return path
-    cache.mkdir(parents=True, exist_ok=True)
+    cache.mkdir(parents=True, exist_ok=True, mode=0o700)
     tmp = cache / f".{sha}.{os.getpid()}.{threading.get_ident()}.tmp"
     try:
         store.get_to_file(manifest["index"], tmp)
@@ -174,6 +176,7 @@ def fetch_index(store: Store, manifest: dict, cache_dir: str | os.PathLike) -> P
         if got != sha:
             raise DatasetError(f"{store.url}/{manifest['index']}: sha256 is {got}, "
                                "not the one the manifest names")
+        os.chmod(tmp, 0o400)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
