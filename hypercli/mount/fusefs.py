@@ -34,8 +34,9 @@ returned, and the next read tries the store again. An index row that is not a we
 entry (:class:`~hypercli.mount.index.CorruptIndex`: an unknown kind, a size, mode or mtime
 of the wrong type, segments that do not add up to the file's size) is EIO for that entry
 alone: its folder still lists (the entry's name shown without attributes, so a ``stat`` of
-it asks, and gets EIO; a name that cannot be shown is left out) and its other entries read. libfuse 3 runs the daemon with ``/`` as its
-working folder, so every path here is made absolute first.
+it asks, and gets EIO; a name that cannot be shown is left out) and its other entries read.
+libfuse 3 runs the daemon with ``/`` as its working folder, so every path here is made
+absolute first.
 
 A daemon (``foreground=False``) is this module run as a program (``python -m
 hypercli.mount.fusefs``) in a session of its own, logging to ``cache_dir/mount.log``.

@@ -535,9 +535,6 @@ def ls(url: str, path: str = "", *, endpoint_url: str | None = None,
         return idx.listdir(p) if e.kind == "d" else [e]
 
 
-_safe = path_ok
-
-
 class _Fetcher:
     """Downloads chunks (by seq) into ``tmp`` on ``jobs`` threads, at most ``jobs`` ahead of
     the one being read, and checks each one's size and SHA-256."""
@@ -707,7 +704,7 @@ def pull(url: str, dest_dir: str | os.PathLike, *, jobs: int = 16, path_prefix: 
                     fetcher.use(c)
             try:
                 for e in entries:
-                    if not _safe(e.path) or (e.path and parent_of(e.path) not in dirs):
+                    if not path_ok(e.path) or (e.path and parent_of(e.path) not in dirs):
                         raise DatasetError(f"{url}: refusing path {e.path!r}: outside "
                                            f"{dest_dir} or not below a folder of the dataset")
                     if not e.path:  # the dataset's root: dest_dir, left as it is
