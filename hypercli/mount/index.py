@@ -134,8 +134,16 @@ def path_ok(path) -> bool:
     return path == "" or ("//" not in s and "/./" not in s and "/../" not in s)
 
 
+def _r(value, limit: int = 80) -> str:
+    """repr of a value read from an index, cut to ``limit`` characters (a crafted one can be
+    megabytes long)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def _bad(path, why: str) -> CorruptIndex:
-    return CorruptIndex(f"entry {path!r}: {why}", path if isinstance(path, str) else None)
+    return CorruptIndex(f"entry {_r(path, 200)}: {why}",
+                        path if isinstance(path, str) else None)
 
 
 def entry_of(row) -> Entry:
@@ -151,19 +159,19 @@ def entry_of(row) -> Entry:
     if not path_ok(path):
         raise _bad(path, "not a relative path (absolute, '..', an empty part, or NUL)")
     if kind not in KIND_TYPES:
-        raise _bad(path, f"unknown kind {kind!r} (not 'f', 'd' or 'l')")
+        raise _bad(path, f"unknown kind {_r(kind)} (not 'f', 'd' or 'l')")
     if path == "" and kind != "d":
         raise _bad(path, "the root is not a folder")
     if type(size) is not int or not 0 <= size <= MAX_BYTES:
-        raise _bad(path, f"size {size!r} is not a number of bytes")
+        raise _bad(path, f"size {_r(size)} is not a number of bytes")
     if type(mode) is not int or not 0 <= mode < 1 << 32:
-        raise _bad(path, f"mode {mode!r} is not a file mode")
+        raise _bad(path, f"mode {_r(mode)} is not a file mode")
     if type(mtime) not in (int, float) or not -MAX_MTIME <= mtime <= MAX_MTIME:
-        raise _bad(path, f"mtime {mtime!r} is not a time (unix s, years 1677-2262)")
+        raise _bad(path, f"mtime {_r(mtime)} is not a time (unix s, years 1677-2262)")
     if kind == "f" and type(sha) is not str:  # a wrong one fails the file's check
-        raise _bad(path, f"sha256 {sha!r} is not a hex digest")
+        raise _bad(path, f"sha256 {_r(sha)} is not a hex digest")
     if kind == "l" and not (isinstance(target, str) and target and "\0" not in target):
-        raise _bad(path, f"symlink target {target!r} is not a path")
+        raise _bad(path, f"symlink target {_r(target)} is not a path")
     return Entry(path, kind, size, KIND_TYPES[kind] | (mode & 0o777), float(mtime),
                  sha if kind == "f" else None, target if kind == "l" else None)
 
@@ -208,7 +216,7 @@ class Index:
             if seq != i or type(seq) is not int or not isinstance(sha, str) or \
                     not _SHA.fullmatch(sha) or type(size) is not int or \
                     not 0 <= size <= MAX_BYTES:
-                raise CorruptIndex(f"chunk row {i} ({seq!r}, {sha!r}, {size!r}) is not "
+                raise CorruptIndex(f"chunk row {i} {_r((seq, sha, size), 200)} is not "
                                    "(seq, 64 hex digits, bytes) in order from 0")
 
     @contextmanager
@@ -239,7 +247,7 @@ class Index:
             c, off, n = seg
             if type(c) is not int or type(off) is not int or type(n) is not int or \
                     not 0 <= c < len(chunks) or off < 0 or n <= 0 or off + n > chunks[c][2]:
-                raise _bad(e.path, f"segment {tuple(seg)!r} is not bytes of a chunk of the "
+                raise _bad(e.path, f"segment {_r(tuple(seg))} is not bytes of a chunk of the "
                            "dataset")
             total += n
         if total != e.size:
@@ -307,7 +315,7 @@ class Index:
             try:
                 e = entry_of(r[:7])
                 if parent_of(p) != path or name != p.rsplit("/", 1)[-1]:
-                    raise _bad(p, f"listed in folder {path!r} under the name {name!r}")
+                    raise _bad(p, f"listed in folder {_r(path)} under the name {_r(name)}")
                 out.append(e)
             except CorruptIndex as ex:
                 if bad == "raise":
@@ -332,7 +340,7 @@ class Index:
         for p, size in rows:
             if not path_ok(p) or p == "" or type(size) is not int or \
                     not 0 <= size <= MAX_BYTES:
-                raise _bad(p, f"not a file's path and size ({size!r})")
+                raise _bad(p, f"not a file's path and size ({_r(size)})")
         return rows
 
     def segments(self, path: str, size: int | None = None) -> list[tuple[int, int, int]]:

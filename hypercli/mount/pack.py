@@ -212,7 +212,8 @@ def _reading(store: Store, manifest: dict) -> Iterator[None]:
     try:
         yield
     except (ValueError, sqlite3.DatabaseError) as e:
-        raise DatasetError(f"{store.url}/{manifest['index']}: {e}",
+        why = str(e) if len(str(e)) <= 300 else str(e)[:297] + "..."  # SQLite quotes text
+        raise DatasetError(f"{store.url}/{manifest['index']}: {why}",
                            "the dataset's index is corrupt or was not made by `hyper data "
                            "push`: push the dataset again") from None
 
