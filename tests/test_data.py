@@ -309,7 +309,7 @@ def test_pull_refuses_to_write_outside_dest(tmp_path, attack):
     else:
         sql = f"UPDATE files SET kind='l', target='{outside}' WHERE path='a';"
     _rewrite_index(url, tmp_path, sql)
-    with pytest.raises(pack.DatasetError, match="refusing path"):
+    with pytest.raises(pack.DatasetError, match="refusing path|not a relative path"):
         pack.pull(url, tmp_path / "dest", cache_dir=tmp_path / "cache")
     assert os.listdir(outside) == []
 

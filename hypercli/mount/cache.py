@@ -39,6 +39,16 @@ exactly when its bytes hash to its name. The rules:
   readers streaming large files through a small cache evicted each other's read-ahead and
   their own current chunks: measured with 4 readers of 128 MiB files and a 256 MiB cap, 19 GB
   were downloaded for 0.5 GB read, and the cache held 1.9x its cap.
+- **Nobody else writes a cached chunk.** A chunk file is checked once per process (above) and
+  then served from its open descriptor, so a change to it after the check would be served.
+  Chunk files are made read-only (``0o400``) and the chunk folder is the daemon's alone
+  (``0o700``), whatever the umask: no other user can change, replace or even read a cached
+  chunk. This is chosen over checking a chunk again before each read: hashing it again costs
+  a whole chunk per check, and even a cheap sign of change (an ``fstat`` of its ctime) is one
+  more system call on every READ and still leaves a gap between the check and the read. The
+  daemon's own user (and root) can still change the files, but they can as well change the
+  daemon itself; a chunk changed while no daemon holds it open is hashed again before its
+  first use, as every reused chunk is.
 - **Store failures.** An unreachable store or a missing chunk fails that read with
   :class:`ChunkError` and a warning on the ``hypercli.mount`` logger naming the chunk and the
   reason. Nothing is remembered: the next read asks the store again, so the mount recovers when
@@ -75,6 +85,8 @@ _NAME = re.compile(r"[0-9a-f]{64}")
 _TMP = re.compile(r"\.[0-9a-f]{64}\.(\d+)\.\d+\.tmp")
 
 _ABSENT, _LOADING, _READY = "absent", "loading", "ready"
+FOLDER_MODE = 0o700  # the chunk folder: the daemon's user's alone
+CHUNK_MODE = 0o400   # a cached chunk: read-only, to its owner only
 #: s since its last read after which a chunk counts as one no reader is in the middle of (a
 #: streaming reader touches its current chunk at every read, milliseconds apart); only such
 #: chunks may make room for read-ahead
@@ -151,7 +163,8 @@ class ChunkCache:
                  prefetch: int = 2, jobs: int = 4):
         self.store = store
         self.dir = Path(cache_dir).absolute()
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir.mkdir(parents=True, exist_ok=True, mode=FOLDER_MODE)
+        _private(self.dir, FOLDER_MODE)
         self.max_bytes, self.min_free_bytes = int(max_bytes), int(min_free_bytes)
         self.seqs: list[str] = [sha for _, sha, _ in sorted(chunks)]
         self._entries: dict[str, _Entry] = {}
@@ -192,6 +205,7 @@ class ChunkCache:
                             de.name, st.st_size, e.size)
                 _unlink(de.path)
             else:
+                _private(de.path, CHUNK_MODE)
                 e.state = _READY  # verified lazily, on first use
                 self._lru[e.sha] = e
                 self._bytes += e.size
@@ -406,6 +420,7 @@ class ChunkCache:
                     if got != e.sha and n == e.size:  # an SDK may have rewritten a part
                         got = sha256_file(tmp)  # the file's bytes decide
                     if n == e.size and got == e.sha:
+                        os.chmod(tmp, CHUNK_MODE)
                         os.replace(tmp, path)
                         ok = True
                         break
@@ -543,6 +558,16 @@ class ChunkCache:
                 self._unref(e)
                 if e.refs == 0 and self._bytes > self.max_bytes:
                     self._make_room(None)
+
+
+def _private(path, mode: int) -> None:
+    """Give a file or folder of the cache ``mode`` unless it has it (one of another user's,
+    in a shared cache folder, is left as it is, with a warning)."""
+    try:
+        if os.stat(path).st_mode & 0o7777 != mode:
+            os.chmod(path, mode)
+    except OSError as e:
+        log.warning("%s: cannot make it %o: %s", path, mode, e.strerror or e)
 
 
 def _unlink(path) -> None:

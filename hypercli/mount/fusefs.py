@@ -30,8 +30,13 @@ Errors a program sees: ENOENT for a path not in the dataset; EROFS for every kin
 (open for writing, create, mkdir, unlink, rmdir, rename, link, symlink, chmod, chown,
 truncate, utimes, setxattr); EIO when a chunk cannot be served (the store is unreachable, or
 its bytes are wrong) — the reason goes to the ``hypercli.mount`` logger, wrong bytes are never
-returned, and the next read tries the store again. libfuse 3 runs the daemon with ``/`` as its
-working folder, so every path here is made absolute first.
+returned, and the next read tries the store again. An index row that is not a well-formed
+entry (:class:`~hypercli.mount.index.CorruptIndex`: an unknown kind, a size, mode or mtime
+of the wrong type, segments that do not add up to the file's size) is EIO for that entry
+alone: its folder still lists (the entry's name shown without attributes, so a ``stat`` of
+it asks, and gets EIO; a name that cannot be shown is left out) and its other entries read.
+libfuse 3 runs the daemon with ``/`` as its working folder, so every path here is made
+absolute first.
 
 A daemon (``foreground=False``) is this module run as a program (``python -m
 hypercli.mount.fusefs``) in a session of its own, logging to ``cache_dir/mount.log``.
@@ -61,7 +66,7 @@ from pathlib import Path
 
 from hypercli.errors import InfraError, UsageError
 from hypercli.mount.cache import GiB, ChunkCache
-from hypercli.mount.index import Index
+from hypercli.mount.index import BadEntry, CorruptIndex, Index
 from hypercli.mount.store import StoreError, open_store
 
 log = logging.getLogger("hypercli.mount")
@@ -125,6 +130,9 @@ def _op(fn):
             return fn(self, path, *args)
         except _Errno:
             raise
+        except CorruptIndex as e:
+            log.warning("%s %s: the index is corrupt: %s", fn.__name__, path, e)
+            raise _Errno(errno.EIO, path) from None
         except StoreError as e:
             log.warning("%s %s: %s", fn.__name__, path, e)
             raise _Errno(errno.EIO, path) from None
@@ -259,7 +267,11 @@ class ChunkFS:
         if e.kind != "d":
             raise _Errno(errno.ENOTDIR, path)
         out = [(".", {"st_mode": stat.S_IFDIR}, 0), ("..", {"st_mode": stat.S_IFDIR}, 0)]
-        for c in self.index.listdir(e.path):
+        for c in self.index.listdir(e.path, bad="keep"):
+            if type(c) is BadEntry:
+                if c.name is not None:  # shown; a stat of it gets EIO
+                    out.append((c.name, {"st_mode": 0}, 0))
+                continue
             out.append((c.path.rsplit("/", 1)[-1], {"st_mode": c.mode}, 0))
         return out
 
@@ -268,9 +280,11 @@ class ChunkFS:
         """A page of a folder's listing for READDIRPLUS: (offset of its first entry,
         [(name as bytes, stat)]) holding the entry at ``offset`` (0 is ``.``, 1 ``..``, then
         the children by name), each child's stat as :meth:`_stat` (None for ``.`` and ``..``,
-        which are folders); empty past the end. The kernel asks for a listing in pieces, by
-        offset: the folder's last page is kept and the next one is read after its last name
-        (``LISTING_PAGE`` entries a page)."""
+        which are folders); empty past the end. A row of the index that is not a well-formed
+        entry keeps its place as (its name, or None when it cannot be shown; ``False``): it
+        is listed without attributes, or not at all. The kernel asks for a listing in pieces,
+        by offset: the folder's last page is kept and the next one is read after its last
+        name (``LISTING_PAGE`` entries a page)."""
         with self._nodes_lock:
             page = self._pages.get(path)
         if page is not None:
@@ -282,19 +296,26 @@ class ChunkFS:
             raise _Errno(errno.ENOTDIR, path)
         if offset < 2:
             first, entries = 0, [(b".", None), (b"..", None)]
-            kids = self.index.listdir(e.path, limit=LISTING_PAGE)
+            kids = self.index.listdir(e.path, limit=LISTING_PAGE, bad="keep")
         else:
             first, entries = offset, []
             after = None
-            if page is not None and page[1] and offset == page[0] + len(page[1]):
+            if page is not None and page[1] and offset == page[0] + len(page[1]) and \
+                    page[1][-1][0] is not None:
                 after = page[1][-1][0].decode()  # the next page, by name
                 if after in (".", ".."):
                     after = None
             if after is not None:
-                kids = self.index.listdir(e.path, after=after, limit=LISTING_PAGE)
+                kids = self.index.listdir(e.path, after=after, limit=LISTING_PAGE,
+                                          bad="keep")
             else:
-                kids = self.index.listdir(e.path, offset=offset - 2, limit=LISTING_PAGE)
+                kids = self.index.listdir(e.path, offset=offset - 2, limit=LISTING_PAGE,
+                                          bad="keep")
         for c in kids:
+            if type(c) is BadEntry:
+                log.warning("listing %s: the index is corrupt: %s", path, c.reason)
+                entries.append((None if c.name is None else c.name.encode(), False))
+                continue
             entries.append((c.path.rsplit("/", 1)[-1].encode(), self._stat(c)))
         page = (first, entries)
         with self._nodes_lock:
@@ -668,6 +689,11 @@ def _fuse_class(mfusepy):
                     offset = first + i + 1  # the next entry's offset
                     if t is None:  # . and ..: only the mode counts without FILL_DIR_PLUS
                         st.st_mode = stat.S_IFDIR
+                        plus = 0
+                    elif t is False:  # a bad entry: its name only (a stat of it is EIO)
+                        if name is None:
+                            continue  # no name to show; its place is kept
+                        st.st_mode = 0
                         plus = 0
                     else:
                         st.st_mode, st.st_nlink, st.st_size, st.st_blocks, ns = t

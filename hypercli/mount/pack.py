@@ -42,12 +42,14 @@ import tempfile
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from hypercli.errors import UsageError
-from hypercli.mount.index import FORMAT_VERSION, Entry, Index, create_index, parent_of
+from hypercli.mount.index import (FORMAT_VERSION, CorruptIndex, Entry, Index, create_index,
+                                  parent_of, path_ok)
 from hypercli.mount.store import NotFound, Store, StoreError, open_store
 
 MiB = 1 << 20
@@ -127,8 +129,8 @@ def load_manifest(store: Store) -> dict:
         m = json.loads(raw)
         ok = (isinstance(m, dict) and m.get("format") == FORMAT_VERSION
               and _index_key_ok(m.get("index"), m) and isinstance(m.get("chunks"), list)
-              and all(isinstance(c, list) and len(c) == 2 and isinstance(c[0], str)
-                      and isinstance(c[1], int) for c in m["chunks"]))
+              and all(isinstance(c, list) and len(c) == 2 and _hex64(c[0])
+                      and type(c[1]) is int and c[1] >= 0 for c in m["chunks"]))
     except ValueError:
         ok = False
     if not ok:
@@ -137,17 +139,25 @@ def load_manifest(store: Store) -> dict:
     return m
 
 
+def _hex64(sha) -> bool:
+    """Whether sha is a SHA-256 in lowercase hex (a name that is safe as a file name)."""
+    return isinstance(sha, str) and len(sha) == 64 and all(c in "0123456789abcdef"
+                                                           for c in sha)
+
+
 def _index_key_ok(key, m: dict) -> bool:
     sha = m.get("index_sha256")
-    return isinstance(sha, str) and len(sha) == 64 and key == f"index/{sha}.sqlite"
+    return _hex64(sha) and key == f"index/{sha}.sqlite"
 
 
 def fetch_index(store: Store, manifest: dict, cache_dir: str | os.PathLike) -> Path:
     """The dataset's index as a local file, downloaded once into ``cache_dir``.
 
     The file is ``cache_dir/<index sha256>.sqlite``; a download is checked against the
-    manifest's ``index_sha256`` before it is renamed into place, so a file found there is
-    whole and right. Safe to call from many threads and processes at once.
+    manifest's ``index_sha256`` before it is renamed into place, read-only (``0o400``, in a
+    ``0o700`` folder when this makes it), so a file found there is whole and right and no
+    other user has changed it (as cached chunks, :mod:`hypercli.mount.cache`). Safe to call
+    from many threads and processes at once.
 
     Raises:
         DatasetError: the downloaded index has the wrong SHA-256.
@@ -158,7 +168,7 @@ def fetch_index(store: Store, manifest: dict, cache_dir: str | os.PathLike) -> P
     path = cache / f"{sha}.sqlite"
     if path.is_file():
         return path
-    cache.mkdir(parents=True, exist_ok=True)
+    cache.mkdir(parents=True, exist_ok=True, mode=0o700)
     tmp = cache / f".{sha}.{os.getpid()}.{threading.get_ident()}.tmp"
     try:
         store.get_to_file(manifest["index"], tmp)
@@ -166,6 +176,7 @@ def fetch_index(store: Store, manifest: dict, cache_dir: str | os.PathLike) -> P
         if got != sha:
             raise DatasetError(f"{store.url}/{manifest['index']}: sha256 is {got}, "
                                "not the one the manifest names")
+        os.chmod(tmp, 0o400)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -189,10 +200,22 @@ def _open(url: str, endpoint_url: str | None, cache_dir) -> tuple[Store, dict, I
     store = open_store(url, endpoint_url=endpoint_url)
     manifest = load_manifest(store)
     path = fetch_index(store, manifest, cache_dir or _default_cache())
-    try:
+    with _reading(store, manifest):
         return store, manifest, Index(path)
+
+
+@contextmanager
+def _reading(store: Store, manifest: dict) -> Iterator[None]:
+    """Turn a corrupt or crafted index (:class:`~hypercli.mount.index.CorruptIndex`, or
+    SQLite's own errors) met inside the block into a :class:`DatasetError` naming the index
+    and the entry."""
+    try:
+        yield
     except (ValueError, sqlite3.DatabaseError) as e:
-        raise DatasetError(f"{store.url}/{manifest['index']}: {e}") from None
+        why = str(e) if len(str(e)) <= 300 else str(e)[:297] + "..."  # SQLite quotes text
+        raise DatasetError(f"{store.url}/{manifest['index']}: {why}",
+                           "the dataset's index is corrupt or was not made by `hyper data "
+                           "push`: push the dataset again") from None
 
 
 def dataset_files(url: str, *, endpoint_url: str | None = None,
@@ -203,8 +226,9 @@ def dataset_files(url: str, *, endpoint_url: str | None = None,
     Raises:
         DatasetError, StoreError: no dataset there, or the store failed.
     """
-    _, _, index = _open(url, endpoint_url, cache_dir)
-    return index.files_in_pack_order()
+    store, manifest, index = _open(url, endpoint_url, cache_dir)
+    with _reading(store, manifest):
+        return index.files_in_pack_order()
 
 
 # -- push ---------------------------------------------------------------------------------
@@ -499,19 +523,17 @@ def ls(url: str, path: str = "", *, endpoint_url: str | None = None,
 
     Raises:
         UsageError: no dataset at url, or no such path in it.
+        DatasetError: the index is corrupt, or an entry listed is not well-formed (named).
         StoreError: the store cannot be read.
     """
-    _, _, idx = _open(url, endpoint_url, cache_dir)
+    store, manifest, idx = _open(url, endpoint_url, cache_dir)
     p = _norm(path)
-    e = idx.stat(p)
-    if e is None:
-        raise UsageError(f"{url}: no {p!r} in the dataset", "`hyper data ls URL` lists it")
-    return idx.listdir(p) if e.kind == "d" else [e]
-
-
-def _safe(path: str) -> bool:
-    parts = path.split("/")
-    return path == "" or ("\0" not in path and all(p not in ("", ".", "..") for p in parts))
+    with _reading(store, manifest):
+        e = idx.stat(p)
+        if e is None:
+            raise UsageError(f"{url}: no {p!r} in the dataset",
+                             "`hyper data ls URL` lists it")
+        return idx.listdir(p) if e.kind == "d" else [e]
 
 
 class _Fetcher:
@@ -559,6 +581,10 @@ class _Fetcher:
         self.pool.shutdown(wait=True)
 
 
+#: the mode bits a pull gives what it writes: permissions only, never setuid, setgid or sticky
+MODE_BITS = 0o777
+
+
 def _mkdir(path: Path) -> None:
     """A real folder at path (a symlink or file there is replaced), never followed."""
     try:
@@ -572,12 +598,14 @@ def _mkdir(path: Path) -> None:
 
 
 def _write_file(dest: Path, e: Entry, segs, fetcher: _Fetcher, url: str) -> int:
-    tmp = dest.with_name(f".{dest.name[:200]}.hyper-tmp")
-    tmp.unlink(missing_ok=True)
+    """Write one file through a temporary file of our own (a new name, ``O_EXCL`` and
+    ``O_NOFOLLOW``) in its folder, renamed over ``dest`` once its bytes check (a symlink at
+    dest is replaced, not followed). Returns the bytes written."""
+    fd, name = tempfile.mkstemp(prefix=".hyper-pull-", dir=dest.parent)
+    tmp = Path(name)
     h, n = hashlib.sha256(), 0
     try:
-        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600),
-                  "wb") as out:
+        with open(fd, "wb") as out:
             for seq, off, length in segs:
                 with open(fetcher.get(seq), "rb") as cf:
                     cf.seek(off)
@@ -590,15 +618,27 @@ def _write_file(dest: Path, e: Entry, segs, fetcher: _Fetcher, url: str) -> int:
                         length -= len(block)
                         n += len(block)
                 fetcher.release(seq)
-            os.fchmod(out.fileno(), e.mode & 0o1777)  # setuid/setgid are not restored
+            out.flush()
+            os.fchmod(out.fileno(), e.mode & MODE_BITS)
+            os.utime(out.fileno(), ns=(time.time_ns(), round(e.mtime * 1e9)))
         if h.hexdigest() != e.sha256:
             raise DatasetError(f"{url}: {e.path!r} has the wrong sha256 after pulling")
-        os.utime(tmp, ns=(time.time_ns(), round(e.mtime * 1e9)))
         os.replace(tmp, dest)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     return n
+
+
+def _set_dir(path: Path, e: Entry) -> None:
+    """Give a folder the pull made its entry's mode (masked) and mtime, through a descriptor
+    opened without following a symlink."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        os.fchmod(fd, e.mode & MODE_BITS)
+        os.utime(fd, ns=(time.time_ns(), round(e.mtime * 1e9)))
+    finally:
+        os.close(fd)
 
 
 def pull(url: str, dest_dir: str | os.PathLike, *, jobs: int = 16, path_prefix: str = "",
@@ -607,86 +647,126 @@ def pull(url: str, dest_dir: str | os.PathLike, *, jobs: int = 16, path_prefix: 
     """Write the dataset at ``url`` (or its subtree ``path_prefix``) into ``dest_dir``.
 
     Entries keep their relative paths (``path_prefix='a/b'`` writes ``dest_dir/a/b/...``),
-    modes (without setuid/setgid), mtimes and symlinks; existing files are replaced. Chunks
-    are downloaded by ``jobs`` threads, each checked against its SHA-256 and size, and at
-    most ``jobs + 1`` wait on disk. Every file is checked against its SHA-256. Nothing is
-    written outside dest_dir: paths with '..' or whose parent is not a folder of the dataset
-    are refused, and symlinks in the way are replaced, never followed.
+    permission bits (``MODE_BITS``: never setuid, setgid or sticky), mtimes and symlinks;
+    existing files are replaced. ``dest_dir`` itself is the user's: made when missing, but
+    an existing one keeps its mode and its mtime (put back after the pull wrote into it);
+    the dataset's root entry is never applied to it. Chunks are downloaded by ``jobs``
+    threads, each checked against its SHA-256 and size, and at most ``jobs + 1`` wait on
+    disk. Every file is checked against its SHA-256. Nothing is written outside dest_dir:
+    the whole index is read and checked before the first write; paths that are absolute,
+    have '..' or an empty part, or whose parent is not a folder of the dataset are refused;
+    a symlink in the way (one found in dest_dir, or one this pull made) is replaced, never
+    followed, and a folder is only entered after the pull made it a real folder.
 
     Args:
         progress: called as ``progress(bytes written, total bytes)``.
     Raises:
-        UsageError: no dataset at url, or no path_prefix in it.
-        DatasetError: a corrupt chunk or an unsafe path (nothing after it is written).
+        UsageError: no dataset at url, or no path_prefix in it; dest_dir cannot be written.
+        DatasetError: a corrupt chunk, a corrupt or crafted index (the entry named), or an
+            unsafe path (nothing after it is written).
         StoreError: the store cannot be read.
     """
     t0 = time.monotonic()
     if jobs < 1:
         raise UsageError(f"jobs must be at least 1, not {jobs}")
-    store, _, idx = _open(url, endpoint_url, cache_dir)
+    store, manifest, idx = _open(url, endpoint_url, cache_dir)
     prefix = _norm(path_prefix)
-    if idx.stat(prefix) is None:
-        raise UsageError(f"{url}: no {prefix!r} in the dataset", "`hyper data ls URL` lists it")
-    entries = [e for e in idx.walk()
-               if not prefix or e.path == prefix or e.path.startswith(prefix + "/")]
-    segs = {e.path: idx.segments(e.path) for e in entries if e.kind == "f"}
+    if not path_ok(prefix):
+        raise UsageError(f"{path_prefix!r} is not a path in a dataset",
+                         "give a relative path without '..' (`hyper data ls URL` lists them)")
+    with _reading(store, manifest):
+        if idx.stat(prefix) is None:
+            raise UsageError(f"{url}: no {prefix!r} in the dataset",
+                             "`hyper data ls URL` lists it")
+        entries = [e for e in idx.walk()
+                   if not prefix or e.path == prefix or e.path.startswith(prefix + "/")]
+        segs = {e.path: idx.segments(e.path, e.size) for e in entries if e.kind == "f"}
     order = list(dict.fromkeys(c for s in segs.values() for c, _, _ in s))
     total = sum(e.size for e in entries if e.kind == "f")
     root = Path(dest_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    dirs = {parent_of(prefix)} if prefix else set()
-    above = root
-    for a in filter(None, parent_of(prefix).split("/")):  # folders above the prefix
-        above = above / a
-        _mkdir(above)
-    counts = {"f": 0, "d": 0, "l": 0}
-    done = 0
-    made: list[tuple[Path, Entry]] = []
-    with tempfile.TemporaryDirectory(prefix="hyper-pull-") as tmp:
-        fetcher = _Fetcher(store, idx.chunk_list, order, Path(tmp), jobs)
-        for s in segs.values():
-            for c, _, _ in s:
-                fetcher.use(c)
-        try:
-            for e in entries:
-                if not _safe(e.path) or (e.path and parent_of(e.path) not in dirs):
-                    raise DatasetError(f"{url}: refusing path {e.path!r}: outside "
-                                       f"{dest_dir} or not below a folder of the dataset")
-                dest = root / e.path if e.path else root
-                if e.kind == "d":
-                    if e.path:
+    where = root
+    try:
+        before = os.stat(root) if root.is_dir() else None  # dest_dir is the user's
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as ex:
+        raise UsageError(f"{root}: cannot write: {ex.strerror}") from None
+    try:
+        dirs = {parent_of(prefix)} if prefix else set()
+        for a in filter(None, parent_of(prefix).split("/")):  # folders above the prefix
+            where = where / a
+            _mkdir(where)
+        counts = {"f": 0, "d": 0, "l": 0}
+        done = 0
+        made: list[tuple[Path, Entry]] = []
+        with tempfile.TemporaryDirectory(prefix="hyper-pull-") as tmp:
+            fetcher = _Fetcher(store, idx.chunk_list, order, Path(tmp), jobs)
+            for s in segs.values():
+                for c, _, _ in s:
+                    fetcher.use(c)
+            try:
+                for e in entries:
+                    if not path_ok(e.path) or (e.path and parent_of(e.path) not in dirs):
+                        raise DatasetError(f"{url}: refusing path {e.path!r}: outside "
+                                           f"{dest_dir} or not below a folder of the dataset")
+                    if not e.path:  # the dataset's root: dest_dir, left as it is
+                        dirs.add("")
+                        continue
+                    where = dest = root / e.path
+                    if e.kind == "d":
                         _mkdir(dest)
-                    dirs.add(e.path)
-                    made.append((dest, e))
-                elif e.kind == "l":
-                    if os.path.lexists(dest):
-                        dest.unlink()  # a file or link; a folder there is an error
-                    os.symlink(e.target, dest)
-                    os.utime(dest, ns=(time.time_ns(), round(e.mtime * 1e9)),
-                             follow_symlinks=False)
-                else:
-                    done += _write_file(dest, e, segs[e.path], fetcher, url)
-                    if progress:
-                        progress(done, total)
-                counts[e.kind] += 1
-        except OSError as ex:
-            raise UsageError(f"{dest}: cannot write: {ex.strerror}") from None
-        finally:
-            fetcher.close()
-    for dest, e in reversed(made):  # deepest first, after their contents
-        os.chmod(dest, e.mode & 0o1777)
-        os.utime(dest, ns=(time.time_ns(), round(e.mtime * 1e9)))
-    return PullReport(files=counts["f"], dirs=counts["d"] - (not prefix), symlinks=counts["l"],
+                        dirs.add(e.path)
+                        made.append((dest, e))
+                    elif e.kind == "l":
+                        if os.path.lexists(dest):
+                            dest.unlink()  # a file or link; a folder there is an error
+                        os.symlink(e.target, dest)
+                        os.utime(dest, ns=(time.time_ns(), round(e.mtime * 1e9)),
+                                 follow_symlinks=False)
+                    else:
+                        done += _write_file(dest, e, segs[e.path], fetcher, url)
+                        if progress:
+                            progress(done, total)
+                    counts[e.kind] += 1
+            finally:
+                fetcher.close()
+        for dest, e in reversed(made):  # deepest first, after their contents
+            where = dest
+            _set_dir(dest, e)
+    except OSError as ex:
+        raise UsageError(f"{where}: cannot write: {ex.strerror}") from None
+    finally:
+        if before is not None:  # its mtime as it was, whatever was written into it
+            try:
+                os.utime(root, ns=(before.st_atime_ns, before.st_mtime_ns))
+            except OSError:
+                pass
+    return PullReport(files=counts["f"], dirs=counts["d"], symlinks=counts["l"],
                       bytes=done, chunks=len(order), seconds=time.monotonic() - t0)
+
+
+def _entry_problems(idx: Index) -> list[str]:
+    """Every row of the index that is not a well-formed entry, and every file whose segments
+    are wrong or do not add up to its size (one line each, naming the entry)."""
+    problems = []
+    for e in idx.walk(bad="keep"):
+        if not isinstance(e, Entry):
+            problems.append(e.reason)
+        elif e.kind == "f":
+            try:
+                idx.segments(e.path, e.size)
+            except CorruptIndex as ex:
+                problems.append(str(ex))
+    return problems
 
 
 def verify(url: str, *, jobs: int = 16, endpoint_url: str | None = None) -> VerifyReport:
     """Check the dataset at ``url`` against its manifest, and report every fault found.
 
     Checks: the index object exists and has the manifest's SHA-256; the index names the
-    manifest's chunks; every chunk exists (one LIST), has the manifest's size, and its bytes
-    have the SHA-256 that names it (each chunk downloaded once, by ``jobs`` threads). The
-    index is downloaded again (not taken from a cache).
+    manifest's chunks; every row of it is a well-formed entry, and every file's segments are
+    bytes of its chunks that add up to its size; every chunk exists (one LIST), has the
+    manifest's size, and its bytes have the SHA-256 that names it (each chunk downloaded
+    once, by ``jobs`` threads). The index is downloaded again (not taken from a cache).
 
     Raises:
         UsageError: no dataset at url.
@@ -702,6 +782,7 @@ def verify(url: str, *, jobs: int = 16, endpoint_url: str | None = None) -> Veri
             idx = Index(fetch_index(store, m, tmp))  # the store's copy, never a cached one
             if [(sha, size) for _, sha, size in idx.chunk_list] != chunks:
                 report.problems.append(f"{m['index']}: names other chunks than the manifest")
+            report.problems += [f"{m['index']}: {p}" for p in _entry_problems(idx)]
         except NotFound:
             report.problems.append(f"{m['index']}: missing")
         except DatasetError as e:
