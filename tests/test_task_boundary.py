@@ -23,6 +23,7 @@ import os
 import shutil
 import stat
 import subprocess
+import sys
 import tarfile
 import tempfile
 from pathlib import Path
@@ -269,6 +270,7 @@ def _attack(hyper, hyper_home, tmp_path, victim, image):
         wait_for(lambda: metrics_say(folder, "attacked"), timeout=120,
                  what="the task's attack", proc=run)
         logs = hyper("logs", "box-0000", timeout=60)  # a FIFO in the way: no hang
+        page = dashboard_task(hyper_home, "wall-1", "box-0000")  # nor in the dashboard
         r = hyper("cancel", "wall-1", timeout=120)
         assert r.returncode == 0, r.stdout + r.stderr
         out, err = run.communicate(timeout=120)
@@ -280,7 +282,19 @@ def _attack(hyper, hyper_home, tmp_path, victim, image):
     assert victim.poll() is None  # the group the pid file named was not signalled
     assert "TOP-SECRET" not in logs.stdout + logs.stderr  # no host file through a log
     assert secret.read_text() == "TOP-SECRET of the host\n"
-    return logs, folder
+    return logs, folder, page
+
+
+def dashboard_task(home: Path, wid: str, task: str) -> dict:
+    """The dashboard's data for a task page, asked in a process of its own (so a hang shows
+    as a timeout, not a stuck test)."""
+    code = ("import json, sys; from hypercli.state import State; "
+            "from hypercli.ui.app import task_data; "
+            "print(json.dumps(task_data(State(), sys.argv[1], sys.argv[2])))")
+    p = subprocess.run([sys.executable, "-c", code, wid, task], capture_output=True,
+                       text=True, timeout=60, env=dict(os.environ, HYPER_HOME=str(home)))
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout)
 
 
 # ------------------------------------------------------------ item 2: the attempt folder
@@ -289,8 +303,9 @@ def _attack(hyper, hyper_home, tmp_path, victim, image):
 def test_a_container_cannot_write_its_attempt_folder(hyper, hyper_home, write_recipe,
                                                      tmp_path, victim, local_docker):
     from sshhosts import TINY_IMAGE
-    logs, folder = _attack(hyper, hyper_home, tmp_path, victim, TINY_IMAGE)
+    logs, folder, page = _attack(hyper, hyper_home, tmp_path, victim, TINY_IMAGE)
     assert logs.returncode == 0, logs.stderr
+    assert page["log_error"] is None and "TOP-SECRET" not in json.dumps(page)
     for name in ("stdout", "stderr", "pid"):  # the agent's own files, untouched
         assert stat.S_ISREG(os.lstat(folder / name).st_mode), name
     assert json.loads((folder / "pid").read_text())["pid"] != victim.pid
@@ -301,9 +316,11 @@ def test_a_task_on_the_node_cannot_make_the_agent_follow_its_logs(
     """Without a container a task runs as root on its node and can rewrite its attempt
     folder; the agent still signals only the group it started and reads back only regular
     files: ``hyper logs`` says what is wrong instead of printing a host file or hanging."""
-    logs, folder = _attack(hyper, hyper_home, tmp_path, victim, None)
+    logs, folder, page = _attack(hyper, hyper_home, tmp_path, victim, None)
     assert logs.returncode != 0 and "is a FIFO, not a regular file" in logs.stderr, \
         logs.stdout + logs.stderr
+    assert "is a FIFO, not a regular file" in page["log_error"]
+    assert "TOP-SECRET" not in json.dumps(page)
     assert "Traceback" not in logs.stderr
 
 

@@ -13,7 +13,9 @@ Attempt folder ``ROOT/tasks/<attempt id>/``::
                    the attempt's lock: flock()ed by the agent that started the attempt for as
                    long as the attempt runs (bash opens it anew, so it never holds the lock)
     pid            JSON {"pid": <command pid = its process group>, "started": <unix s>,
-                   "image": str?, "output": str?}, written atomically (rename) once started
+                   "ticks": <its start time, clock ticks since boot>, "image": str?,
+                   "output": str?, "attempt_output": str?}, written atomically (rename)
+                   once started
     stdout,stderr  the command's output
     metrics.jsonl  JSON objects, one per line, written by the task through $HYPER_METRICS
                    (created by the task's first write)
@@ -21,6 +23,19 @@ Attempt folder ``ROOT/tasks/<attempt id>/``::
     cancelled      present when the attempt was cancelled
     <var>          for each ``files: {VAR: text}`` of the launch spec (``hyper_hostfile``):
                    the text, its path in the task's environment as ``VAR``
+
+The task cannot write this folder from a container: only the script (read-only), the
+``files`` (read-only) and ``metrics.jsonl`` (made before, bound alone) are bound into it.
+Everything the agent reads back from it (logs, pid, exit, metrics) is opened without
+following a symlink and without waiting, and must be a regular file (a task on the node
+itself can put a FIFO or a symlink in its place); the group it signals is the one it started
+(its memory, else ``pid`` checked against the process's start time and session).
+
+Outputs: an attempt with ``output`` (the task's output folder, in the workflow's outputs
+root) writes into a fresh folder of its own, ``<outputs root>/.attempt-<attempt id>``
+(``HYPER_OUTPUT``), made without following a symlink (an outputs root that is a symlink is
+refused); when the task succeeds it is renamed to ``output`` (before ``finish``), else
+removed, so a failed attempt's files never become the task's output.
 
 An attempt with ``engine: {kind, source}`` (a rank of an ``engine: spark|ray`` task) runs the
 task's command under the engine wrapper (``hypercli/node/engine.py``, whose text comes in the
