@@ -391,6 +391,29 @@ def test_a_task_cannot_turn_an_output_folder_into_a_host_folder(hyper, hyper_hom
     assert "private.txt" not in got and "a.txt" in got
 
 
+@pytest.mark.slow
+def test_a_container_cannot_plant_a_symlink_among_the_outputs(hyper, hyper_home, tmp_path,
+                                                              local_docker):
+    """In a container ``HYPER_OUTPUTS`` is read-only: task ``a`` cannot put a symlink to a
+    host folder where ``b``'s output goes, and ``b``'s output is a folder of its own."""
+    from sshhosts import TINY_IMAGE
+    host = tmp_path / "host-dir"
+    host.mkdir()
+    path = tmp_path / "plant.yaml"
+    path.write_text(yaml.safe_dump({"name": "plant", "cluster": {"workers": 1}, "experiments": {
+        "a": {"image": TINY_IMAGE, "command": f'ln -s {host} "$HYPER_OUTPUTS/b-0000" || '
+                                              'echo refused > "$HYPER_OUTPUT/a.txt"'},
+        "b": {"image": TINY_IMAGE, "after": ["a"],
+              "command": 'echo from-b > "$HYPER_OUTPUT/b.txt"'}}}))
+    r = hyper("run", path, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = hyper_home / "storage" / "plant-1"
+    assert (out / "a-0000" / "a.txt").read_text() == "refused\n"
+    assert not os.path.islink(out / "b-0000")
+    assert (out / "b-0000" / "b.txt").read_text() == "from-b\n"
+    assert os.listdir(host) == []
+
+
 def test_an_outputs_root_that_is_a_symlink_is_refused(hyper, hyper_home, write_recipe,
                                                       tmp_path):
     host = tmp_path / "host-dir"
