@@ -795,8 +795,7 @@ class Agent:
                                               child.spec["output"])
             return True
         except OSError as e:
-            _note(child.dir, "the task succeeded but its output was not kept: %s"
-                  % (e.strerror if isinstance(e, NotRegular) else e))
+            _note(child.dir, "the task succeeded but its output was not kept: %s" % e)
             return False
 
     def _end(self, child, code):
@@ -1155,6 +1154,9 @@ _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 class NotRegular(OSError):
     """A file the agent reads back is not a regular file (a symlink, a FIFO, a device...)."""
+
+    def __str__(self):
+        return self.strerror or OSError.__str__(self)
 
 
 def _open_regular(path, flags=_READ, mode=0o644):
