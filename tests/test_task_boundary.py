@@ -181,7 +181,7 @@ def test_image_references_pass(image):
     assert r.experiments["box"].image == image
 
 
-# ------------------------------------------------------------- the helpers of the tests below
+# ------------------------------------------------------------------ fixtures and functions
 
 @pytest.fixture
 def local_docker(tiny_image, tmp_path, monkeypatch, hyper_home):
