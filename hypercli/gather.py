@@ -19,7 +19,9 @@ Rules:
     changed file, a symlink), or that is not a folder, is refused with a UsageError naming
     the path, before anything is pulled: nothing of the user's is ever deleted.
   * Nothing in ``DIR`` is followed when it is a symlink (``DIR`` itself may be one: the user
-    chose it). A source output folder that is a symlink is refused too.
+    chose it). A source output folder, or the workflow's outputs root, that is a symlink is
+    refused too, and a source is read on file descriptors (``os.fwalk``, ``openat`` with
+    ``O_NOFOLLOW`` at every step), so no symlink a task puts in it is ever followed.
   * ``merge``: for each relative path found in more than one task (``predictions.jsonl`` of
     every shard), ``DIR/<path>`` is the files concatenated in task order (the plan's order),
     byte for byte. It is written only where nothing is or where the record says hypercli
@@ -102,10 +104,80 @@ def _entry(st: os.stat_result) -> list:
     return [kind, st.st_size, st.st_mtime_ns, st.st_ino]
 
 
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _source_dir(src: Path) -> int:
+    """An fd of a task's output folder ``src`` (``<storage>/<workflow>/<task>``): the storage
+    folder opened as the user gave it, the workflow's outputs root and ``src`` each opened
+    without following a symlink (a task may have put one there).
+
+    Raises:
+        FileNotFoundError: ``src`` is not there (the task wrote nothing).
+        InfraError: the outputs root or ``src`` is a symlink or not a folder.
+    """
+    fd = os.open(src.parent.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for part in (src.parent.name, src.name):
+            try:
+                nxt = os.open(part, _DIR, dir_fd=fd)
+            except OSError as e:
+                if e.errno in (40, 20):  # ELOOP, ENOTDIR
+                    raise InfraError(f"{src.parent if part == src.parent.name else src}, an "
+                                     "output folder, is a symlink or not a folder: not "
+                                     "followed") from None
+                raise
+            os.close(fd)
+            fd = nxt
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _source_files(src: Path) -> list[str]:
+    """Relative paths of the regular files under a task's output folder, sorted, walked on
+    file descriptors (``os.fwalk``, symlinks never followed); [] when it is not there."""
+    try:
+        top = _source_dir(src)
+    except FileNotFoundError:
+        return []
+    out = []
+    try:
+        for folder, _, files, dfd in os.fwalk(".", dir_fd=top, follow_symlinks=False):
+            for name in files:
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                if stat.S_ISREG(st.st_mode):
+                    out.append(os.path.normpath(os.path.join(folder, name)))
+    finally:
+        os.close(top)
+    return sorted(out)
+
+
+def _open_source(src: Path, rel: str) -> int:
+    """An fd of the regular file ``rel`` under a task's output folder, each folder on the
+    way opened without following a symlink. Raises OSError (ELOOP, ENOTDIR, EINVAL)."""
+    fd = _source_dir(src)
+    try:
+        *folders, name = rel.split("/")
+        for part in folders:
+            nxt = os.open(part, _DIR, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+        out = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                      dir_fd=fd)
+    finally:
+        os.close(fd)
+    if not stat.S_ISREG(os.fstat(out).st_mode):
+        os.close(out)
+        raise OSError(22, "not a regular file", str(src / rel))
+    return out
+
+
 def _folder_signature(src: Path) -> str:
     h = hashlib.sha256()
-    for rel in _regular_files(src):
-        fd = _open_file(src / rel)
+    for rel in _source_files(src):
+        fd = _open_source(src, rel)
         try:
             h.update(f"{rel}\0{os.fstat(fd).st_size}\0{_sha256_fd(fd)}\n".encode())
         finally:
@@ -117,10 +189,10 @@ def _copy_checked(src: Path, dest: Path) -> int:
     """Copy a folder's regular files into the new folder ``dest``, each checked by size and
     SHA-256 after the copy; bytes."""
     total = 0
-    for rel in _regular_files(src):
+    for rel in _source_files(src):
         to = dest / rel
         to.parent.mkdir(parents=True, exist_ok=True)
-        fd = _open_file(src / rel)
+        fd = _open_source(src, rel)
         try:
             out = os.open(to, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
                           | os.O_CLOEXEC, 0o666)  # less the umask, as any new file
@@ -286,12 +358,8 @@ def _gather(wf: dict, dest: Path, tasks: list[str], every: list[str], merge: boo
     record["workflow"] = wid
     report = GatherReport()
 
-    def source(task: str) -> Path:
-        src = Path(storage[7:]) / wid / task
-        if os.path.islink(src):
-            raise InfraError(f"the output folder {src} of {wid}/{task} is a symlink: not "
-                             "followed")
-        return src
+    def source(task: str) -> Path:  # read on file descriptors (_source_dir)
+        return Path(storage[7:]) / wid / task
 
     def signature(task: str) -> str:
         if storage.startswith("file://"):

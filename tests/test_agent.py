@@ -296,3 +296,27 @@ def test_an_ended_attempt_says_whether_its_checkpoint_folder_holds_anything(agen
     assert ended["q"]["inline"]["checkpoint_empty"] is True
     assert ended["p"]["inline"]["checkpoint_empty"] is True
     assert ended["p"]["inline"]["output_empty"] is True  # no output folder: nothing to copy
+
+
+def test_cancel_signals_only_the_group_the_agent_started(agents, tmp_path):
+    """A pid file naming another process (rewritten, or a pid the kernel reused) is not
+    signalled: a second agent checks the process's start time against the one recorded; the
+    agent that started the task signals the pid in its memory, whatever the file says."""
+    victim = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        c = agents()
+        c.call("launch", attempts=[spec("a", "sleep 60", tmp_path)])
+        pidfile = tmp_path / "node" / "tasks" / "a" / "pid"
+        rec = json.loads(pidfile.read_text())
+        task = rec["pid"]
+        pidfile.write_text(json.dumps(dict(rec, pid=victim.pid)))
+        other = agents()
+        other.call("cancel", ids=["a"], grace=0.5)
+        assert victim.poll() is None  # not the task's: left alone
+        assert alive(task)
+        st = c.call("cancel", ids=["a"], grace=2)["states"]["a"]
+        assert st["state"] == "exited" and st["cancelled"] and not alive(task)
+        assert victim.poll() is None
+    finally:
+        victim.kill()
+        victim.wait()

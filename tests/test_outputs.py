@@ -77,3 +77,28 @@ def test_outputs_from_s3(s3, hyper_home, write_recipe, hyper, tmp_path):
     assert r.returncode == 1, r.stdout + r.stderr
     assert State().workflow("gath-1")["storage"] == "s3://bkt/out"
     check(hyper, tmp_path, "gath-1")
+
+
+def test_outputs_never_copy_a_host_folder_through_a_symlinked_outputs_root(
+        hyper_home, write_recipe, hyper, tmp_path):
+    """A task on the node itself (no container) moves its workflow's outputs root away and
+    puts a symlink to a host folder in its place: ``hyper outputs`` refuses it, naming the
+    folder, and copies nothing of the host's."""
+    path = write_recipe("""
+        name: moved
+        cluster: {workers: 1}
+        experiments:
+          one: {command: 'echo mine > "$HYPER_OUTPUT/x"'}
+        """)
+    assert hyper("run", path).returncode == 0
+    root = hyper_home / "storage" / "moved-1"
+    host = tmp_path / "host"
+    (host / "one-0000").mkdir(parents=True)
+    (host / "one-0000" / "secret").write_text("the host's\n")
+    root.rename(tmp_path / "moved-away")
+    root.symlink_to(host)
+    r = hyper("outputs", "moved-1", tmp_path / "got")
+    assert r.returncode != 0 and "is a symlink or not a folder: not followed" in r.stderr, \
+        r.stdout + r.stderr
+    assert "Traceback" not in r.stderr
+    assert not any(p.name == "secret" for p in (tmp_path / "got").rglob("*"))

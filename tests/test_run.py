@@ -130,7 +130,9 @@ def test_metrics_and_environment(hyper_home, write_recipe):
     assert env["HYPER_TASK_ID"] == "fit-0000" and env["HYPER_EXPERIMENT"] == "fit"
     assert env["HYPER_WORKFLOW"] == wid and env["HYPER_ATTEMPT"] == "1"
     assert env["HYPER_NODE"].startswith("metrics-")
-    assert env["HYPER_OUTPUT"].endswith(f"/{wid}/fit-0000")
+    # the attempt's own fresh folder, made fit-0000 (where env was read) when it won
+    assert env["HYPER_OUTPUT"].startswith(
+        f"{hyper_home}/storage/{wid}/.attempt-{wid}.fit-0000.")
     assert env["HYPER_METRICS"].endswith("/metrics.jsonl")
 
 

@@ -168,7 +168,7 @@ def test_host_cut_off_is_detected_and_fenced_when_it_comes_back(ssh_hosts, tmp_p
                                                                  hyper_home):
     hosts = ssh_hosts.start(3)
     long = {"work": dict(SLEEPY["work"], command=SLEEPY["work"]["command"].replace(
-        "sleep 1.5", "sleep 4"))}
+        "sleep 1.5", 'echo "$HYPER_ATTEMPT $(hostname)"; sleep 4'))}
     path = ssh_recipe(tmp_path, ssh_hosts, hosts, long)
     seen = {}
 
@@ -192,7 +192,8 @@ def test_host_cut_off_is_detected_and_fenced_when_it_comes_back(ssh_hosts, tmp_p
     lost = [a for a in state.attempts("lab-1") if a["id"] == seen["attempt"]][0]
     assert lost["status"] == "lost"
     # the node came back: the attempt declared lost there was stopped, not counted
-    runs = hosts[0].run(f"cat /root/.hyper/outputs/lab-1/{lost['task']}/runs").stdout
+    # (its stdout: a stopped attempt's own output folder is removed, never the task's)
+    runs = hosts[0].run(f"cat /root/.hyper/tasks/{lost['id']}/stdout").stdout
     pid = json.loads(hosts[0].run(f"cat /root/.hyper/tasks/{lost['id']}/pid").stdout)["pid"]
     assert hosts[0].run(f"kill -0 {pid}").returncode != 0
     # the lost attempt ran there once (a retry may run there too once the node is back)

@@ -13,7 +13,9 @@ Attempt folder ``ROOT/tasks/<attempt id>/``::
                    the attempt's lock: flock()ed by the agent that started the attempt for as
                    long as the attempt runs (bash opens it anew, so it never holds the lock)
     pid            JSON {"pid": <command pid = its process group>, "started": <unix s>,
-                   "image": str?, "output": str?}, written atomically (rename) once started
+                   "ticks": <its start time, clock ticks since boot>, "image": str?,
+                   "output": str?, "attempt_output": str?}, written atomically (rename)
+                   once started
     stdout,stderr  the command's output
     metrics.jsonl  JSON objects, one per line, written by the task through $HYPER_METRICS
                    (created by the task's first write)
@@ -21,6 +23,19 @@ Attempt folder ``ROOT/tasks/<attempt id>/``::
     cancelled      present when the attempt was cancelled
     <var>          for each ``files: {VAR: text}`` of the launch spec (``hyper_hostfile``):
                    the text, its path in the task's environment as ``VAR``
+
+The task cannot write this folder from a container: only the script (read-only), the
+``files`` (read-only) and ``metrics.jsonl`` (made before, bound alone) are bound into it.
+Everything the agent reads back from it (logs, pid, exit, metrics) is opened without
+following a symlink and without waiting, and must be a regular file (a task on the node
+itself can put a FIFO or a symlink in its place); the group it signals is the one it started
+(its memory, else ``pid`` checked against the process's start time and session).
+
+Outputs: an attempt with ``output`` (the task's output folder, in the workflow's outputs
+root) writes into a fresh folder of its own, ``<outputs root>/.attempt-<attempt id>``
+(``HYPER_OUTPUT``), made without following a symlink (an outputs root that is a symlink is
+refused); when the task succeeds it is renamed to ``output`` (before ``finish``), else
+removed, so a failed attempt's files never become the task's output.
 
 An attempt with ``engine: {kind, source}`` (a rank of an ``engine: spark|ray`` task) runs the
 task's command under the engine wrapper (``hypercli/node/engine.py``, whose text comes in the
@@ -119,6 +134,7 @@ import os
 import select
 import shutil
 import signal
+import stat
 import sys
 import time
 
@@ -220,6 +236,7 @@ class Agent:
         self.contact = 0.0  # unix s of the last touch of ROOT/contact
         self.base_env = dict(os.environ)
         self.runtime = None  # (checked at, error or None): does the container runtime work?
+        self.is_podman = None  # the container runtime is podman (asked when first needed)
         self.sampler = _Sampler(self.root)
         self.sample_every = 0.0  # s between utilisation samples, from the last request
         self.own_cgroups = None  # this agent's memory cgroups (its tasks start in them)
@@ -397,19 +414,21 @@ class Agent:
         sizes = {}
         for name in ("stdout", "stderr"):
             try:
-                sizes[name] = os.path.getsize(os.path.join(d, name))
+                st = os.lstat(os.path.join(d, name))
+                sizes[name] = st.st_size if stat.S_ISREG(st.st_mode) else 0
             except OSError:
                 sizes[name] = 0
         if sum(sizes.values()) <= limit:
             for name in ("stdout", "stderr"):
+                out[name] = ""
                 if not sizes[name]:
-                    out[name] = ""
                     continue
-                try:
-                    with open(os.path.join(d, name), "rb") as f:
-                        out[name] = _b64(f.read(limit + 1))
-                except FileNotFoundError:
-                    out[name] = ""
+                try:  # (a log that is not a regular file is not read: left empty)
+                    fd = _open_regular(os.path.join(d, name))
+                except OSError:
+                    continue
+                with os.fdopen(fd, "rb") as f:
+                    out[name] = _b64(f.read(limit + 1))
         pid = _read_json(os.path.join(d, "pid")) or {}
         for key, folder in (("output_empty", pid.get("output")),
                             ("checkpoint_empty", pid.get("checkpoint"))):
@@ -464,7 +483,11 @@ class Agent:
         for i in ids:
             d = self.dir(i)
             if os.path.isdir(d) and not os.path.exists(os.path.join(d, "exit")):
-                open(os.path.join(d, "cancelled"), "w").close()
+                try:
+                    os.close(_open_regular(os.path.join(d, "cancelled"),
+                                           os.O_WRONLY | os.O_CREAT))
+                except OSError:
+                    pass
                 self._signal(i, signal.SIGTERM)
                 stopped.append(i)
                 if (_read_json(os.path.join(d, "pid")) or {}).get("image"):
@@ -497,13 +520,15 @@ class Agent:
         path = os.path.join(self.dir(req["id"]), name)
         offset, limit = int(req.get("offset", 0)), int(req.get("limit", 1 << 20))
         state = self.state(req["id"], with_metrics=False)["state"]
-        try:
-            with open(path, "rb") as f:
+        try:  # NotRegular (a symlink, a FIFO) is the request's error, said to the client
+            fd = _open_regular(path)
+        except FileNotFoundError:
+            size, data = 0, b""
+        else:
+            with os.fdopen(fd, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
                 f.seek(offset)
                 data = f.read(limit)
-        except FileNotFoundError:
-            size, data = 0, b""
         return {"data": _b64(data), "offset": offset + len(data),
                 "size": size, "done": state != "running" and offset + len(data) >= size,
                 "state": state}
@@ -551,7 +576,7 @@ class Agent:
         path = os.path.join(self.dir(attempt_id), "metrics.jsonl")
         out = {}
         try:
-            with open(path, "rb") as f:
+            with os.fdopen(_open_regular(path), "rb") as f:
                 size = os.fstat(f.fileno()).st_size
                 f.seek(max(0, size - METRICS_MAX))
                 lines = f.read().splitlines()
@@ -567,16 +592,32 @@ class Agent:
         return out
 
     def _signal(self, attempt_id, sig):
-        """Send ``sig`` to the attempt's process group; True when a process of it was there
-        (``sig`` 0 only asks)."""
-        pid = _read_json(os.path.join(self.dir(attempt_id), "pid"))
-        if pid and pid.get("pid"):
+        """Send ``sig`` to the process group of the attempt's task: the pid this agent
+        started (its memory), else the one in the attempt's ``pid`` file (written by the
+        agent that started it, where no container can write) when that process is still
+        the one started then (same start time, its own session) or is gone (its group's
+        other processes are the task's: the kernel reuses no pid still naming a group).
+        True when a process of it was there (``sig`` 0 only asks)."""
+        child = self.children.get(attempt_id)
+        if child is not None and child.proc is not None:
+            pid = child.proc.pid
+        else:
+            rec = _read_json(os.path.join(self.dir(attempt_id), "pid")) or {}
             try:
-                os.killpg(int(pid["pid"]), sig)
-                return True
-            except (ProcessLookupError, PermissionError):
-                pass
-        return False
+                pid = int(rec.get("pid") or 0)
+            except (TypeError, ValueError):
+                return False
+            if pid <= 1:
+                return False
+            now = _proc_start(pid)
+            if now is not None and (now[1] != pid or (
+                    rec.get("ticks") is not None and now[0] != rec.get("ticks"))):
+                return False  # another process (a reused pid), not the task's session leader
+        try:
+            os.killpg(pid, sig)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
 
     def launch(self, spec):
         """Start one attempt (idempotent per attempt id): its folder, the lock taken, the
@@ -632,9 +673,13 @@ class Agent:
                        HYPER_CKPT_PREEMPTED=ck.get("preempted") or "")
         started = time.time()
         try:
-            if spec.get("output"):
-                os.makedirs(spec["output"], exist_ok=True)
-            argv = _command(d, spec, env)
+            if spec.get("output"):  # a fresh folder; the task's output only if it wins
+                spec["attempt_output"] = env["HYPER_OUTPUT"] = _fresh_output(
+                    spec["output"], attempt_id)
+            if spec.get("image"):  # bound into the container: made here, a regular file
+                os.close(_open_regular(env["HYPER_METRICS"], os.O_WRONLY | os.O_CREAT))
+            argv = _command(d, spec, env, [self.root] + list(spec.get("hide") or []),
+                            spec.get("image") and self.podman())
             if ck:
                 argv = ["/bin/sh", "-c", CHECKPOINT_WRAPPER, "hyper-task"] + argv
             feed = None
@@ -649,8 +694,10 @@ class Agent:
             self._end(_Child(attempt_id, d, spec, env, None, lock, started), 127)
             return self.state(attempt_id)
         _write_json(os.path.join(d, "pid"), {"pid": proc.pid, "started": started,
+                                             "ticks": (_proc_start(proc.pid) or (None,))[0],
                                              "image": spec.get("image"),
                                              "output": spec.get("output"),
+                                             "attempt_output": spec.get("attempt_output"),
                                              "checkpoint": (ck or {}).get("dir")})
         self.children[attempt_id] = _Child(attempt_id, d, spec, env, proc, lock, started)
         if self.sample_every > 0:  # OOM kills in the cgroups the task starts in count
@@ -681,6 +728,19 @@ class Agent:
         if p.returncode == 0:
             return None
         return p.stdout.decode(errors="replace").strip() or "the %s engine check failed" % kind
+
+    def podman(self):
+        """True when the container runtime is podman (``docker --version``, asked once): its
+        tmpfs mounts take ``notmpcopyup``, or they would start as a copy of what they hide."""
+        if self.is_podman is None:
+            import subprocess
+            try:
+                out = subprocess.run([shutil.which("docker") or "docker", "--version"],
+                                     capture_output=True, timeout=60).stdout
+            except (OSError, subprocess.TimeoutExpired):
+                out = b""
+            self.is_podman = b"podman" in out.lower()
+        return self.is_podman
 
     def runtime_error(self):
         """None when the container runtime answers ``docker info``, else why not (a missing
@@ -713,11 +773,20 @@ class Agent:
         (``vfork``: no copy of this process is made); ``feed`` (bytes, at most a pipe's
         buffer: the secrets' exports) is written to its stdin, which is then closed."""
         import subprocess
-        with open(os.path.join(d, "stdout"), "ab") as out, \
-                open(os.path.join(d, "stderr"), "ab") as err:
-            proc = subprocess.Popen(argv, cwd=cwd or None, env=env, stdout=out, stderr=err,
-                                    stdin=subprocess.DEVNULL if feed is None else
-                                    subprocess.PIPE, start_new_session=new_session)
+        fds = []
+        try:
+            for name in ("stdout", "stderr"):  # never through a symlink a task put there
+                try:
+                    fds.append(_open_regular(os.path.join(d, name),
+                                             os.O_WRONLY | os.O_APPEND | os.O_CREAT))
+                except NotRegular:
+                    fds.append(os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC))
+            proc = subprocess.Popen(argv, cwd=cwd or None, env=env, stdout=fds[0],
+                                    stderr=fds[1], stdin=subprocess.DEVNULL if feed is None
+                                    else subprocess.PIPE, start_new_session=new_session)
+        finally:
+            for fd in fds:
+                os.close(fd)
         if feed is not None:
             try:
                 proc.stdin.write(feed)
@@ -742,8 +811,13 @@ class Agent:
                     _note(child.dir, "the task succeeded but saving its outputs failed "
                                      "(exit %d)" % code)
                     code = 70
-            elif code == 0 and child.spec.get("finish") and not os.path.exists(
-                    os.path.join(child.dir, "cancelled")):
+                    if child.spec.get("promoted"):  # not the task's output after all
+                        _remove_made(child.spec["output"])
+            elif code == 0 and child.spec.get("attempt_output") and not os.path.exists(
+                    os.path.join(child.dir, "cancelled")) and not self._promote(child):
+                code = 70
+            if code == 0 and not child.finishing and child.spec.get("finish") and \
+                    not os.path.exists(os.path.join(child.dir, "cancelled")):
                 try:  # after a successful task: e.g. push HYPER_OUTPUT to object storage
                     child.proc = self._spawn(child.dir, ["/bin/sh", "-c",
                                                          child.spec["finish"]],
@@ -755,9 +829,24 @@ class Agent:
                     code = 70
             self._end(child, code)
 
+    @staticmethod
+    def _promote(child):
+        """Make the attempt's fresh output folder the task's output (:func:`_promote`);
+        False, with the reason in its stderr, when it cannot be."""
+        try:
+            child.spec["promoted"] = _promote(child.spec["attempt_output"],
+                                              child.spec["output"])
+            return True
+        except OSError as e:
+            _note(child.dir, "the task succeeded but its output was not kept: %s" % e)
+            return False
+
     def _end(self, child, code):
         """Record an attempt's end: ``exit`` written atomically, then its lock released. A
-        task killed by SIGKILL, not cancelled, is checked against the OOM killer."""
+        task killed by SIGKILL, not cancelled, is checked against the OOM killer. The
+        attempt's fresh output folder, when it did not become the task's, is removed."""
+        if child.spec.get("attempt_output"):
+            _remove_made(child.spec["attempt_output"])
         ex = {"code": code, "ended": time.time()}
         if code == 137 and not child.finishing and not os.path.exists(
                 os.path.join(child.dir, "cancelled")):
@@ -1101,10 +1190,56 @@ def _detach_from_caller():
     return w
 
 
+#: how the agent opens what it reads back from an attempt folder: never through a symlink,
+#: never waiting on a FIFO (a task on the node itself can put either in a file's place)
+_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+class NotRegular(OSError):
+    """A file the agent reads back is not a regular file (a symlink, a FIFO, a device...)."""
+
+    def __str__(self):
+        return self.strerror or OSError.__str__(self)
+
+
+def _open_regular(path, flags=_READ, mode=0o644):
+    """An fd of the regular file at ``path``, opened without following a symlink and
+    without blocking (``O_NONBLOCK`` is cleared once it is known to be a regular file).
+    Raises FileNotFoundError, NotRegular (naming what it is instead), OSError."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+    except OSError as e:
+        if e.errno == 40:  # ELOOP: the last part is a symlink
+            raise NotRegular(e.errno, "%s is a symlink, not a regular file: not followed"
+                             % path) from None
+        if e.errno == 6:  # ENXIO: a FIFO opened for writing with no reader
+            raise NotRegular(e.errno, "%s is a FIFO, not a regular file" % path) from None
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        kind = ("a FIFO" if stat.S_ISFIFO(st.st_mode) else "a folder" if stat.S_ISDIR(
+            st.st_mode) else "a device or socket")
+        raise NotRegular(22, "%s is %s, not a regular file: not read" % (path, kind))
+    os.set_blocking(fd, True)
+    return fd
+
+
+def _proc_start(pid):
+    """The start time of process ``pid`` (clock ticks since boot, proc(5) field 22) and its
+    session id (field 6), or None when there is no such process."""
+    try:
+        with open("/proc/%d/stat" % pid, "rb") as f:
+            v = f.read().rsplit(b")", 1)[1].split()
+        return int(v[19]), int(v[3])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def _locked(path):
     """True when another process holds the flock on path."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = _open_regular(path)
     except OSError:
         return False
     try:
@@ -1117,9 +1252,16 @@ def _locked(path):
 
 
 def _note(d, text):
-    """Append hypercli's own line about an attempt to its stderr."""
-    with open(os.path.join(d, "stderr"), "a") as f:
-        f.write("hyper: %s\n" % text)
+    """Append hypercli's own line about an attempt to its stderr (only when that is still a
+    regular file: never through a symlink a task put there)."""
+    try:
+        fd = _open_regular(os.path.join(d, "stderr"), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    except OSError:
+        return
+    try:
+        os.write(fd, ("hyper: %s\n" % text).encode())
+    finally:
+        os.close(fd)
 
 
 def _iface_of(address):
@@ -1173,27 +1315,135 @@ def _b64(data):
 
 
 def _read_json(path):
+    """The JSON of the regular file at ``path`` (:func:`_open_regular`), or None."""
     try:
-        with open(path) as f:
-            return json.load(f)
+        fd = _open_regular(path)
+    except OSError:
+        return None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            return json.loads(f.read(1 << 20))
     except (OSError, ValueError):
         return None
 
 
 def _write_json(path, obj):
     tmp = path + ".tmp"
-    with open(tmp, "w") as f:
+    try:
+        os.unlink(tmp)  # whatever is there (a symlink is removed, not followed)
+    except FileNotFoundError:
+        pass
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o644)
+    with os.fdopen(fd, "w") as f:
         json.dump(obj, f)
     os.replace(tmp, path)  # atomic: a reader sees the old file or the whole new one
 
 
-def _command(d, spec, env):
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+ATTEMPT_OUTPUT = ".attempt-"  #: prefix of an attempt's fresh output folder in the outputs root
+
+
+def _outputs_root(output):
+    """An fd of the outputs root, the folder of the task's output folder ``output`` (made
+    when missing, its own parents as any folder), opened without following a symlink.
+    Raises NotRegular: the outputs root is a symlink (refused: a task could have put it
+    there to make outputs land in a host folder); OSError."""
+    root = os.path.dirname(os.path.abspath(output))
+    try:
+        os.makedirs(root, exist_ok=True)
+    except FileExistsError:
+        pass
+    try:
+        return os.open(root, _DIR)
+    except OSError as e:
+        if e.errno in (40, 20):  # ELOOP, ENOTDIR
+            raise NotRegular(e.errno, "the outputs folder %s is a symlink or not a folder: "
+                                      "refused" % root) from None
+        raise
+
+
+def _fresh_output(output, attempt_id):
+    """Make the attempt's own new output folder beside the task's output folder ``output``
+    (``<outputs root>/.attempt-<attempt id>``, mode 0o755) and return its path: every
+    attempt writes a fresh folder, which :func:`_promote` makes the task's output only when
+    the attempt wins. Raises NotRegular, OSError (a folder of that name is there already)."""
+    fd = _outputs_root(output)
+    try:
+        name = ATTEMPT_OUTPUT + attempt_id
+        os.mkdir(name, 0o755, dir_fd=fd)
+        return os.path.join(os.path.dirname(os.path.abspath(output)), name)
+    finally:
+        os.close(fd)
+
+
+def _promote(fresh, output):
+    """Make the winning attempt's folder ``fresh`` the task's output ``output``, both in the
+    outputs root, never following a symlink: renamed into place when nothing is there;
+    when a folder is (another rank of the same multi-node attempt promoted first), each
+    entry moved into it unless one of that name is there (the first kept). Returns True
+    when renamed. Raises NotRegular: ``output`` is a symlink or not a folder (put there by
+    something else: the output is not kept), OSError."""
+    fd = _outputs_root(output)
+    src, dst = os.path.basename(fresh), os.path.basename(os.path.abspath(output))
+    try:
+        try:
+            st = os.stat(src, dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:
+            raise NotRegular(2, "%s, the attempt's output folder, is gone" % fresh) from None
+        if not stat.S_ISDIR(st.st_mode):
+            raise NotRegular(20, "%s, the attempt's output folder, was replaced by %s" % (
+                fresh, "a symlink" if stat.S_ISLNK(st.st_mode) else "a file"))
+        try:
+            st = os.stat(dst, dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:
+            os.rename(src, dst, src_dir_fd=fd, dst_dir_fd=fd)
+            return True
+        if not stat.S_ISDIR(st.st_mode):
+            raise NotRegular(20, "%s is %s that hypercli did not make: not replaced" % (
+                output, "a symlink" if stat.S_ISLNK(st.st_mode) else "not a folder"))
+        a, b = os.open(src, _DIR, dir_fd=fd), os.open(dst, _DIR, dir_fd=fd)
+        try:
+            for name in os.listdir(a):
+                try:
+                    os.stat(name, dir_fd=b, follow_symlinks=False)
+                except FileNotFoundError:
+                    os.rename(name, name, src_dir_fd=a, dst_dir_fd=b)
+        finally:
+            os.close(a)
+            os.close(b)
+        return False
+    finally:
+        os.close(fd)
+
+
+def _remove_made(path):
+    """Remove a folder the agent made (an attempt's output folder), symlinks inside removed,
+    never followed (``shutil.rmtree`` on file descriptors); a symlink a task put in its
+    place is removed itself (its target is left); nothing when it is gone."""
+    try:
+        if stat.S_ISDIR(os.lstat(path).st_mode):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            os.unlink(path)
+    except OSError:
+        pass
+
+
+def _command(d, spec, env, hide=(), podman=False):
     """argv of the task: the script under bash/sh, or inside ``docker run`` for an image.
 
-    In a container the attempt folder, the output folder and the working folder are bound at
-    the same paths, so every ``HYPER_*`` path means the same inside and out; ``env`` names are
-    passed with ``-e NAME`` (values come from the environment, never the command line);
-    ``secrets`` on the container's stdin (SECRETS_PROLOGUE).
+    A container sees, at the same paths as outside (so every ``HYPER_*`` path means the same
+    inside and out): the script and the ``files`` read-only, the metrics file (one file,
+    bound), the outputs root read-only with the attempt's own output folder read-write in
+    it, the working folder, the checkpoint folder and the recipe's mounts (``binds``). The
+    attempt folder itself (pid, exit, logs) is not bound: the task cannot write it, and each
+    folder of ``hide`` (the agent's root, ``$HYPER_HOME`` on this machine) that lies in a
+    bound folder (a working folder holding it) is covered by an empty tmpfs (the runtime
+    mounts the deeper binds over it). ``env``
+    names are passed with ``-e NAME`` (values come from the environment, never the command
+    line); the image comes after ``--``, so it can never be read as an option;
+    ``secrets`` come on the container's stdin (SECRETS_PROLOGUE).
     """
     shell = "/bin/bash" if os.path.exists("/bin/bash") else "/bin/sh"
     script = os.path.join(d, "script.sh")
@@ -1201,13 +1451,26 @@ def _command(d, spec, env):
     if not spec.get("image"):
         return ([sys.executable, "-I", "-S", engine] if engine else []) + [shell, script]
     docker = shutil.which("docker") or "docker"
-    argv = [docker, "run", "--rm", "--name", "hyper-" + spec["id"], "-v", "%s:%s" % (d, d)]
+    argv = [docker, "run", "--rm", "--name", "hyper-" + spec["id"]]
+    ro = [script] + [env[var] for var in sorted(spec.get("files") or {})]
+    if engine:
+        ro.append(engine)
+    if spec.get("outputs") and os.path.isdir(spec["outputs"]):
+        ro.append(spec["outputs"])
     binds = dict(spec.get("binds") or {})
-    for path in (spec.get("output"), spec.get("outputs"), spec.get("cwd")):
+    binds[env["HYPER_METRICS"]] = env["HYPER_METRICS"]
+    for path in (spec.get("attempt_output"), spec.get("cwd")):
         if path and os.path.isdir(path):
             binds.setdefault(path, path)
+    for path in sorted(ro):
+        argv += ["-v", "%s:%s:ro" % (path, path)]
     for host_path, path in sorted(binds.items()):
         argv += ["-v", "%s:%s" % (host_path, path)]
+    bound = [p.rstrip("/") + "/" for p in list(ro) + list(binds)]
+    for folder in sorted(set(hide)):
+        if any((folder.rstrip("/") + "/").startswith(b) for b in bound):
+            argv += ["--tmpfs", folder + (":rw,notmpcopyup,mode=0700" if podman else
+                                          ":rw,mode=0700")]
     if spec.get("cwd"):
         argv += ["-w", spec["cwd"]]
     gpus = spec.get("gpus")
@@ -1221,17 +1484,17 @@ def _command(d, spec, env):
         argv += ["--cpus", "%g" % limits["cpus"]]
     if limits.get("memory"):
         argv += ["--memory", "%d" % limits["memory"]]
-    if engine:
-        argv += ["-v", "%s:%s:ro" % (engine, engine)]
     names = sorted(spec.get("env") or {}) + ["HYPER_METRICS"] + sorted(spec.get("files") or {})
     if engine:
         names += ["HYPER_ENGINE", "HYPER_ENGINE_ATTEMPT", "HYPER_ENGINE_DIR"]
-    for k in names:
+    if spec.get("attempt_output"):
+        names.append("HYPER_OUTPUT")
+    for k in dict.fromkeys(names):
         argv += ["-e", k]
     if spec.get("secrets"):  # read from stdin inside the container (SECRETS_PROLOGUE)
-        argv += ["-i", spec["image"], "sh", "-c", SECRETS_PROLOGUE, "hyper-secrets"]
+        argv += ["-i", "--", spec["image"], "sh", "-c", SECRETS_PROLOGUE, "hyper-secrets"]
     else:
-        argv += [spec["image"]]
+        argv += ["--", spec["image"]]
     return argv + (["python3", engine] if engine else []) + ["sh", script]
 
 

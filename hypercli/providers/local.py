@@ -150,6 +150,7 @@ class LocalSession:
         for s in specs:
             s["finish"] = self.rt.finish_command(s["output"], s["env"]["HYPER_TASK_ID"])
             s["binds"] = self.rt.binds()
+            s["hide"] = [str(S.home())]  # never seen in a container (a workdir holding it)
             s["env"].update(forwarded_env())
             self.rt.checkpoint(s, s.get("checkpoint_every", 60))
 

@@ -47,6 +47,7 @@ from hypercli.ssh import images
 from hypercli.ssh.conn import CONNECT_TIMEOUT, Connection, Target, tcp_silent
 from hypercli.ssh.fanout import fan_out
 from hypercli.ssh.hostkeys import KnownHosts
+from hypercli.untar import extract
 
 AGENT_HASH = hashlib.sha256(agent_source()).hexdigest()[:12]
 AGENT_REL = f".hyper/bin/agent-{AGENT_HASH}.py"
@@ -82,15 +83,9 @@ FETCH_TRIES = 3
 
 
 def _untar(data: bytes, dest: Path) -> None:
-    """Extract a tar that came from a node, member by member, skipping what ``data_filter``
-    refuses (absolute or escaping paths and links): a task's output can hold anything."""
-    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-        for member in tar:
-            try:
-                member = tarfile.data_filter(member, str(dest))
-            except tarfile.FilterError:
-                continue
-            tar.extract(member, dest, filter="fully_trusted")
+    """Extract a tar that came from a node: each member checked by :func:`hypercli.untar.extract`
+    (a task's output can hold anything; members that fail a check are skipped)."""
+    extract(data, dest)
 
 
 class SSHProvider:
@@ -380,14 +375,8 @@ class SSHSession:
         new.sort(key=lambda x: ("/gen/" in x[0], x[0]))
         data = conn.run(f"cd {shlex.quote(top)} && tar -cf - " + " ".join(
             shlex.quote(r) for r, _ in new), timeout=600).stdout
-        dest = self.storage / self.wf["id"] / ".checkpoints"
-        with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-            for member in tar:  # in the order asked: packs, then generations
-                try:
-                    member = tarfile.data_filter(member, str(dest))
-                except tarfile.FilterError:
-                    continue
-                tar.extract(member, dest, filter="fully_trusted")
+        # in the order asked: packs, then generations; each member checked
+        _untar(data, self.storage / self.wf["id"] / ".checkpoints")
         for rel, size in new:
             self.mirrored[rel] = size
         return len(new)

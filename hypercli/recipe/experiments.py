@@ -35,6 +35,21 @@ from hypercli.recipe.yamltree import (
 
 MAX_TASKS = 1_000_000        #: largest number of tasks one recipe may make
 
+#: an image reference, ``[registry[:port]/]name[:tag][@digest]``, as the grammar of
+#: github.com/distribution/reference (reference.go) writes it: lower-case path components
+#: joined by ``.``, ``_``, ``__`` or dashes; a registry host of letters, digits, dots and
+#: inner dashes (or ``[IPv6]``), with a port; a tag of at most 128 word characters, dots and
+#: dashes; a digest ``algorithm:hex`` of at least 32 hex digits. Nothing in it can start
+#: with ``-`` or hold a space, so no value can become an option of ``docker run``.
+_PATH_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_HOST_COMPONENT = r"(?:[a-zA-Z0-9]|[a-zA-Z0-9][a-zA-Z0-9-]*[a-zA-Z0-9])"
+IMAGE_REFERENCE = re.compile(
+    rf"(?:(?:{_HOST_COMPONENT}(?:\.{_HOST_COMPONENT})*|\[[0-9a-fA-F:]+\])(?::[0-9]+)?/)?"
+    rf"{_PATH_COMPONENT}(?:/{_PATH_COMPONENT})*"
+    r"(?::[\w][\w.-]{0,127})?"
+    r"(?:@[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,})?")
+IMAGE_NAME_MAX = 255  #: characters of an image's name (its reference without tag and digest)
+
 # --- experiments -----------------------------------------------------------------------------
 
 _EXPERIMENT_KEYS = ("command", "commands", "image", "parameters", "sampling", "samples",
@@ -101,7 +116,7 @@ def _experiment(ctx: _Ctx, name: str, item: _Item) -> tuple[ExperimentSpec, int,
     if "after" in keys:
         after = _strings(ctx, keys["after"], f"{f}.after", single_ok=True, empty_ok=True)
     retries = _int(ctx, keys["retries"], f"{f}.retries", 0, 100) if "retries" in keys else 0
-    image = _str(ctx, keys["image"], f"{f}.image") if "image" in keys else None
+    image = _image(ctx, keys["image"], f"{f}.image") if "image" in keys else None
     env = environment.env(ctx, keys["env"], f"{f}.env") if "env" in keys else {}
     secrets = (environment.secrets(ctx, keys["secrets"], f"{f}.secrets", env)
                if "secrets" in keys else ())
@@ -173,6 +188,19 @@ def _timeout(ctx: _Ctx, item: _Item, field: str) -> float:
         ctx.fail(f"timeout must be more than 0 and at most 30 days, not {_show(v)}", item.line,
                  field, hint)
     return seconds
+
+
+def _image(ctx: _Ctx, item: _Item, field: str) -> str:
+    """An ``image:`` value checked as an image reference (:data:`IMAGE_REFERENCE`)."""
+    v = _str(ctx, item, field)
+    name = v.split("@", 1)[0]
+    last = name.rsplit("/", 1)[-1]  # a tag follows ':' in the last part (a port does not)
+    name = name[:len(name) - len(last)] + last.split(":", 1)[0]
+    if not IMAGE_REFERENCE.fullmatch(v) or len(name) > IMAGE_NAME_MAX:
+        ctx.fail(f"image {_show(v)} is not an image reference", item.line, field,
+                 "[registry[:port]/]name[:tag][@sha256:digest], e.g. python:3.11-slim; "
+                 "lower-case name, no spaces, not starting with '-'")
+    return v
 
 
 def _command(ctx: _Ctx, item: _Item, field: str) -> str:
