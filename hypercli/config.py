@@ -1,7 +1,7 @@
 """Defaults for recipes and commands: the file ``$HYPER_HOME/config.yaml``.
 
 One job: read, check and write the defaults file, and fill a recipe's gaps from it. Where a
-value comes from, first match wins (the precedence documented in README.md, "Defaults"):
+value comes from, first match wins (the precedence documented in docs/recipes.md, "Defaults"):
 
     a command-line flag  >  the recipe  >  config.yaml  >  hypercli's built-in default
 

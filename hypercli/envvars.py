@@ -1,6 +1,6 @@
 """Where a task's environment variables come from, and where a secret's value never goes.
 
-Sources, lowest precedence first (README.md, "Environment and secrets"):
+Sources, lowest precedence first (docs/recipes.md, "Environment and secrets"):
 
 1. the recipe's ``env:`` (a ``${VAR}`` in a value, or a bare ``NAME`` in a list, is taken from
    the environment of the ``hyper run`` that submits the workflow, overlaid by 2 and 3);

@@ -4,7 +4,7 @@ Every error a user can cause or meet is a :class:`HyperError`. It carries the pr
 code the CLI should end with and an optional hint that tells the user what to do. Only
 ``hypercli.cli`` turns these into messages; library code raises, never prints.
 
-Exit codes (documented in README.md, "Exit codes"):
+Exit codes (documented in docs/cli.md, "Exit codes"):
     0  every task succeeded
     1  some task failed or was skipped
     2  bad input: recipe, arguments, unknown workflow or task

@@ -353,7 +353,8 @@ def test_up_on_local_prints_what_each_node_holds(hyper):
 def test_readme_and_test_script_say_what_is_true():
     readme = (ROOT / "README.md").read_text()
     assert "validated, not yet run" not in readme  # the clouds run (see "Cloud providers")
-    layout = readme.split("\nrecipes/ ", 1)[1].split("\nbench/", 1)[0]  # with its next lines
+    internals = (ROOT / "docs" / "internals.md").read_text()  # the layout of the code
+    layout = internals.split("\nrecipes/ ", 1)[1].split("\nbench/", 1)[0]  # with its next lines
     for recipe in sorted(p.stem for p in (ROOT / "recipes").glob("*.yaml")):
         assert recipe in layout, layout
     top = readme.split("bash scripts/test.sh", 1)[0].rsplit("**Run the whole test suite**", 1)[1]

@@ -1,4 +1,4 @@
-"""Datasets as chunks in object storage, read through a FUSE mount (see README, "Datasets").
+"""Datasets as chunks in object storage, read through a FUSE mount (see docs/datasets.md).
 
 Modules: pack (chunk format, push), index (the file index), store (object-store access),
 cache (chunk cache), fusefs (read-only FUSE file system), node (node-side commands), outputs
