@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import threading
 from typing import Iterable, Mapping
 
@@ -37,8 +38,9 @@ _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _CACHE: dict[str, dict[str, str]] = {}
 _LOCK = threading.Lock()
 MASK = "***"  #: how a secret's value is shown
-#: most bytes of one experiment's secrets: a container reads them from a pipe the node's
-#: agent fills in one write, which must fit the pipe's buffer (64 KiB on Linux, pipe(7))
+#: most bytes of one experiment's secrets, as the ``export NAME='value'`` lines a container
+#: reads them in from a pipe the node's agent fills in one write, which must fit the pipe's
+#: buffer (64 KiB on Linux, pipe(7))
 MAX_BYTES = 32 << 10
 
 
@@ -173,8 +175,9 @@ def secret_values(names: Mapping[str, Iterable[str]], overrides: Mapping[str, st
                                  f"export {s}=... before `hyper run` (secrets are never "
                                  "stored: every run that drives the workflow asks for them)")
             out.setdefault(exp, {})[s] = value
-        size = sum(len(k) + len(v.encode(errors="surrogateescape")) + 12
-                   for k, v in out.get(exp, {}).items())
+        size = sum(len(("export %s=%s\n" % (k, shlex.quote(v))).encode(
+            errors="surrogateescape")) for k, v in out.get(exp, {}).items())  # as the agent
+        # writes them (shell-quoted: a quote in a value takes 5 bytes)
         if size > MAX_BYTES:
             raise UsageError(f"the secrets of experiment {exp} hold {size} bytes, more than "
                              f"{MAX_BYTES}", "put a large credential in a file the task "
@@ -205,6 +208,22 @@ def held() -> dict[str, str]:
     """name → value of every secret this process holds, of all its workflows."""
     with _LOCK:
         return {k.split("\0", 1)[1]: v for kv in _CACHE.values() for k, v in kv.items()}
+
+
+def without_secrets(environ: Mapping[str, str], state=None) -> dict[str, str]:
+    """``environ`` less every secret: the names this process holds (:func:`held`) and those
+    the workflows in ``state`` (a :class:`hypercli.state.State`, or None) declare. For the
+    environment a local agent passes on to all its tasks: a task gets its own experiment's
+    secrets from its launch request only, never another's through the agent."""
+    names = set(held())
+    if state is not None:
+        try:
+            for wf in state.workflows(limit=10_000):
+                for listed in ((wf.get("spec") or {}).get("secrets") or {}).values():
+                    names.update(listed)
+        except Exception:  # an unreadable state file: the held names still go
+            pass
+    return {k: v for k, v in environ.items() if k not in names}
 
 
 def lacking(pid: int | str, values: Mapping[str, str]) -> list[str]:

@@ -171,6 +171,10 @@ def build_plan(recipe: Recipe, shards: dict | None = None, lookups: dict | None 
             settings.append({"engine": exp.engine})
         if exp.secrets:  # names only: the values are never part of a plan
             settings.append({"secrets": list(exp.secrets)})
+        if exp.timeout:  # kept in the workflow's record: a new value is a new workflow
+            settings.append({"timeout": exp.timeout})
+        if exp.checkpoint_ranks != "each":
+            settings.append({"checkpoint_ranks": exp.checkpoint_ranks})
         h.update(json.dumps(settings, sort_keys=True).encode())
         plan = (shards or {}).get(name)
         if plan is not None:

@@ -10,7 +10,10 @@ resolve again:
 * names: relative, no ``..`` part, no empty part, no NUL;
 * every folder on the way is opened ``O_NOFOLLOW`` from the target's own descriptor (a
   symlink made by an earlier member is never walked through);
-* symlinks: only relative ones whose target, taken from the link's own folder, stays inside;
+* symlinks: only relative ones whose target, taken from the link's own folder, stays inside,
+  and, once every member is out, only those the kernel resolves to inside (a chain such as
+  ``x -> .``, ``a/l -> ../x``, ``a/m -> l/../..`` passes the first check and leaves the
+  folder: such links are removed again);
 * hard links: only to a regular file extracted inside, linked without following a symlink;
 * devices, FIFOs and anything else: skipped;
 * modes masked to ``0o777`` (no setuid, setgid or sticky bit); owners are not restored.
@@ -104,20 +107,64 @@ def extract(data: bytes | io.BufferedIOBase, dest: str | os.PathLike) -> list[st
         pass
     root = os.open(dest, _DIR)
     skipped: list[str] = []
+    links: list[list[str]] = []
     fileobj = io.BytesIO(data) if isinstance(data, (bytes, bytearray)) else data
     try:
         with tarfile.open(fileobj=fileobj, mode="r|*") as tar:
             for m in tar:
-                why = _one(tar, m, root)
+                why = _one(tar, m, root, links)
                 if why:
                     skipped.append(f"{m.name}: {why}")
+        skipped += _unlink_leaving(root, os.path.realpath(dest), links)
     finally:
         os.close(root)
     return skipped
 
 
-def _one(tar: tarfile.TarFile, m: tarfile.TarInfo, root: int) -> str | None:
-    """Extract member ``m`` under fd ``root``; the reason when it is skipped."""
+def _resolved(path: str) -> str | None:
+    """Where the kernel resolves ``path`` (the open file's ``/proc/self/fd`` name; for a
+    dangling link, ``os.path.realpath``'s answer); None when it cannot be resolved (ELOOP,
+    ENAMETOOLONG: ``realpath`` would stop expanding there, the flaw of CVE-2025-4517)."""
+    try:
+        fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return os.path.realpath(path)
+    except OSError:
+        return None
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    finally:
+        os.close(fd)
+
+
+def _unlink_leaving(root: int, real: str, links: list[list[str]]) -> list[str]:
+    """Remove each symlink made (``links``: their parts under fd ``root``, whose real path
+    is ``real``) that the kernel now resolves to outside ``real``; their skip reasons."""
+    out = []
+    for parts in links:
+        got = _resolved(os.path.join(real, *parts))
+        if got is not None and (got == real or got.startswith(real + os.sep)):
+            continue
+        try:
+            folder = _open_folder(root, parts[:-1], make=False)
+        except OSError:
+            continue  # its folder went with an earlier link: nothing reaches it now
+        try:
+            st = os.stat(parts[-1], dir_fd=folder, follow_symlinks=False)
+            if stat.S_ISLNK(st.st_mode):
+                os.unlink(parts[-1], dir_fd=folder)
+                out.append(f"{'/'.join(parts)}: a symlink that resolves outside the folder")
+        except FileNotFoundError:
+            pass
+        finally:
+            os.close(folder)
+    return out
+
+
+def _one(tar: tarfile.TarFile, m: tarfile.TarInfo, root: int,
+         links: list[list[str]]) -> str | None:
+    """Extract member ``m`` under fd ``root``; the reason when it is skipped. A symlink
+    made is added to ``links`` (its parts)."""
     parts = _parts(m.name)
     if parts is None:
         return "not a relative path inside the folder"
@@ -138,6 +185,7 @@ def _one(tar: tarfile.TarFile, m: tarfile.TarInfo, root: int) -> str | None:
                 return f"a symlink to {m.linkname!r}, outside the folder"
             _clear(folder, name)
             os.symlink(m.linkname, name, dir_fd=folder)
+            links.append(parts)
             return None
         if m.islnk():
             src = _parts(m.linkname)

@@ -112,6 +112,25 @@ def test_a_killed_agent_leaves_lost_attempts_and_their_processes_are_killed(agen
     assert wait_for(lambda: not alive(task_pid), timeout=5)  # orphans of a dead agent: killed
 
 
+def test_a_lost_attempts_fresh_output_folder_is_removed(agents, tmp_path):
+    """A lost attempt never wins: the output folder it was writing goes, and only that one
+    (the task's output and a sibling attempt's folder stay)."""
+    out = tmp_path / "outputs" / "t-0000"
+    c = agents()
+    c.call("launch", attempts=[spec("a", 'echo part > "$HYPER_OUTPUT/partial.txt"; sleep 60',
+                                    tmp_path, output=str(out))])
+    fresh = tmp_path / "outputs" / ".attempt-a"
+    assert wait_for(lambda: (fresh / "partial.txt").exists(), timeout=10)
+    (tmp_path / "outputs" / ".attempt-b").mkdir()  # another attempt's: not this one's
+    out.mkdir()
+    os.kill(c.pid, signal.SIGKILL)
+    assert wait_for(lambda: not alive(c.pid), timeout=5)
+    st = agents().call("poll", ids=["a"])["states"]["a"]
+    assert st["state"] == "lost"
+    assert not fresh.exists()
+    assert (tmp_path / "outputs" / ".attempt-b").is_dir() and out.is_dir()
+
+
 def test_a_stale_wake_does_not_cut_the_next_poll_short(tmp_path):
     proc = subprocess.Popen([sys.executable, "-I", str(AGENT_PATH), "serve", "--root",
                              str(tmp_path / "node")], stdin=subprocess.PIPE,

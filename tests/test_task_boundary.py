@@ -141,6 +141,27 @@ def _past_path_max(dest) -> bytes:
     return _tar(*members)
 
 
+def test_a_chain_of_inside_looking_symlinks_that_leaves_the_folder_is_removed(tmp_path):
+    """Each link's target, read from its own folder, stays inside; together the kernel
+    resolves ``a/m`` to the folder's parent. No link left behind leads outside."""
+    dest = tmp_path / "w" / "d"
+    (tmp_path / "w").mkdir()
+    skipped = extract(_tar(({"name": "x", "type": tarfile.SYMTYPE, "linkname": "."}, None),
+                           ({"name": "a", "type": tarfile.DIRTYPE, "mode": 0o755}, None),
+                           ({"name": "a/l", "type": tarfile.SYMTYPE, "linkname": "../x"},
+                            None),
+                           ({"name": "a/m", "type": tarfile.SYMTYPE, "linkname": "l/../.."},
+                            None),
+                           ({"name": "ok", "type": tarfile.SYMTYPE, "linkname": "a"}, None)),
+                      dest)
+    assert any(s.startswith("a/m:") for s in skipped), skipped
+    real = os.path.realpath(dest)
+    for rel in _everything(dest):
+        got = os.path.realpath(dest / rel)
+        assert got == real or got.startswith(real + os.sep), (rel, got)
+    assert os.path.islink(dest / "ok") and os.path.islink(dest / "x")
+
+
 def test_ssh_untar_holds_against_cve_2025_4517(tmp_path):
     """providers/ssh.py's ``_untar`` (logs and outputs from a node): the data filter's
     PATH_MAX bypass plants nothing beside the target folder."""

@@ -568,6 +568,9 @@ class Agent:
         else:
             s["state"] = "lost"
             self._signal(attempt_id, signal.SIGKILL)  # orphans of a dead agent
+            made = (pid or {}).get("attempt_output")  # its fresh output folder never wins
+            if isinstance(made, str) and os.path.basename(made) == ATTEMPT_OUTPUT + attempt_id:
+                _remove_made(made)
         if with_metrics and s["state"] != "running":
             s["metrics"] = self.metrics(attempt_id)
         return s

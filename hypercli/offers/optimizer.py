@@ -341,7 +341,8 @@ def with_first_offer(recipe, state=None):
     if row and row.get("status") == "up":
         old = (row.get("spec") or {}).get("options") or {}
         if old.get("instance_type"):
-            keep = {k: old[k] for k in ("instance_type", "region", "zone", "spot") if k in old}
+            keep = {k: old[k] for k in ("instance_type", "region", "zone", "spot", "offers")
+                    if k in old}
             return dataclasses.replace(recipe, cluster=dataclasses.replace(
                 spec, options={**o, **keep}))
     needs = [e.resources.as_dict() for e in recipe.experiments.values()]

@@ -57,7 +57,8 @@ class LocalProvider:
                              for i, share in enumerate(machine_shares(n))])
 
     def connect(self, node: dict) -> AgentClient:
-        env = dict(os.environ)
+        from hypercli.envvars import without_secrets
+        env = without_secrets(os.environ, S.State())  # each task gets its own in its launch
         bindir = str(Path(sys.executable).parent)
         env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
         return local_agent(node["name"], node["address"].get("root") or self.root(), env)
