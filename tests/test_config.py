@@ -47,7 +47,7 @@ def test_unknown_keys_and_bad_values_are_refused_naming_them(hyper, hyper_home):
     r = hyper("config", "set", "idle_minute", "3")
     assert r.returncode == 2 and "did you mean 'idle_minutes'" in r.stderr
     r = hyper("config", "set", "aws.spot", "maybe")
-    assert r.returncode == 2 and "aws.spot" in r.stderr and "true or false" in r.stderr
+    assert r.returncode == 2 and "aws.spot" in r.stderr and "true, false or auto" in r.stderr
     r = hyper("config", "set", "provider", "awz")
     assert r.returncode == 2 and "did you mean 'aws'" in r.stderr
     r = hyper("config", "set", "ssh.hosts", "[a]")  # a cluster's own, never a default
