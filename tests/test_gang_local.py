@@ -127,3 +127,36 @@ def test_plans_no_node_could_hold_are_refused_before_they_start(hyper_home, writ
     assert r.returncode == 2 and "needs 1 GPU" in r.stderr and "the largest is" in r.stderr
     state = State()
     assert [w["id"] for w in state.workflows()] == []  # nothing was recorded
+
+
+def test_a_retried_gang_keeps_only_the_winning_attempts_output(hyper_home, write_recipe,
+                                                              tmp_path):
+    """Rank 0 of attempt 1 exits 0 (its output promoted) before rank 1 fails: the retry's
+    output replaces it whole, every rank of the winning attempt merged in."""
+    path = write_recipe(f"""
+        name: gangout
+        cluster: {{workers: 2}}
+        experiments:
+          train:
+            nodes: 2
+            retries: 1
+            command: |
+              echo "attempt $HYPER_ATTEMPT rank $RANK" > "$HYPER_OUTPUT/model.txt"
+              echo "$HYPER_ATTEMPT" > "$HYPER_OUTPUT/rank-$RANK-attempt-$HYPER_ATTEMPT"
+              echo "$HYPER_ATTEMPT $RANK" >> {tmp_path}/ends
+              if [ "$RANK" = 1 ] && [ "$HYPER_ATTEMPT" = 1 ]; then
+                # fail once rank 0 has ended, so that its output was promoted
+                for i in $(seq 600); do grep -q '^1 0$' {tmp_path}/ends && break; sleep 0.1; done
+                sleep 1; exit 3
+              fi
+    """)
+    state, summary = run_recipe(path)
+    assert summary.exit_code == 0, summary
+    by = {(a["number"], a["rank"]): a["status"] for a in state.attempts(summary.workflow)}
+    assert by[(1, 0)] == "succeeded" and by[(1, 1)] == "failed"
+    assert by[(2, 0)] == by[(2, 1)] == "succeeded"
+    out = hyper_home / "storage" / summary.workflow / "train-0000"
+    assert (out / "model.txt").read_text().startswith("attempt 2 rank ")
+    assert sorted(p.name for p in out.iterdir()) == ["model.txt", "rank-0-attempt-2",
+                                                     "rank-1-attempt-2"]
+    assert [p.name for p in out.parent.iterdir()] == ["train-0000"]  # nothing else left
