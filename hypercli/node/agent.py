@@ -1402,6 +1402,16 @@ def attempt_of(attempt_id):
     return head if sep and rank.isdigit() else attempt_id
 
 
+def later_attempt(owner, than):
+    """Whether attempt ``owner`` (:func:`attempt_of`) is a later attempt than ``than``, by
+    the attempt number ``<n>`` in ``...<task>.<n>[-<token>]``; True when either has none."""
+    def number(a):
+        n = a.rsplit(".", 1)[-1].split("-", 1)[0]
+        return int(n) if n.isdigit() else None
+    a, b = number(owner), number(than)
+    return a is None or b is None or a > b
+
+
 def _owner_file(owners, output):
     """The file in folder ``owners`` naming the attempt whose files the output folder
     ``output`` holds: ``<sha256 of its absolute path, 32 hex>``."""
@@ -1466,7 +1476,7 @@ def _promote(fresh, output, owner, owners):
     rank of the same attempt, each entry is moved into it unless one of that name is there
     (the first kept); when it holds an earlier attempt's files (that attempt's rank exited 0
     but its gang, or the attempt, did not win), that folder, made by hypercli, is replaced
-    whole. An output ``owners`` says nothing of is not known to be hypercli's: merged into,
+    whole; when it holds a later attempt's, it is left as it is (``fresh`` is not moved). An output ``owners`` says nothing of is not known to be hypercli's: merged into,
     never removed. Returns True when renamed. Raises NotRegular: ``output`` is a symlink or
     not a folder (put there by something else: the output is not kept), OSError."""
     fd = _outputs_root(output)
@@ -1489,6 +1499,8 @@ def _promote(fresh, output, owner, owners):
             raise NotRegular(20, "%s is %s that hypercli did not make: not replaced" % (
                 output, "a symlink" if stat.S_ISLNK(st.st_mode) else "not a folder"))
         was = output_owner(owners, output)
+        if was is not None and was != owner and not later_attempt(owner, was):
+            return False  # a later attempt's output is there: this success changes nothing
         if was is not None and was != owner:  # an earlier attempt's: replaced whole
             old = ".replaced-" + src
             os.rename(dst, old, src_dir_fd=fd, dst_dir_fd=fd)

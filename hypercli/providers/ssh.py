@@ -501,10 +501,10 @@ def _keep_output(root: Path, name: str, src: Path | None, attempt_id: str) -> No
     (:func:`~hypercli.node.agent.attempt_of`) the output holds is kept in hypercli's own
     folder ``owners`` (not in storage, whose folders are the tasks' outputs only); another
     rank of that attempt merges into it (a name there is kept), a later attempt replaces it
-    whole (made by hypercli); an output of no known attempt is merged into, never removed;
+    whole (made by hypercli), an earlier one's is dropped; an output of no known attempt is merged into, never removed;
     a symlink or file in its place is left and nothing is kept. Nothing is followed through
     a symlink. Raises OSError."""
-    from hypercli.node.agent import attempt_of, output_owner, own_output
+    from hypercli.node.agent import attempt_of, later_attempt, output_owner, own_output
     owner, owners = attempt_of(attempt_id), S.folder("owners")
     root.mkdir(parents=True, exist_ok=True)
     with _KEEP_LOCK:
@@ -517,6 +517,8 @@ def _keep_output(root: Path, name: str, src: Path | None, attempt_id: str) -> No
             if st is not None and not stat.S_ISDIR(st.st_mode):
                 return
             was = output_owner(owners, root / name)
+            if st is not None and was not in (None, owner) and not later_attempt(owner, was):
+                return  # a later attempt's output is there: this success changes nothing
             if st is not None and was is not None and was != owner:  # an earlier attempt's
                 old = f".replaced-{name}-{os.getpid()}"
                 os.rename(name, old, src_dir_fd=fd, dst_dir_fd=fd)
