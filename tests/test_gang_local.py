@@ -4,6 +4,8 @@ failure and retry as one, per-rank attempts, and plans refused before they start
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 from test_run import run_recipe
 
@@ -127,3 +129,89 @@ def test_plans_no_node_could_hold_are_refused_before_they_start(hyper_home, writ
     assert r.returncode == 2 and "needs 1 GPU" in r.stderr and "the largest is" in r.stderr
     state = State()
     assert [w["id"] for w in state.workflows()] == []  # nothing was recorded
+
+
+def test_a_retried_gang_keeps_only_the_winning_attempts_output(hyper_home, write_recipe,
+                                                              tmp_path):
+    """Rank 0 of attempt 1 exits 0 (its output promoted) before rank 1 fails: the retry's
+    output replaces it whole, every rank of the winning attempt merged in."""
+    path = write_recipe(f"""
+        name: gangout
+        cluster: {{workers: 2}}
+        experiments:
+          train:
+            nodes: 2
+            retries: 1
+            command: |
+              echo "attempt $HYPER_ATTEMPT rank $RANK" > "$HYPER_OUTPUT/model.txt"
+              echo "$HYPER_ATTEMPT" > "$HYPER_OUTPUT/rank-$RANK-attempt-$HYPER_ATTEMPT"
+              echo "$HYPER_ATTEMPT $RANK" >> {tmp_path}/ends
+              if [ "$RANK" = 1 ] && [ "$HYPER_ATTEMPT" = 1 ]; then
+                # fail once rank 0 has ended, so that its output was promoted
+                for i in $(seq 600); do grep -q '^1 0$' {tmp_path}/ends && break; sleep 0.1; done
+                sleep 1; exit 3
+              fi
+    """)
+    state, summary = run_recipe(path)
+    assert summary.exit_code == 0, summary
+    by = {(a["number"], a["rank"]): a["status"] for a in state.attempts(summary.workflow)}
+    assert by[(1, 0)] == "succeeded" and by[(1, 1)] == "failed"
+    assert by[(2, 0)] == by[(2, 1)] == "succeeded"
+    out = hyper_home / "storage" / summary.workflow / "train-0000"
+    assert (out / "model.txt").read_text().startswith("attempt 2 rank ")
+    assert sorted(p.name for p in out.iterdir()) == ["model.txt", "rank-0-attempt-2",
+                                                     "rank-1-attempt-2"]
+    assert [p.name for p in out.parent.iterdir()] == ["train-0000"]  # nothing else left
+
+
+def test_promote_replaces_an_earlier_attempts_output_and_follows_no_symlink(tmp_path):
+    """The agent's promotion on its own: ranks of one attempt merge (first kept), a later
+    attempt replaces the output whole, an earlier one changes nothing, an output of no known
+    attempt is merged into (not removed), and a symlink where the owner record goes is
+    replaced, never written through."""
+    from hypercli.node.agent import (_fresh_output, _owner_file, _promote, attempt_of,
+                                     output_owner)
+
+    root, owners = tmp_path / "outputs", str(tmp_path / "owners")
+    output = str(root / "train-0000")
+
+    def rank(aid, files):
+        fresh = _fresh_output(output, aid)
+        for name, text in files.items():
+            with open(os.path.join(fresh, name), "w") as f:
+                f.write(text)
+        return _promote(fresh, output, attempt_of(aid), owners)
+
+    def files():
+        return {p.name: p.read_text() for p in (root / "train-0000").iterdir()}
+
+    assert rank("w.train-0000.1-r0", {"model.txt": "1/0", "a": "1"}) is True
+    assert rank("w.train-0000.1-r1", {"model.txt": "1/1", "b": "1"}) is False
+    assert files() == {"model.txt": "1/0", "a": "1", "b": "1"}
+    assert output_owner(owners, output) == "w.train-0000.1"
+    assert rank("w.train-0000.2-r1", {"model.txt": "2/1"}) is True
+    assert files() == {"model.txt": "2/1"}
+    assert rank("w.train-0000.2-r0", {"model.txt": "2/0", "c": "2"}) is False
+    assert files() == {"model.txt": "2/1", "c": "2"}
+    assert rank("w.train-0000.1-r0", {"model.txt": "late"}) is False  # superseded
+    assert files() == {"model.txt": "2/1", "c": "2"}
+    # nothing but the output and the attempts' own folders (removed by the agent at their end)
+    assert [p.name for p in root.iterdir() if not p.name.startswith(".attempt-")] == [
+        "train-0000"]
+
+    # a symlink where the owner record goes is never followed: read as no known attempt
+    # (the output merged into, nothing removed), replaced when the record is written
+    target = tmp_path / "elsewhere"
+    target.write_text("w.train-0000.9\n")
+    record = Path(_owner_file(owners, output))
+    record.unlink()
+    record.symlink_to(target)
+    assert output_owner(owners, output) is None
+    assert rank("w.train-0000.3-r0", {"d": "3"}) is False
+    assert files() == {"model.txt": "2/1", "c": "2", "d": "3"}
+    other = str(root / "eval-0000")
+    Path(_owner_file(owners, other)).symlink_to(target)
+    fresh = _fresh_output(other, "w.eval-0000.1")
+    assert _promote(fresh, other, "w.eval-0000.1", owners) is True
+    assert target.read_text() == "w.train-0000.9\n"
+    assert output_owner(owners, other) == "w.eval-0000.1"

@@ -252,3 +252,40 @@ def test_a_gang_left_without_enough_nodes_says_they_were_lost(ssh_hosts, tmp_pat
     assert (f"experiment train cannot run on the nodes left: it needs 2 nodes and 1 is left "
             f"after {killed['node']} was lost") in text, text
     assert "largest" not in text and "resources" not in (e.value.hint or "")
+
+
+def test_a_retried_gang_keeps_only_the_winning_attempts_output(ssh_hosts, tmp_path, hyper_home):
+    """Rank 0 of attempt 1 exits 0 and its output is copied into storage; only then does rank
+    1 fail (exit 3). The retry's output replaces it whole in storage, both ranks of the
+    winning attempt merged in."""
+    hosts = ssh_hosts.start(2)
+    path = ssh_recipe(tmp_path, ssh_hosts, hosts, {"train": {
+        "nodes": 2, "retries": 1,
+        "command": 'echo "attempt $HYPER_ATTEMPT rank $RANK" > "$HYPER_OUTPUT/model.txt"\n'
+                   'echo "$HYPER_ATTEMPT" > "$HYPER_OUTPUT/rank-$RANK-attempt-$HYPER_ATTEMPT"\n'
+                   'if [ "$RANK" = 1 ] && [ "$HYPER_ATTEMPT" = 1 ]; then\n'
+                   '  for i in $(seq 1200); do [ -e /root/go ] && break; sleep 0.1; done\n'
+                   '  exit 3\n'
+                   'fi\n'}})
+    early = hyper_home / "storage" / "lab-1" / "train-0000" / "model.txt"
+
+    def release_rank_1():  # once rank 0's output of attempt 1 is in storage
+        try:
+            wait_for(early.exists, timeout=120, what="attempt 1's rank 0 output in storage")
+        finally:
+            for h in hosts:
+                h.run("touch /root/go")
+    t = threading.Thread(target=release_rank_1)
+    t.start()
+    try:
+        state, summary = run_in_process(path)
+    finally:
+        t.join()
+    assert summary.exit_code == 0, summary
+    by = {(a["number"], a["rank"]): a["status"] for a in state.attempts("lab-1")}
+    assert by[(1, 0)] == "succeeded" and by[(1, 1)] == "failed"
+    assert by[(2, 0)] == by[(2, 1)] == "succeeded"
+    out = early.parent
+    assert early.read_text().startswith("attempt 2 rank ")
+    assert sorted(p.name for p in out.iterdir()) == ["model.txt", "rank-0-attempt-2",
+                                                     "rank-1-attempt-2"]

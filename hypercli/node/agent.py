@@ -5,7 +5,8 @@ It runs on every node (this machine for the local provider; over SSH on hosts an
 copied there by hypercli) as ``python3 agent.py serve --root ROOT`` and answers JSON requests,
 one per line on stdin, with one JSON response per line on stdout. It keeps no state of its own:
 everything lives in the attempt folders, so a new agent (after the CLI or the connection died)
-sees exactly what the old one saw.
+sees exactly what the old one saw (and in ``ROOT/owners``, which attempt each task output
+it promoted is from).
 
 Attempt folder ``ROOT/tasks/<attempt id>/``::
 
@@ -35,7 +36,12 @@ Outputs: an attempt with ``output`` (the task's output folder, in the workflow's
 root) writes into a fresh folder of its own, ``<outputs root>/.attempt-<attempt id>``
 (``HYPER_OUTPUT``), made without following a symlink (an outputs root that is a symlink is
 refused); when the task succeeds it is renamed to ``output`` (before ``finish``), else
-removed, so a failed attempt's files never become the task's output.
+removed, so a failed attempt's files never become the task's output. ``ROOT/owners/<hash
+of the output's path>`` names the attempt (its id without ``-r<rank>``) whose files the
+output holds: the ranks of one multi-node attempt merge into it, and a later attempt
+replaces it whole (a rank that exited 0 before its gang failed promoted its files too
+early). It is kept there, not beside the output, because ROOT is the agent's own (never
+bound into a container) and the outputs root stays the tasks' folders only.
 
 An attempt with ``engine: {kind, source}`` (a rank of an ``engine: spark|ray`` task) runs the
 task's command under the engine wrapper (``hypercli/node/engine.py``, whose text comes in the
@@ -815,7 +821,8 @@ class Agent:
                                      "(exit %d)" % code)
                     code = 70
                     if child.spec.get("promoted"):  # not the task's output after all
-                        _remove_made(child.spec["output"])
+                        disown_output(os.path.join(self.root, "owners"),
+                                      child.spec["output"])
             elif code == 0 and child.spec.get("attempt_output") and not os.path.exists(
                     os.path.join(child.dir, "cancelled")) and not self._promote(child):
                 code = 70
@@ -832,13 +839,23 @@ class Agent:
                     code = 70
             self._end(child, code)
 
-    @staticmethod
-    def _promote(child):
-        """Make the attempt's fresh output folder the task's output (:func:`_promote`);
-        False, with the reason in its stderr, when it cannot be."""
+    def _promote(self, child):
+        """Make the attempt's fresh output folder the task's output (:func:`_promote`, the
+        attempt it is from kept in ``ROOT/owners``; under the flock of ``ROOT/owners/lock``,
+        as the local nodes' agents share one outputs root); False, with the reason in its
+        stderr, when it cannot be."""
+        owners = os.path.join(self.root, "owners")
         try:
-            child.spec["promoted"] = _promote(child.spec["attempt_output"],
-                                              child.spec["output"])
+            os.makedirs(owners, 0o700, exist_ok=True)
+            lock = os.open(os.path.join(owners, "lock"),
+                           os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                child.spec["promoted"] = _promote(child.spec["attempt_output"],
+                                                  child.spec["output"], attempt_of(child.id),
+                                                  owners)
+            finally:
+                os.close(lock)
             return True
         except OSError as e:
             _note(child.dir, "the task succeeded but its output was not kept: %s" % e)
@@ -1380,13 +1397,91 @@ def _fresh_output(output, attempt_id):
         os.close(fd)
 
 
-def _promote(fresh, output):
+def attempt_of(attempt_id):
+    """The attempt a rank belongs to: ``attempt_id`` (``<workflow>.<task>.<n>[-<token>]``,
+    ``-r<rank>`` appended for a rank of a multi-node task, hypercli/scheduler.py) without
+    its rank, the same for every rank of one attempt and different for every attempt."""
+    head, sep, rank = attempt_id.rpartition("-r")
+    return head if sep and rank.isdigit() else attempt_id
+
+
+def later_attempt(owner, than):
+    """Whether attempt ``owner`` (:func:`attempt_of`) is a later attempt than ``than``, by
+    the attempt number ``<n>`` in ``...<task>.<n>[-<token>]``; True when either has none."""
+    def number(a):
+        n = a.rsplit(".", 1)[-1].split("-", 1)[0]
+        return int(n) if n.isdigit() else None
+    a, b = number(owner), number(than)
+    return a is None or b is None or a > b
+
+
+def _owner_file(owners, output):
+    """The file in folder ``owners`` naming the attempt whose files the output folder
+    ``output`` holds: ``<sha256 of its absolute path, 32 hex>``."""
+    import hashlib
+    key = hashlib.sha256(os.path.abspath(output).encode()).hexdigest()[:32]
+    return os.path.join(owners, key)
+
+
+def output_owner(owners, output):
+    """The attempt (:func:`attempt_of`) whose files the task's output folder ``output``
+    holds, as written by :func:`own_output` in ``owners`` (a folder of hypercli's own,
+    which a task in a container cannot write), read without following a symlink or
+    waiting; None when none is written or it is not a regular file."""
+    try:
+        f = os.open(_owner_file(owners, output), _READ)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(f).st_mode):
+            return None
+        line = os.read(f, 65536).decode("utf-8", "replace").split("\n")[0].strip()
+        return line or None
+    finally:
+        os.close(f)
+
+
+def own_output(owners, output, owner):
+    """Write in folder ``owners`` (made 0o700 when missing) that the output folder
+    ``output`` holds attempt ``owner``'s files: a new file renamed over the old one (a
+    symlink in its place is replaced, never followed). Raises OSError."""
+    os.makedirs(owners, 0o700, exist_ok=True)
+    path = _owner_file(owners, output)
+    tmp = "%s.%d.tmp" % (path, os.getpid())
+    try:
+        os.unlink(tmp)
+    except FileNotFoundError:
+        pass
+    f = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                0o644)
+    try:
+        os.write(f, ("%s\n%s\n" % (owner, os.path.abspath(output))).encode())
+    finally:
+        os.close(f)
+    os.replace(tmp, path)
+
+
+def disown_output(owners, output):
+    """Remove the task's output folder ``output`` (made by hypercli, :func:`_remove_made`)
+    and what ``owners`` says of it; nothing when they are gone."""
+    _remove_made(os.path.abspath(output))
+    try:
+        os.unlink(_owner_file(owners, output))
+    except OSError:
+        pass
+
+
+def _promote(fresh, output, owner, owners):
     """Make the winning attempt's folder ``fresh`` the task's output ``output``, both in the
-    outputs root, never following a symlink: renamed into place when nothing is there;
-    when a folder is (another rank of the same multi-node attempt promoted first), each
-    entry moved into it unless one of that name is there (the first kept). Returns True
-    when renamed. Raises NotRegular: ``output`` is a symlink or not a folder (put there by
-    something else: the output is not kept), OSError."""
+    outputs root, never following a symlink. ``owner`` (:func:`attempt_of` of the rank) is
+    written in folder ``owners`` as the attempt the output is from (:func:`own_output`).
+    When nothing is there, ``fresh`` is renamed into place; when the output holds another
+    rank of the same attempt, each entry is moved into it unless one of that name is there
+    (the first kept); when it holds an earlier attempt's files (that attempt's rank exited 0
+    but its gang, or the attempt, did not win), that folder, made by hypercli, is replaced
+    whole; when it holds a later attempt's, it is left as it is (``fresh`` is not moved). An output ``owners`` says nothing of is not known to be hypercli's: merged into,
+    never removed. Returns True when renamed. Raises NotRegular: ``output`` is a symlink or
+    not a folder (put there by something else: the output is not kept), OSError."""
     fd = _outputs_root(output)
     src, dst = os.path.basename(fresh), os.path.basename(os.path.abspath(output))
     try:
@@ -1400,11 +1495,22 @@ def _promote(fresh, output):
         try:
             st = os.stat(dst, dir_fd=fd, follow_symlinks=False)
         except FileNotFoundError:
+            own_output(owners, output, owner)
             os.rename(src, dst, src_dir_fd=fd, dst_dir_fd=fd)
             return True
         if not stat.S_ISDIR(st.st_mode):
             raise NotRegular(20, "%s is %s that hypercli did not make: not replaced" % (
                 output, "a symlink" if stat.S_ISLNK(st.st_mode) else "not a folder"))
+        was = output_owner(owners, output)
+        if was is not None and was != owner and not later_attempt(owner, was):
+            return False  # a later attempt's output is there: this success changes nothing
+        if was is not None and was != owner:  # an earlier attempt's: replaced whole
+            old = ".replaced-" + src
+            os.rename(dst, old, src_dir_fd=fd, dst_dir_fd=fd)
+            own_output(owners, output, owner)
+            os.rename(src, dst, src_dir_fd=fd, dst_dir_fd=fd)
+            shutil.rmtree(old, dir_fd=fd, ignore_errors=True)  # never follows a symlink
+            return True
         a, b = os.open(src, _DIR, dir_fd=fd), os.open(dst, _DIR, dir_fd=fd)
         try:
             for name in os.listdir(a):

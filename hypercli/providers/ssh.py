@@ -30,6 +30,7 @@ import io
 import os
 import shlex
 import shutil
+import stat
 import tarfile
 import threading
 from pathlib import Path
@@ -426,7 +427,8 @@ class SSHSession:
     def after_end(self, states: dict[str, dict]) -> None:
         """Copy logs and outputs of ended attempts here. Logs of at most ``inline_bytes``
         came in the agent's answer (``inline``); the rest, and outputs that are not empty
-        (file:// storage only; the first success of a task wins), come in one tar stream
+        (file:// storage only; each is kept by :func:`_keep_output`: the ranks of one
+        attempt merged, a later attempt's replacing an earlier one's), come in one tar stream
         over a second exec. Raises NodeError."""
         ids = [a for a, st in states.items() if st["state"] != "unknown"]
         if any(not (states[a].get("inline") or {}).get("checkpoint_empty") for a in ids):
@@ -449,11 +451,10 @@ class SSHSession:
         if self.storage is not None:
             for a, t in tasks.items():
                 st = states[a]
-                dest = self.storage / wid / t
-                if st.get("state") != "exited" or st.get("code") != 0 or dest.exists():
+                if st.get("state") != "exited" or st.get("code") != 0:
                     continue
                 if (st.get("inline") or {}).get("output_empty"):
-                    dest.mkdir(parents=True, exist_ok=True)  # as a local node leaves it
+                    _keep_output(self.storage / wid, t, None, a)  # as a local node leaves it
                 else:
                     wanted[a] = t
         if not fetch and not wanted:
@@ -484,12 +485,66 @@ class SSHSession:
                         os.replace(f, dest / f.name)
             for a, t in wanted.items():
                 src = tmp / "outputs" / wid / t
-                dest = self.storage / wid / t
-                if src.exists() and not dest.exists():  # the first success wins
-                    dest.parent.mkdir(parents=True, exist_ok=True)
-                    os.replace(src, dest)
+                if src.is_dir() and not src.is_symlink():
+                    _keep_output(self.storage / wid, t, src, a)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+_KEEP_LOCK = threading.Lock()  # the ranks of one attempt end on different nodes' threads
+
+
+def _keep_output(root: Path, name: str, src: Path | None, attempt_id: str) -> None:
+    """Put the output folder ``src`` (None: the attempt's output was empty) that attempt
+    ``attempt_id`` left on its node into storage as task output ``root/name``, as the node's
+    agent does in its outputs root (:func:`hypercli.node.agent._promote`): which attempt
+    (:func:`~hypercli.node.agent.attempt_of`) the output holds is kept in hypercli's own
+    folder ``owners`` (not in storage, whose folders are the tasks' outputs only); another
+    rank of that attempt merges into it (a name there is kept), a later attempt replaces it
+    whole (made by hypercli), an earlier one's is dropped; an output of no known attempt is merged into, never removed;
+    a symlink or file in its place is left and nothing is kept. Nothing is followed through
+    a symlink. Raises OSError."""
+    from hypercli.node.agent import attempt_of, later_attempt, output_owner, own_output
+    owner, owners = attempt_of(attempt_id), S.folder("owners")
+    root.mkdir(parents=True, exist_ok=True)
+    with _KEEP_LOCK:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            try:
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except FileNotFoundError:
+                st = None
+            if st is not None and not stat.S_ISDIR(st.st_mode):
+                return
+            was = output_owner(owners, root / name)
+            if st is not None and was not in (None, owner) and not later_attempt(owner, was):
+                return  # a later attempt's output is there: this success changes nothing
+            if st is not None and was is not None and was != owner:  # an earlier attempt's
+                old = f".replaced-{name}-{os.getpid()}"
+                os.rename(name, old, src_dir_fd=fd, dst_dir_fd=fd)
+                shutil.rmtree(old, dir_fd=fd, ignore_errors=True)
+                st = None
+            if st is None:
+                own_output(owners, root / name, owner)
+                if src is None:
+                    os.mkdir(name, 0o755, dir_fd=fd)
+                else:
+                    os.rename(src, name, dst_dir_fd=fd)
+                return
+            if src is None:
+                return
+            b = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                        dir_fd=fd)
+            try:
+                for entry in os.listdir(src):
+                    try:
+                        os.stat(entry, dir_fd=b, follow_symlinks=False)
+                    except FileNotFoundError:
+                        os.rename(src / entry, entry, dst_dir_fd=b)
+            finally:
+                os.close(b)
+        finally:
+            os.close(fd)
 
 
 def _save_logs(dest: Path, inline: dict) -> None:
