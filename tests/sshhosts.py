@@ -304,6 +304,9 @@ class TestHost:
     netns: str = field(repr=False, default="")
     veth: str = field(repr=False, default="")
     gpus: int = 0                     # GPUs its nvidia-smi stand-in reports (set_gpus)
+    #: folders of this machine the host sees at the same paths, read-only (start's ``share``:
+    #: e.g. this Python's site-packages, which a clone under /tmp or /root would hide)
+    share: tuple = ()
     _proc: subprocess.Popen | None = field(repr=False, default=None)
     _pidns: str | None = field(repr=False, default=None)
 
@@ -340,7 +343,13 @@ class TestHost:
             "mount -t tmpfs -o mode=1777,nosuid,nodev tmpfs /dev/shm",
             # mount points podman's package would make anyway (empty folders, root fs)
             "mkdir -p /var/lib/containers /etc/containers /usr/local/sbin",
+            # shared folders: held at /run/share-N before /tmp and /root are covered
+            *(f"mkdir -p /run/share-{i} && mount --bind {shlex.quote(str(src))} /run/share-{i}"
+              for i, src in enumerate(self.share)),
             *(f"mount --bind {shlex.quote(str(src))} {dst}" for src, dst in bind),
+            *(f"mkdir -p {shlex.quote(str(src))} && mount --bind /run/share-{i} "
+              f"{shlex.quote(str(src))} && mount -o remount,bind,ro {shlex.quote(str(src))}"
+              for i, src in enumerate(self.share)),
             "cd /",
             f"exec {SSHD} -D -e -f /etc/ssh/sshd_config",
         ]
@@ -537,9 +546,10 @@ class HostPool:
         self.stop()
 
     def start(self, n: int, names: list[str] | None = None, timeout: float = 20,
-              gpus: int | list[int] | None = None) -> list[TestHost]:
+              gpus: int | list[int] | None = None, share: tuple = ()) -> list[TestHost]:
         """Start n hosts in parallel; returns them once every sshd listens. ``gpus``: GPUs of
-        each host (one number for all, or one per host), as ``TestHost.set_gpus`` gives."""
+        each host (one number for all, or one per host), as ``TestHost.set_gpus`` gives.
+        ``share``: folders of this machine each host sees read-only at the same path."""
         with self._lock:
             if self._stopped:
                 raise RuntimeError("pool stopped")
@@ -561,7 +571,8 @@ class HostPool:
                     ip = f"{SUBNET}.{octet}"
                     h = TestHost(name=name, ip=ip, port=22, user="root", pid=0,
                                  root=self.base / f"{name}-{octet}", host_key_line="",
-                                 netns=f"hyper-{me}-{name}-{octet}", veth=f"hv{me:x}-{octet}")
+                                 netns=f"hyper-{me}-{name}-{octet}", veth=f"hv{me:x}-{octet}",
+                                 share=tuple(str(p) for p in share))
                     assert len(h.veth) <= 15
                     (STATE_DIR / ip).write_text(json.dumps(
                         {"owner_pid": me, "owner_start": me_start, "netns": h.netns,

@@ -292,7 +292,8 @@ def test_a_task_that_writes_its_store_cannot_make_the_next_restore_write_outside
     checkpoint store; the next attempt's restore, run as root, creates nothing outside the
     checkpoint folder and no setuid file."""
     import yaml
-    [host] = ssh_hosts.start(1)
+    packages = sysconfig.get_paths()["purelib"]
+    [host] = ssh_hosts.start(1, share=(ROOT, packages))  # a clone under /tmp or /root too
     recipe = {"name": "evil", "workdir": "none", "cluster": {"provider": "local", "workers": 2},
               "experiments": {"t": {"retries": 1, "checkpoint_every": 1,
                                     "parameters": {"kind": ["dotdot", "abs", "link", "setuid"]},
@@ -301,7 +302,7 @@ def test_a_task_that_writes_its_store_cannot_make_the_next_restore_write_outside
     home = "/root/hh"
     # this Python's own binary lives under /root, which a host has its own of: the host's
     # /usr/bin/python3 (the same 3.11) runs hypercli from here with this Python's packages
-    path = f"{ROOT}:{sysconfig.get_paths()['purelib']}"
+    path = f"{ROOT}:{packages}"
     run = host.run(f"HYPER_HOME={home} PYTHONPATH={path} /usr/bin/python3 -m hypercli run "
                    "/root/evil.yaml", timeout=600)
     out = run.stdout + run.stderr

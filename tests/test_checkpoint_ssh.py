@@ -103,14 +103,15 @@ def test_sharded_checkpoint_resumes_on_a_spare_with_every_ranks_shard(ssh_hosts,
     saves of a finished step have reached here; the gang is retried on the spare and resumes
     from the newest step both ranks kept, each rank loading its own shard."""
     need_torch()
-    hosts = ssh_hosts.start(3)
+    packages = sysconfig.get_paths()["purelib"]  # under /tmp or /root in a clone there
+    hosts = ssh_hosts.start(3, share=(packages,))
     work = tmp_path / "work"
     shutil.copytree(JOB, work)
     # the hosts' /usr/bin/python3 (3.11, as this one) with this Python's packages: PyTorch's
     # CPU build (Debian's 1.13 has no torch.distributed.checkpoint)
     path = ssh_recipe(tmp_path, ssh_hosts, hosts, {"train": {
         "nodes": 2, "retries": 2, "checkpoint_every": 1,
-        "env": {"PYTHONPATH": sysconfig.get_paths()["purelib"]},
+        "env": {"PYTHONPATH": packages},
         "command": "/usr/bin/python3 dcp_train.py 80 0.25"}}, workdir=str(work))
     kept = hyper_home / "storage" / "lab-1" / ".checkpoints" / "train-0000"
     killed = {}
