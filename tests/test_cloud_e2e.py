@@ -44,9 +44,13 @@ def test_up_run_spot_interruption_and_down_on_aws(aws, ssh_hosts, tmp_path, hype
                                   "Expiration": "2099-01-01T00:00:00Z"},
                 host="10.213.0.1").__enter__()
     monkeypatch.setenv("HYPER_S3_ENDPOINT_URL", store.endpoint)
-    for h in hosts:  # where an instance's boto3 finds its metadata service (169.254.169.254)
+    # where an instance's boto3 finds its metadata service (169.254.169.254); a token request
+    # gets 5 s, not boto3's 1 s, before it falls back to IMDSv1 (a loaded test machine)
+    for h in hosts:
         h.run(f"mkdir -p ~/.aws && printf '[default]\\nec2_metadata_service_endpoint = "
-              f"{imds.endpoint}\\n' > ~/.aws/config && rm -f ~/.aws/credentials", check=True)
+              f"{imds.endpoint}\\nmetadata_service_timeout = 5\\n"
+              "metadata_service_num_attempts = 3\\n' > ~/.aws/config && "
+              "rm -f ~/.aws/credentials", check=True)
     store.make_bucket("spotdata")
     (tmp_path / "ds").mkdir()
     for i in range(1, 7):
