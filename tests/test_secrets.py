@@ -431,7 +431,7 @@ def test_python_api_takes_env_and_secrets(tmp_path, hyper_home, monkeypatch):
 
 # -- SSH test hosts, and a container on one ---------------------------------------------------
 
-GATED = """d=$(dirname "$HYPER_METRICS")
+GATED = """d="$HYPER_OUTPUT"  # its own folder: a container can write no other of the node's
 printf %s "$HF_TOKEN" | sha256sum | cut -c1-64 > "$HYPER_OUTPUT/sha"
 touch "$d/started"
 while [ ! -e "$d/go" ]; do sleep 0.1; done
@@ -440,7 +440,7 @@ while [ ! -e "$d/go" ]; do sleep 0.1; done
 
 #: attempt 1 saves a checkpoint, waits, fails; attempt 2 restores it (the restore runs before
 #: the container, which must still get its secrets on stdin) and succeeds
-RETRIED = """d=$(dirname "$HYPER_METRICS")
+RETRIED = """d="$HYPER_OUTPUT"
 printf %s "$HF_TOKEN" | sha256sum | cut -c1-64 > "$HYPER_OUTPUT/sha"
 if [ "$HYPER_ATTEMPT" = 1 ]; then
   echo saved > "$HYPER_CHECKPOINT/state"
@@ -471,14 +471,14 @@ def _run_gated_on_host(tmp_path, ssh_hosts, host, experiment: dict, secret: str,
     t.start()
     tasks = host.root / "home" / ".hyper" / "tasks"
     try:
-        started = wait_for(lambda: list(tasks.glob("*/started")), timeout=120,
+        started = wait_for(lambda: list(tasks.parent.glob("**/started")), timeout=120,
                            what="the task waiting on its node")
         home = Path(os.environ["HYPER_HOME"])
         leaks = _leaks(secret, host.root, home, skip=skip_during)
         assert not leaks, leaks
     finally:
-        for folder in tasks.glob("*"):
-            (folder / "go").touch()
+        for marker in tasks.parent.glob("**/started"):
+            (marker.parent / "go").touch()
         t.join(timeout=180)
         lock.release()
     assert not t.is_alive() and done["s"].exit_code == 0, \
