@@ -343,6 +343,19 @@ def _unchanged(root_fd: int, files: dict) -> bool:
     return set(here) == set(files) and all(same_stat(f, here[rel]) for rel, f in files.items())
 
 
+def _let_go(temps: dict, dirs: dict) -> None:
+    """Close and remove a restore's temporary files (``rel -> (dir fd, name, fd)``) and
+    close its folders' fds (``dirs``, the first of which is the caller's)."""
+    for d, tmp, fd in temps.values():
+        os.close(fd)
+        try:
+            os.unlink(tmp, dir_fd=d)
+        except OSError:
+            pass
+    for fd in list(dirs.values())[1:]:
+        os.close(fd)
+
+
 def _restore_into(store, rfd: int, st: dict, name: str, gen: tuple[int, int],
                   jobs: int) -> RestoreReport:
     """:func:`restore`'s work, under the state's lock: fetch generation ``name`` into the
@@ -428,14 +441,7 @@ def _restore_into(store, rfd: int, st: dict, name: str, gen: tuple[int, int],
         with ThreadPoolExecutor(max_workers=jobs) as pool:
             downloaded = sum(pool.map(fetch, work))
     except BaseException:
-        for d, tmp, fd in temps.values():
-            os.close(fd)
-            try:
-                os.unlink(tmp, dir_fd=d)
-            except OSError:
-                pass
-        for fd in list(dirs.values())[1:]:
-            os.close(fd)
+        _let_go(temps, dirs)
         raise
     total, kept = 0, {}
     try:
@@ -458,14 +464,7 @@ def _restore_into(store, rfd: int, st: dict, name: str, gen: tuple[int, int],
             if rel not in files:
                 os.unlink(fname, dir_fd=dfd)
     finally:
-        for d, tmp, fd in temps.values():
-            os.close(fd)
-            try:
-                os.unlink(tmp, dir_fd=d)
-            except OSError:
-                pass
-        for fd in list(dirs.values())[1:]:
-            os.close(fd)
+        _let_go(temps, dirs)
     st["blocks"] = {b[0]: list(b[1:]) for f in files.values() for b in f["blocks"]}
     st["files"] = {rel: {"size": f["size"], "mode": f["mode"],
                          "mtime_ns": kept[rel].st_mtime_ns, "ctime_ns": kept[rel].st_ctime_ns,
