@@ -65,12 +65,36 @@ def up(state: State, spec: ClusterSpec, provider=None,
         names.add(inst.name)
         state.put_node(spec.name, inst.name, slots=inst.slots, provider_id=inst.provider_id,
                        address=inst.address, info=inst.extra)
+    moved = clouds_of([i for i in instances if (i.extra or {}).get("launched_at")],
+                      spec.provider)  # launched now, not found running
+    moved.pop(spec.provider, None)
+    for cloud, count in moved.items():  # a failover step to another cloud (hyper status)
+        state.event("launch", f"changed cloud: {plural(count, 'node')} on {cloud}, not "
+                    f"{spec.provider}: its offers had no room", cluster=spec.name)
     gone = [n["name"] for n in state.nodes(spec.name, status="up") if n["name"] not in names]
     for name in gone:
         state.set_node_status(name, "down")
     state.ledger_end(spec.name, gone, reason="gone")
     state.event("cluster", f"up with {plural(len(instances), 'node')} ({spec.provider})")
     return state.nodes(spec.name, status="up")
+
+
+def clouds_of(nodes: list, provider: str) -> dict[str, int]:
+    """cloud → how many of ``nodes`` (``nodes`` rows or Instances) are on it, the
+    provider's own first: a cluster whose launch failed over to another cloud has nodes on
+    two (:mod:`hypercli.offers.failover`)."""
+    out: dict[str, int] = {}
+    for n in nodes:
+        info = (n.get("info") if isinstance(n, dict) else getattr(n, "extra", None)) or {}
+        cloud = info.get("cloud") or provider
+        out[cloud] = out.get(cloud, 0) + 1
+    return dict(sorted(out.items(), key=lambda kv: (kv[0] != provider, kv[0])))
+
+
+def count_nodes(nodes: list, provider: str) -> str:
+    """``2 aws nodes``, or per cloud: ``1 aws node, 2 gcp nodes``."""
+    return ", ".join(plural(k, f"{c} node") for c, k in
+                     clouds_of(nodes, provider).items()) or plural(0, f"{provider} node")
 
 
 def with_granted(state: State, spec: ClusterSpec, row: dict | None

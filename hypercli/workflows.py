@@ -581,7 +581,12 @@ def prepare_run(state: S.State, recipe_path: str, *, new: bool = False,
     if cluster is not None:
         nodes = state.nodes(cluster, status="up")
     else:
-        nodes = C.up(state, recipe.cluster, provider, report=report or log)
+        started = time.time()
+        try:
+            nodes = C.up(state, recipe.cluster, provider, report=report or log)
+        finally:  # the launch's failover steps: another zone, region or cloud, on-demand
+            for e in state.cluster_events(recipe.cluster.name, ("launch",), since=started):
+                log(f"failover: {e['message']}")
     check_fits(wf, recipe.cluster.name, nodes)  # before a workflow is recorded
     if recipe.mounts and hasattr(provider, "check_mounts"):  # this machine: known now
         provider.check_mounts(recipe.mounts)
@@ -604,7 +609,7 @@ def prepare_run(state: S.State, recipe_path: str, *, new: bool = False,
         raise
     from hypercli.console import plural
     log(f"{'resuming' if resumed else 'starting'} workflow {wid}: {plural(len(wf.tasks), 'task')}"
-        f" on {plural(len(nodes), recipe.cluster.provider + ' node')}")
+        f" on {C.count_nodes(nodes, recipe.cluster.provider)}")
     if manifest is not None and nodes:
         try:
             workdir.remember(wid, manifest)

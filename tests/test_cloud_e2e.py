@@ -205,3 +205,116 @@ def test_dry_run_prices_then_gc_after_the_state_file_is_deleted(aws, ssh_hosts, 
     finally:
         booter.stopping.set()
         booter.join(10)
+
+
+def test_a_recipe_naming_only_cpus_fails_over_to_the_second_cloud_and_runs_there(
+        aws, ssh_hosts, tmp_path, hyper_home, hyper, monkeypatch):
+    """A recipe whose cluster allows ``clouds: [aws, gcp]`` and whose experiment names only
+    ``cpus:``: the optimizer ranks AWS first (cheaper), EC2 (moto_server) answers every
+    RunInstances ``InsufficientInstanceCapacity`` (at the botocore client boundary of the
+    ``hyper run`` process), so the launch goes on to GCP (tests/gcpfake.py) in price order,
+    the tasks run there, `hyper status` and the run's output say the cloud changed, `hyper
+    down` (its own process) leaves nothing on either cloud and the ledger holds each node's
+    lifetime."""
+    pytest.importorskip("google.cloud.compute_v1")
+    from botocore.awsrequest import AWSResponse
+    from cloudhosts import gcp_publisher, gcp_source
+    from gcpfake import ComputeFake
+    from hypercli.offers import catalog as C
+    from hypercli.providers import aws as aws_provider
+    from hypercli.scheduler import Scheduler
+    from hypercli.state import State
+    from hypercli.workflows import prepare_run
+    from test_ssh import assert_one_success_each
+
+    fake = ComputeFake()
+    monkeypatch.setenv("HYPER_GCP_ENDPOINT", fake.url)
+    monkeypatch.setenv("GOOGLE_CLOUD_PROJECT", fake.project)
+    fake.add_image("hyper-node-cpu-1-a", {"hyper-image": "node", "hyper-variant": "cpu"},
+                   "2026-06-01T10:00:00.000-07:00")  # the baked node image on GCP
+    # the catalog: AWS's two zones cheaper than GCP's, so AWS is tried first
+    for cloud, rows in {
+            "aws": [("m5.large", 2, 8, REGION, f"{REGION}a", 0.096, 0.030),
+                    ("m5.large", 2, 8, REGION, f"{REGION}b", 0.096, 0.031)],
+            "gcp": [("n2-standard-2", 2, 8, "us-central1", "us-central1-a", 0.097, 0.05)]
+            }.items():
+        t = C.Table(cloud, read_at=time.time(), source="test")
+        for name, cpus, mem, region, zone, price, spot in rows:
+            t.add({"instance_type": name, "vcpus": str(cpus), "memory_gib": str(mem),
+                   "region": region, "zone": zone, "price": str(price),
+                   "spot_price": str(spot)})
+        C.write(t)
+    asked: list = []
+
+    def refuse(params, **_):  # EC2 has no room anywhere
+        body = params["body"]
+        asked.append(body.get("Placement.AvailabilityZone") or body.get(
+            "NetworkInterface.1.SubnetId"))
+        error = {"Code": "InsufficientInstanceCapacity", "Message": "We currently do not "
+                 "have sufficient capacity in the Availability Zone you requested."}
+        return (AWSResponse(params["url"], 500, {}, None),
+                {"Error": error, "ResponseMetadata": {"HTTPStatusCode": 500}})
+
+    init = aws_provider.AWSAPI.__init__
+
+    def refusing(self, *a, **kw):
+        init(self, *a, **kw)
+        self.ec2.meta.events.register("before-call.ec2.RunInstances", refuse)
+    monkeypatch.setattr(aws_provider.AWSAPI, "__init__", refusing)
+
+    hosts = ssh_hosts.start(2)
+    booter = Booter(gcp_source(fake), hosts, tmp_path / "addresses.json",
+                    publish=gcp_publisher(fake))
+    booter.start()
+    image = aws.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+    recipe = {
+        "name": "xcloud",
+        "cluster": {"provider": "aws", "clouds": ["aws", "gcp"], "workers": 2,
+                    "image": image, "ssh_cidr": "10.213.0.0/24"},
+        "experiments": {"work": {
+            "parameters": {"i": [1, 2, 3, 4]}, "resources": {"cpus": 2},
+            "command": 'echo "done {{i}}" > "$HYPER_OUTPUT/v"'}}}
+    path = tmp_path / "xcloud.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    try:
+        state = State()
+        said: list[str] = []
+        t0 = time.time()
+        wid, _, provider, nodes, lock = prepare_run(state, str(path), log=said.append)
+        t1 = time.time()
+        try:
+            summary = Scheduler(state, wid, provider, nodes).run()
+        finally:
+            lock.release()
+        assert summary.exit_code == 0, state.attempts(wid)
+        assert_one_success_each(state, wid)
+        assert len(asked) == 2  # each AWS zone once, then GCP
+        nodes = state.nodes("xcloud")
+        assert len(nodes) == 2 and {n["info"]["cloud"] for n in nodes} == {"gcp"}
+        assert {n["info"]["zone"] for n in nodes} == {"us-central1-a"}
+        assert {a["node"] for a in state.attempts(wid)} <= {n["name"] for n in nodes}
+        assert f"failover: {REGION}b: no spot capacity for m5.large → gcp us-central1-a " \
+               "n2-standard-2" in said, said
+        assert "failover: changed cloud: 2 nodes on gcp, not aws: its offers had no room" \
+            in said, said
+        assert any(line.endswith("on 2 gcp nodes") for line in said), said
+        r = hyper("status", "xcloud")
+        assert r.returncode == 0, r.stderr
+        assert "changed cloud: 2 nodes on gcp, not aws" in r.stdout, r.stdout
+        assert "gcp us-central1-a n2-standard-2 spot $0.0500/h" in r.stdout, r.stdout
+
+        r = hyper("down", "xcloud", timeout=180)
+        assert r.returncode == 0, r.stdout + r.stderr
+        t2 = time.time()
+        assert fake.instances == {z: {} for z in fake.zones}  # nothing left on GCP
+        assert not fake.firewalls and not fake.service_accounts
+        assert tagged_left(aws, "xcloud") == []               # nor on AWS
+        rows = State().ledger("xcloud")
+        assert sorted(r["node"] for r in rows) == sorted(n["name"] for n in nodes)
+        assert all(r["cloud"] == "gcp" and r["price"] == 0.05 and t0 <= r["launched_at"] <= t1
+                   and t1 <= r["ended_at"] <= t2 and r["end_reason"] == "down" for r in rows)
+        assert not booter.errors, booter.errors
+    finally:
+        booter.stopping.set()
+        booter.join(10)
+        fake.close()

@@ -220,7 +220,8 @@ def test_the_first_cloud_out_of_capacity_the_launch_lands_on_the_second(
         steps = [e["message"] for e in state.cluster_events("xc")]
         assert steps == [f"{EAST}a: no spot capacity for p3.8xlarge → {EAST}b",
                          f"{EAST}b: no spot capacity for p3.8xlarge → gcp us-central1-a "
-                         "n1-standard-32"]
+                         "n1-standard-32",
+                         "changed cloud: 2 nodes on gcp, not aws: its offers had no room"]
         for n in nodes:  # the nodes work
             client = provider.connect(n)
             try:

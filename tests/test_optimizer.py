@@ -368,3 +368,57 @@ def test_a_cluster_without_instance_type_fails_over_along_the_ranked_offers(hype
     # the list survives the state file (JSON) as the launch reads it back
     import json
     assert failover.offers_from_options("aws", json.loads(json.dumps(o))) == ranked
+
+
+def test_cluster_clouds_rank_every_allowed_cloud_so_failover_reaches_the_next_one(hyper_home):
+    """With ``clouds: [aws, gcp]`` the failover list spans both clouds in price order, and a
+    cloud with more cheap offers than the list holds does not push the other one out."""
+    from hypercli.offers import failover
+    from hypercli.offers.optimizer import FAILOVER_OFFERS, cluster_offers
+    many = [("m5.large", 2, 8, "", 0, f"r{i}", f"r{i}a", 0.096, 0.01 + i / 1000)
+            for i in range(FAILOVER_OFFERS + 4)]
+    write_tables([table("aws", many), table("gcp")])
+    r, _ = recipe("""
+        name: two
+        cluster: {provider: aws, clouds: [aws, gcp]}
+        experiments:
+          a: {resources: {cpus: 2}, command: a}
+    """)
+    needs = [e.resources.as_dict() for e in r.experiments.values()]
+    ranked = cluster_offers(needs, r.cluster.options, "aws")
+    assert [o.cloud for o in ranked] == ["aws"] * FAILOVER_OFFERS + ["gcp"]
+    assert ranked[-1].instance_type == "n2-standard-8" and ranked[-1].price == 0.09
+    o = with_first_offer(r).cluster.options
+    walk = failover.offers_from_options("aws", o)
+    assert walk == ranked and walk[-1].cloud == "gcp"
+    assert (o["instance_type"], o["region"], o["zone"]) == ("m5.large", "r0", "r0a")
+    # without clouds: the provider's own cloud only, as before
+    r1, _ = recipe("name: one\ncluster: {provider: aws}\n"
+                   "experiments: {a: {resources: {cpus: 2}, command: a}}\n")
+    assert {x["cloud"] for x in with_first_offer(r1).cluster.options["offers"]} == {"aws"}
+
+
+def test_when_the_providers_cloud_has_nothing_that_fits_the_cluster_goes_to_the_next(
+        hyper_home):
+    from hypercli.state import State
+    write_tables([table("gcp")])
+    r, _ = recipe("""
+        name: big
+        cluster: {provider: aws, clouds: [aws, gcp], region: us-east-1, image: ami-1}
+        experiments:
+          a: {resources: {cpus: 8, memory: 32, spot: false}, command: a}
+    """)
+    table_aws = [("m5.large", 2, 8, "", 0, "us-east-1", "us-east-1a", 0.096, 0.035)]
+    write_tables([table("aws", table_aws)])
+    got = with_first_offer(r)
+    o = got.cluster.options
+    assert got.cluster.provider == "gcp"
+    assert (o["instance_type"], o["region"], o["zone"], o["spot"]) == (
+        "n2-standard-8", "us-central1", "us-central1-a", False)
+    assert "image" not in o  # an AMI is of AWS
+    # a cluster up on GCP keeps its provider and instance type on the next run
+    state = State()
+    state.put_cluster("big", "gcp", {"workers": 1, "options": o}, "up")
+    again = with_first_offer(r, state)
+    assert again.cluster.provider == "gcp" and again.cluster.options["instance_type"] == \
+        "n2-standard-8"

@@ -78,7 +78,8 @@ def up(recipe, provider, hosts, identity_file, user, workers, name, trust_new_ho
     finally:  # the launch's failover steps (a spot → on-demand move costs more)
         for e in state.cluster_events(spec.name, ("launch",), since=started):
             err.print(text(("failover:", "yellow"), f" {e['message']}"), soft_wrap=True)
-    click.echo(f"cluster {spec.name} is up: {plural(len(nodes), spec.provider + ' node')}")
+    from hypercli.cluster import count_nodes
+    click.echo(f"cluster {spec.name} is up: {count_nodes(nodes, spec.provider)}")
     for n in nodes:
         click.echo(f"  {n['name']}  {n['provider_id']}  {_node_facts(n['info'], spec.provider)}")
     if bootstrap:

@@ -300,10 +300,16 @@ def first_offer(experiments, options: dict, provider: str,
 def cluster_offers(experiments, options: dict, provider: str,
                    catalog: Catalog | None = None,
                    limit: int = FAILOVER_OFFERS) -> list[Offer]:
-    """The offers of the provider's own cloud that satisfy :func:`cluster_shape`, cheapest
-    first (spot before on-demand with ``spot: auto``), at most ``limit``: the cluster is
-    launched on the first and fails over along the rest (:mod:`hypercli.offers.failover`).
-    Empty when no experiment says what it needs. Raises NoOffer (exit 2) when nothing
+    """The offers of the cluster's allowed clouds (``cluster.clouds``, default the
+    provider's own) that satisfy :func:`cluster_shape`, cheapest first (spot before
+    on-demand with ``spot: auto``): the cluster is launched on the first and fails over
+    along the rest (:mod:`hypercli.offers.failover`).
+
+    At most ``limit`` offers of each cloud, merged in price order, so that a cloud whose
+    own offers are all cheaper does not push the next cloud out of the list: when every
+    offer of the first cloud is out of capacity the launch goes on to the next cloud.
+    ``cluster.region``/``zone`` limit the provider's own cloud only; ``regions``/``zones``
+    every cloud. Empty when no experiment says what it needs. Raises NoOffer (exit 2) when nothing
     satisfies it; UsageError when ``cluster.clouds`` leaves out the provider."""
     shape = cluster_shape(experiments, options)
     if shape is None:
@@ -312,9 +318,21 @@ def cluster_offers(experiments, options: dict, provider: str,
     if provider not in where["clouds"]:
         raise UsageError(f"cluster.clouds ({', '.join(where['clouds'])}) does not include "
                          f"the provider {provider}", f"add {provider} to cluster.clouds")
-    where["clouds"] = [provider]
-    catalog = catalog or Catalog([provider])
-    return choose(shape, catalog, what=f"cluster ({provider})", limit=limit, **where)
+    catalog = catalog or Catalog(where["clouds"])
+    clouds = [c for c in where["clouds"] if c in catalog.tables]
+    found: list[Offer] = []
+    for cloud in clouds:
+        w = {**where, "clouds": [cloud]}
+        if cloud != provider:  # cluster.region and zone are places of the provider's cloud
+            w["regions"] = options.get("regions")
+            w["zones"] = options.get("zones")
+        found += ranked_offers(shape, catalog, limit=limit, **w)
+    if not found:  # NoOffer naming the nearest, across the allowed clouds
+        return choose(shape, catalog, what=f"cluster ({', '.join(clouds)})", limit=limit,
+                      **{**where, "clouds": clouds})
+    auto = shape.spot == "auto"
+    found.sort(key=lambda o: ((not o.spot) if auto else False, *_key(o)))
+    return found
 
 
 def with_first_offer(recipe, state=None):
@@ -323,7 +341,13 @@ def with_first_offer(recipe, state=None):
     ranked list, as dicts, which the launch fails over along), when it names no instance type and its
     experiments say what they need (and ``disk_gb``, GiB, the largest they ask, when the
     cluster sets none); unchanged otherwise. A cluster already up (in
-    ``state``) keeps the instance type it was launched with.
+    ``state``) keeps the instance type (and provider) it was launched with.
+
+    With ``cluster.clouds`` naming several clouds the list spans them, in price order; the
+    options above are those of the cheapest offer on the provider's own cloud (the place
+    whose API and ``image`` the recipe gives), and when that cloud has none, of the first
+    offer, whose cloud then becomes the cluster's provider (without the recipe's
+    ``region``, ``zone`` and ``image``, which are of another cloud).
 
     GCP offers with attached GPUs (``n1-standard-8/nvidia-tesla-v100:1``) are left out:
     the gcp provider launches machine types without attached accelerators.
@@ -344,23 +368,29 @@ def with_first_offer(recipe, state=None):
             keep = {k: old[k] for k in ("instance_type", "region", "zone", "spot", "offers")
                     if k in old}
             return dataclasses.replace(recipe, cluster=dataclasses.replace(
-                spec, options={**o, **keep}))
+                spec, provider=row.get("provider") or spec.provider, options={**o, **keep}))
     needs = [e.resources.as_dict() for e in recipe.experiments.values()]
-    catalog = None
-    if spec.provider == "gcp":
-        full = Catalog(["gcp"])
-        table = full.tables["gcp"]
+    clouds = where_of(o, spec.provider)["clouds"]
+    catalog = Catalog(clouds)
+    if "gcp" in catalog.tables:  # machine types with attached GPUs are not launched
+        table = catalog.tables["gcp"]
         table.types = {k: v for k, v in table.types.items() if "/" not in k}
-        catalog = full
     ranked = cluster_offers(needs, o, spec.provider, catalog)
     if not ranked:
         return recipe
-    offer = ranked[0]
-    chosen = {"instance_type": offer.instance_type, "region": offer.region,
-              "spot": offer.spot, **({"zone": offer.zone} if offer.zone else {}),
+    # the cluster's own place: the cheapest offer on the provider's cloud (its API, the
+    # recipe's image); offers on other clouds are reached by failover in price order
+    home = next((x for x in ranked if x.cloud == spec.provider), None)
+    provider = spec.provider
+    if home is None:  # the provider's cloud has nothing that fits: the first offer's
+        home, provider = ranked[0], ranked[0].cloud
+        o = {k: v for k, v in o.items() if k not in ("image", "region", "zone")}
+    chosen = {"instance_type": home.instance_type, "region": home.region,
+              "spot": home.spot, **({"zone": home.zone} if home.zone else {}),
               "offers": [dataclasses.asdict(x) for x in ranked]}  # the failover order
     disks = [r["disk_gb"] for r in needs if r.get("disk_gb")]
     if disks and "disk_gb" not in o:  # the largest boot disk any experiment asks
         chosen["disk_gb"] = max(disks)
     return dataclasses.replace(recipe, cluster=dataclasses.replace(
-        spec, options={**{k: v for k, v in o.items() if k != "zones"}, **chosen}))
+        spec, provider=provider,
+        options={**{k: v for k, v in o.items() if k != "zones"}, **chosen}))

@@ -634,8 +634,19 @@ class CloudProvider(SSHProvider):
     def grant(self, spec: ClusterSpec) -> None:
         """Give the nodes of an up cluster the storage ``spec.grants`` asks (``hyper run
         --cluster``, and each workflow's start: ``hypercli.cluster.grant``): exactly those,
-        what it had beyond them is taken away. Raises CredentialsError / CloudError."""
-        self.api(spec.options).identity(self.cloud_spec(spec))
+        what it had beyond them is taken away, in the provider's own place and in each other
+        cloud or region where the cluster has nodes up (a launch that failed over there
+        made an identity there). Raises CredentialsError / CloudError."""
+        cs = self.cloud_spec(spec)
+        self.api(spec.options).identity(cs)
+        own = (self.name, spec.options.get("region", ""))
+        places = {((n.get("info") or {}).get("cloud") or self.name,
+                   (n.get("info") or {}).get("region") or own[1])
+                  for n in S.State().nodes(cs.cluster, status="up")} - {own}
+        known = {(c, r): o for c, r, o in self._places(cs.cluster, [])}
+        for cloud, region in sorted(places):
+            self.api_for(cloud, region, known.get((cloud, region))).identity(
+                replace(cs, region=region))
 
     def _new_names(self, cs: CloudSpec, live: list[VM]) -> list[str]:
         """Names for the nodes to create: never one the cluster had before (a replacement
