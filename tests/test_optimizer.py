@@ -422,3 +422,65 @@ def test_when_the_providers_cloud_has_nothing_that_fits_the_cluster_goes_to_the_
     again = with_first_offer(r, state)
     assert again.cluster.provider == "gcp" and again.cluster.options["instance_type"] == \
         "n2-standard-8"
+
+
+def _reference(shape, cat, regions=(), zones=(), max_price=None, limit=None):
+    """Every offer of every type, filtered and sorted one by one (the optimizer's
+    definition, module docstring), to check the indexed ranking against."""
+    from hypercli.offers.optimizer import _fits
+    out = []
+    for t in cat.types():
+        if not _fits(t, shape):
+            continue
+        for o in cat.offers_of(t):
+            if shape.spot != "auto" and o.spot != shape.spot:
+                continue
+            if (max_price is not None and o.price > max_price) or \
+                    (regions and o.region not in regions):
+                continue
+            if zones and (o.zone not in zones if o.zone else
+                          not any(z.startswith(o.region) for z in zones)):
+                continue
+            out.append(o)
+    auto = shape.spot == "auto"
+    out.sort(key=lambda o: ((not o.spot) if auto else False, o.price, o.cloud, o.region,
+                            o.zone or "", o.instance_type))
+    return out if limit is None else out[:limit]
+
+
+@pytest.mark.parametrize("shape,limits", [
+    (Shape(accelerator="V100", accelerator_count=4, spot=True), {}),
+    (Shape(accelerator="A100-80GB", accelerator_count=8, spot="auto"), {"limit": 5}),
+    (Shape(accelerator="T4", accelerator_count=1, spot=False), {"max_price": 1.0}),
+    (Shape(accelerator_count=1, spot="auto"), {"regions": {"us-east-1", "eastus"}}),
+    (Shape(cpus=8, memory_gib=32, spot=True), {"zones": {"us-west-2b", "eastus"}}),
+    (Shape(cpus=96, spot="auto"), {"limit": 40, "max_price": 3.0}),
+    (Shape(instance_type="m5.large", spot="auto"), {}),
+    (Shape(cpus=2, arch="arm64", spot=False), {"limit": 3}),
+])
+def test_the_indexed_ranking_equals_filtering_every_offer_of_the_shipped_catalog(
+        hyper_home, shape, limits):
+    cat = C.Catalog()
+    assert ranked_offers(shape, cat, **limits) == _reference(shape, cat, **limits)
+
+
+def test_a_gpu_shape_reads_the_rows_of_its_model_only_and_the_index_follows_the_table(cat):
+    """The optimizer's index (Table.by_gpu, split_rows): a V100 shape never reads a CPU or
+    T4 type's prices; a table whose types are replaced or added to is indexed again."""
+    read = []
+    for t in cat.tables.values():
+        split = t.split_rows
+        t.split_rows = lambda name, split=split: read.append(name) or split(name)
+    got = ranked_offers(Shape(accelerator="V100", accelerator_count=4), cat)
+    assert got and set(read) == {"p3.8xlarge", "p3.16xlarge", "Standard_NC24s_v3",
+                                 "n1-standard-32/nvidia-tesla-v100:4"}
+    gcp = cat.tables["gcp"]
+    gcp.types = {k: v for k, v in gcp.types.items() if "/" not in k}  # as with_first_offer
+    assert {o.cloud for o in ranked_offers(Shape(accelerator="V100", accelerator_count=4),
+                                           cat)} == {"aws", "azure"}
+    cat.tables["aws"].add({"instance_type": "p3.2xlarge", "vcpus": "8", "memory_gib": "61",
+                           "accelerator": "V100", "accelerator_count": "4",
+                           "region": "us-east-1", "zone": "us-east-1a", "price": "1",
+                           "spot_price": "0.5"})
+    first = ranked_offers(Shape(accelerator="V100", accelerator_count=4), cat)[0]
+    assert (first.instance_type, first.price) == ("p3.2xlarge", 0.5)

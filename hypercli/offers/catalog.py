@@ -108,24 +108,42 @@ class Table:
         if not region:
             raise ValueError("region is empty")
         rows = self.prices.setdefault(name, [])
-        self.__dict__.get("_rows", {}).pop(name, None)
+        self.__dict__.get("_split", {}).pop(name, None)
+        self.__dict__.pop("_by_gpu", None)
         if replace:
             rows[:] = [p for p in rows if (p[0], p[1]) != (region, zone)]
         rows.append((region, zone, price, spot))
 
-    def rows(self, name: str) -> list[tuple]:
-        """The offers of instance type ``name`` as sortable tuples ``(price, cloud, region,
-        zone or "", name, on-demand?, zone, InstanceType)`` — unique up to the 6th item, so
-        a sort never compares the last two — made once per table (the optimizer's index)."""
-        index = self.__dict__.setdefault("_rows", {})
+    def split_rows(self, name: str) -> tuple[list[tuple], list[tuple]]:
+        """The spot and the on-demand offers of instance type ``name``, each list sorted,
+        as tuples ``(price, cloud, region, zone or "", name, zone, base)`` — unique up to
+        the 5th item, so a sort never compares the last two; ``base`` is the fields of
+        the type's offers (:func:`offers_from`) — made once per table (the optimizer's
+        index: a shape that limits no region, zone or price takes a list as it is)."""
+        index = self.__dict__.setdefault("_split", {})
         got = index.get(name)
         if got is None:
-            t = self.types[name]
-            got = index[name] = [(p, self.cloud, region, zone or "", name, not is_spot, zone, t)
-                                 for region, zone, price, spot in self.prices.get(name, ())
-                                 for is_spot, p in ((True, spot), (False, price))
-                                 if p is not None]
+            base, cloud = _base(self.types[name]), self.cloud
+            prices = self.prices.get(name, ())
+            got = index[name] = (
+                sorted([(s, cloud, r, z or "", name, z, base) for r, z, _, s in prices
+                        if s is not None]),
+                sorted([(p, cloud, r, z or "", name, z, base) for r, z, p, _ in prices
+                        if p is not None]))
         return got
+
+    def by_gpu(self) -> dict:
+        """GPU model (None for the types without GPU) → the :class:`InstanceType` values
+        with it, made once per table and again when ``types`` is replaced or added to (the
+        optimizer's index: a GPU shape looks at the types of its model only)."""
+        cached = self.__dict__.get("_by_gpu")
+        if cached is None or cached[0] is not self.types:
+            index: dict = {}
+            for t in self.types.values():
+                index.setdefault(t.accelerator if t.accelerator_count else None,
+                                 []).append(t)
+            cached = self.__dict__["_by_gpu"] = (self.types, index)
+        return cached[1]
 
     def offers(self, name: str) -> list[Offer]:
         """Every offer of instance type ``name``: spot and on-demand, per zone (region)."""
@@ -152,10 +170,6 @@ class Table:
                        "spot_price": "" if spot is None else f"{spot:.6g}"}
 
 
-_OFFER_FIELDS = ("cloud", "instance_type", "region", "zone", "spot", "price", "vcpus",
-                 "memory_gib", "accelerator", "accelerator_count", "extra")
-
-
 def _extra(t: InstanceType) -> tuple:
     """GCP's attached accelerators (``n1-standard-8/nvidia-tesla-v100:1``) as Offer.extra."""
     if t.cloud == "gcp" and "/" in t.name:
@@ -169,14 +183,28 @@ def _extra(t: InstanceType) -> tuple:
 def make_offer(t: InstanceType, region: str, zone: str | None, spot: bool,
                price: float) -> Offer:
     """The :class:`Offer` of instance type ``t`` in ``region``/``zone`` at ``price`` ($ per
-    node-hour). Made by filling the frozen dataclass's ``__dict__`` at once rather than
-    field by field through its ``__init__`` (5 times faster; the optimizer makes tens of
-    thousands per plan); equal to ``Offer(...)`` of the same values."""
-    o = object.__new__(Offer)
-    o.__dict__.update(zip(_OFFER_FIELDS, (t.cloud, t.name, region, zone, spot, price, t.vcpus,
-                                          t.memory_gib, t.accelerator, t.accelerator_count,
-                                          _extra(t))))
-    return o
+    node-hour)."""
+    return Offer(t.cloud, t.name, region, zone, spot, price, t.vcpus, t.memory_gib,
+                 t.accelerator, t.accelerator_count, _extra(t))
+
+
+def _base(t: InstanceType) -> tuple:
+    """The fields every offer of instance type ``t`` shares (:func:`offers_from`): cloud,
+    instance type, vCPUs, GiB, GPU model, GPU count, extra."""
+    return (t.cloud, t.name, t.vcpus, t.memory_gib, t.accelerator, t.accelerator_count,
+            _extra(t))
+
+
+_tuple = tuple.__new__
+
+
+def offers_from(rows: list[tuple], spot: bool) -> list[Offer]:
+    """The :class:`Offer` of each row of :meth:`Table.split_rows`, equal to ``Offer(...)``
+    of the same values, each made in one ``tuple.__new__`` call from the type's shared
+    fields and the row's own four (the full ranked lists of a recipe hold tens of
+    thousands)."""
+    return [_tuple(Offer, (b[0], b[1], r[2], r[5], spot, r[0], b[2], b[3], b[4], b[5], b[6]))
+            for r in rows for b in (r[6],)]
 
 
 @functools.lru_cache(maxsize=None)

@@ -24,7 +24,7 @@ QuotaError), so that this package imports no provider.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from hypercli.errors import InfraError
@@ -238,4 +238,4 @@ def with_price(offer: Offer, prices: dict[str, float]) -> Offer:
     if offer.price or not prices:
         return offer
     p = prices.get(offer.zone or "") or min(prices.values())
-    return replace(offer, price=float(p))
+    return offer._replace(price=float(p))

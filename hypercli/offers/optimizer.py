@@ -16,11 +16,12 @@ price is N times the offer's.
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass
 
 from hypercli.errors import UsageError
-from hypercli.offers.catalog import CLOUDS, Catalog, InstanceType, make_offer
+from hypercli.offers.catalog import CLOUDS, Catalog, InstanceType, offers_from
 from hypercli.offers.offer import Offer
 from hypercli.recipe.resources import gpu_name, normalise_gpu
 
@@ -150,33 +151,61 @@ def ranked_offers(shape: Shape, catalog: Catalog | None = None, *, clouds=None, 
     Raises:
         UsageError: the catalog cannot be read.
     """
-    import heapq
     catalog = catalog or Catalog([c for c in CLOUDS if not clouds or c in clouds])
     clouds, regions, zones = set(clouds or ()), set(regions or ()), set(zones or ())
-    auto = shape.spot == "auto"
-    on_demand = None if auto else not shape.spot  # item 5 of a row: on-demand?
+    want_spot = shape.spot is True or shape.spot == "auto"
+    want_od = shape.spot is False or shape.spot == "auto"
     cap = math.inf if max_price is None else max_price
-    found = []
-    for t in catalog.types():
-        if (clouds and t.cloud not in clouds) or not _fits(t, shape):
+    plain = not regions and not zones and cap == math.inf  # every row of a type counts
+    spot: list = []
+    od: list = []
+    for cloud, table in catalog.tables.items():
+        if clouds and cloud not in clouds:
             continue
-        for r in catalog.tables[t.cloud].rows(t.name):
-            if (on_demand is not None and r[5] != on_demand) or r[0] > cap:
+        for t in _candidates(table, shape):
+            if not _fits(t, shape):
                 continue
-            if regions and r[2] not in regions:
-                continue
-            if zones and (r[6] not in zones if r[6] is not None else
-                          not any(z.startswith(r[2]) for z in zones)):
-                continue
-            found.append((r[5], r) if auto else r)
-    if limit is not None and limit < len(found) // 8:
-        found = heapq.nsmallest(limit, found)
-    else:
-        found.sort()
-        found = found[:limit]
-    if auto:
-        found = [r for _, r in found]
-    return [make_offer(r[7], r[2], r[6], not r[5], r[0]) for r in found]
+            spot_rows, od_rows = table.split_rows(t.name)
+            for want, rows, into in ((want_spot, spot_rows, spot), (want_od, od_rows, od)):
+                if not want or not rows:
+                    continue
+                if plain:
+                    into += rows
+                    continue
+                for r in rows:
+                    if r[0] > cap:
+                        break  # the rows are sorted by price
+                    if regions and r[2] not in regions:
+                        continue
+                    if zones and (r[5] not in zones if r[5] is not None else
+                                  not any(z.startswith(r[2]) for z in zones)):
+                        continue
+                    into.append(r)
+    out = []
+    for rows, is_spot in ((spot, True), (od, False)):
+        if limit is not None and limit < len(rows) // 8:
+            rows = heapq.nsmallest(limit, rows)
+        else:
+            rows.sort()
+        if limit is not None:
+            rows = rows[:limit - len(out)]
+        out += offers_from(rows, is_spot)
+    return out
+
+
+def _candidates(table, shape: Shape):
+    """The instance types of ``table`` that may fit ``shape``, by the table's GPU index:
+    the one named, those of the GPU model asked (of any model when none is named), or
+    those without GPU."""
+    if shape.instance_type is not None:
+        t = table.types.get(shape.instance_type)
+        return [t] if t is not None else []
+    index = table.by_gpu()
+    if not shape.accelerator_count:
+        return index.get(None, ())
+    if shape.accelerator:
+        return index.get(shape.accelerator, ())
+    return [t for gpu, types in index.items() if gpu is not None for t in types]
 
 
 def _distance(t: InstanceType, shape: Shape) -> float:
@@ -387,7 +416,7 @@ def with_first_offer(recipe, state=None):
         o = {k: v for k, v in o.items() if k not in ("image", "region", "zone")}
     chosen = {"instance_type": home.instance_type, "region": home.region,
               "spot": home.spot, **({"zone": home.zone} if home.zone else {}),
-              "offers": [dataclasses.asdict(x) for x in ranked]}  # the failover order
+              "offers": [x._asdict() for x in ranked]}  # the failover order
     disks = [r["disk_gb"] for r in needs if r.get("disk_gb")]
     if disks and "disk_gb" not in o:  # the largest boot disk any experiment asks
         chosen["disk_gb"] = max(disks)
