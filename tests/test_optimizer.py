@@ -443,8 +443,8 @@ def _reference(shape, cat, regions=(), zones=(), max_price=None, limit=None):
                 continue
             out.append(o)
     auto = shape.spot == "auto"
-    out.sort(key=lambda o: ((not o.spot) if auto else False, o.price, o.cloud, o.region,
-                            o.zone or "", o.instance_type))
+    out.sort(key=lambda o: ((not o.spot) if auto else False, o.price, o.cloud,
+                            o.instance_type, o.region, o.zone or ""))
     return out if limit is None else out[:limit]
 
 
@@ -465,12 +465,13 @@ def test_the_indexed_ranking_equals_filtering_every_offer_of_the_shipped_catalog
 
 
 def test_a_gpu_shape_reads_the_rows_of_its_model_only_and_the_index_follows_the_table(cat):
-    """The optimizer's index (Table.by_gpu, split_rows): a V100 shape never reads a CPU or
+    """The optimizer's index (Table.by_gpu, offers_of_kind): a V100 shape never reads a CPU or
     T4 type's prices; a table whose types are replaced or added to is indexed again."""
     read = []
     for t in cat.tables.values():
-        split = t.split_rows
-        t.split_rows = lambda name, split=split: read.append(name) or split(name)
+        split = t.offers_of_kind
+        t.offers_of_kind = lambda name, spot, split=split: read.append(name) or split(name,
+                                                                                     spot)
     got = ranked_offers(Shape(accelerator="V100", accelerator_count=4), cat)
     assert got and set(read) == {"p3.8xlarge", "p3.16xlarge", "Standard_NC24s_v3",
                                  "n1-standard-32/nvidia-tesla-v100:4"}

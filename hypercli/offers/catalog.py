@@ -108,38 +108,37 @@ class Table:
         if not region:
             raise ValueError("region is empty")
         rows = self.prices.setdefault(name, [])
-        self.__dict__.get("_split", {}).pop(name, None)
+        self.__dict__.get("_split", {}).pop((name, True), None)
+        self.__dict__.get("_split", {}).pop((name, False), None)
         self.__dict__.pop("_by_gpu", None)
         if replace:
             rows[:] = [p for p in rows if (p[0], p[1]) != (region, zone)]
         rows.append((region, zone, price, spot))
 
-    def split_rows(self, name: str) -> tuple[list[tuple], list[tuple]]:
-        """The spot and the on-demand offers of instance type ``name``, each list sorted,
-        as tuples ``(price, cloud, region, zone or "", name, zone, base)`` — unique up to
-        the 5th item, so a sort never compares the last two; ``base`` is the fields of
-        the type's offers (:func:`offers_from`) — made once per table (the optimizer's
-        index: a shape that limits no region, zone or price takes a list as it is)."""
+    def offers_of_kind(self, name: str, spot: bool) -> list[Offer]:
+        """The spot (or on-demand) offers of instance type ``name`` in (region, zone)
+        order, made once per table (the optimizer's index: a shape that limits no region,
+        zone or price takes the list as it is)."""
         index = self.__dict__.setdefault("_split", {})
-        got = index.get(name)
+        got = index.get((name, spot))
         if got is None:
-            base, cloud = _base(self.types[name]), self.cloud
-            prices = self.prices.get(name, ())
-            got = index[name] = (
-                sorted([(s, cloud, r, z or "", name, z, base) for r, z, _, s in prices
-                        if s is not None]),
-                sorted([(p, cloud, r, z or "", name, z, base) for r, z, p, _ in prices
-                        if p is not None]))
+            b = _base(self.types[name])
+            new = _tuple
+            got = index[name, spot] = [
+                new(Offer, (b[0], b[1], r, z, spot, p, b[2], b[3], b[4], b[5], b[6]))
+                for r, z, od, sp in sorted(self.prices.get(name, ()), key=_place)
+                for p in ((sp if spot else od),) if p is not None]
         return got
 
     def by_gpu(self) -> dict:
         """GPU model (None for the types without GPU) → the :class:`InstanceType` values
-        with it, made once per table and again when ``types`` is replaced or added to (the
+        with it, by name, made once per table and again when ``types`` is replaced or added to (the
         optimizer's index: a GPU shape looks at the types of its model only)."""
         cached = self.__dict__.get("_by_gpu")
         if cached is None or cached[0] is not self.types:
             index: dict = {}
-            for t in self.types.values():
+            for name in sorted(self.types):
+                t = self.types[name]
                 index.setdefault(t.accelerator if t.accelerator_count else None,
                                  []).append(t)
             cached = self.__dict__["_by_gpu"] = (self.types, index)
@@ -189,22 +188,20 @@ def make_offer(t: InstanceType, region: str, zone: str | None, spot: bool,
 
 
 def _base(t: InstanceType) -> tuple:
-    """The fields every offer of instance type ``t`` shares (:func:`offers_from`): cloud,
-    instance type, vCPUs, GiB, GPU model, GPU count, extra."""
+    """The fields every offer of instance type ``t`` shares (:meth:`Table.offers_of_kind`):
+    cloud, instance type, vCPUs, GiB, GPU model, GPU count, extra."""
     return (t.cloud, t.name, t.vcpus, t.memory_gib, t.accelerator, t.accelerator_count,
             _extra(t))
 
 
+def _place(row: tuple) -> tuple:
+    """The (region, zone) order of a ``Table.prices`` row (no zone first)."""
+    return row[0], row[1] or ""
+
+
+#: an Offer made in one ``tuple.__new__`` call (3 times faster than ``Offer(...)``; the
+#: full ranked lists of a recipe hold tens of thousands)
 _tuple = tuple.__new__
-
-
-def offers_from(rows: list[tuple], spot: bool) -> list[Offer]:
-    """The :class:`Offer` of each row of :meth:`Table.split_rows`, equal to ``Offer(...)``
-    of the same values, each made in one ``tuple.__new__`` call from the type's shared
-    fields and the row's own four (the full ranked lists of a recipe hold tens of
-    thousands)."""
-    return [_tuple(Offer, (b[0], b[1], r[2], r[5], spot, r[0], b[2], b[3], b[4], b[5], b[6]))
-            for r in rows for b in (r[6],)]
 
 
 @functools.lru_cache(maxsize=None)

@@ -8,8 +8,9 @@ asked (x86_64 unless said otherwise: an arm64 instance would not boot an x86_64 
 GPU model asked for (normalised names, :func:`hypercli.recipe.resources.normalise_gpu`) with at least that
 many GPUs (no GPU when none is asked), at least the vCPUs and memory asked, is the instance
 type named when one is, lies in the allowed clouds, regions and zones, and costs at most
-``max_price``. Offers are sorted by price per node-hour, then cloud, region, zone and
-instance type so that the order is stable; with ``spot: auto`` every spot offer comes before
+``max_price``. Offers are sorted by price per node-hour, then cloud, instance type, region
+and zone so that the order is stable (a stable sort by price of the offers listed in that
+order: no key tuple is made per offer); with ``spot: auto`` every spot offer comes before
 every on-demand one. A gang of N nodes needs N instances of one offer in one region; its
 price is N times the offer's.
 """
@@ -18,10 +19,11 @@ from __future__ import annotations
 
 import heapq
 import math
+import operator
 from dataclasses import dataclass
 
 from hypercli.errors import UsageError
-from hypercli.offers.catalog import CLOUDS, Catalog, InstanceType, offers_from
+from hypercli.offers.catalog import CLOUDS, Catalog, InstanceType
 from hypercli.offers.offer import Offer
 from hypercli.recipe.resources import gpu_name, normalise_gpu
 
@@ -130,7 +132,8 @@ def _fits(t: InstanceType, shape: Shape) -> bool:
 
 
 def _key(o: Offer):
-    return (o.price, o.cloud, o.region, o.zone or "", o.instance_type)
+    """The order of offers (module docstring): price, cloud, instance type, region, zone."""
+    return (o.price, o.cloud, o.instance_type, o.region, o.zone or "")
 
 
 def ranked_offers(shape: Shape, catalog: Catalog | None = None, *, clouds=None, regions=None,
@@ -146,7 +149,7 @@ def ranked_offers(shape: Shape, catalog: Catalog | None = None, *, clouds=None, 
         limit: at most this many offers (the first ones), or None for all.
     Returns:
         the offers, price per node-hour ascending (with ``spot="auto"``, spot offers first);
-        ties by cloud, region, zone, instance type; empty when none satisfies. Prices are
+        ties by cloud, instance type, region, zone; empty when none satisfies. Prices are
         per node: a gang pays ``shape.nodes`` times.
     Raises:
         UsageError: the catalog cannot be read.
@@ -156,41 +159,41 @@ def ranked_offers(shape: Shape, catalog: Catalog | None = None, *, clouds=None, 
     want_spot = shape.spot is True or shape.spot == "auto"
     want_od = shape.spot is False or shape.spot == "auto"
     cap = math.inf if max_price is None else max_price
-    plain = not regions and not zones and cap == math.inf  # every row of a type counts
+    plain = not regions and not zones and cap == math.inf  # every offer of a type counts
     spot: list = []
     od: list = []
-    for cloud, table in catalog.tables.items():
+    for cloud in sorted(catalog.tables):  # cloud, then type, then region and zone ...
         if clouds and cloud not in clouds:
             continue
+        table = catalog.tables[cloud]
         for t in _candidates(table, shape):
             if not _fits(t, shape):
                 continue
-            spot_rows, od_rows = table.split_rows(t.name)
-            for want, rows, into in ((want_spot, spot_rows, spot), (want_od, od_rows, od)):
-                if not want or not rows:
+            for want, is_spot, into in ((want_spot, True, spot), (want_od, False, od)):
+                if not want:
                     continue
+                offers = table.offers_of_kind(t.name, is_spot)
                 if plain:
-                    into += rows
+                    into += offers
                     continue
-                for r in rows:
-                    if r[0] > cap:
-                        break  # the rows are sorted by price
-                    if regions and r[2] not in regions:
+                for o in offers:
+                    if o[5] > cap or (regions and o[2] not in regions):
                         continue
-                    if zones and (r[5] not in zones if r[5] is not None else
-                                  not any(z.startswith(r[2]) for z in zones)):
+                    if zones and (o[3] not in zones if o[3] is not None else
+                                  not any(z.startswith(o[2]) for z in zones)):
                         continue
-                    into.append(r)
-    out = []
-    for rows, is_spot in ((spot, True), (od, False)):
-        if limit is not None and limit < len(rows) // 8:
-            rows = heapq.nsmallest(limit, rows)
+                    into.append(o)
+    out: list = []
+    for offers in (spot, od):  # ... then a stable sort by price puts the price first
+        if limit is not None and limit < len(offers) // 8:
+            offers = heapq.nsmallest(limit, offers, key=_PRICE)  # as sorted()[:limit]
         else:
-            rows.sort()
-        if limit is not None:
-            rows = rows[:limit - len(out)]
-        out += offers_from(rows, is_spot)
+            offers.sort(key=_PRICE)
+        out += offers if limit is None else offers[:limit - len(out)]
     return out
+
+
+_PRICE = operator.itemgetter(5)  #: an Offer's price
 
 
 def _candidates(table, shape: Shape):
