@@ -207,19 +207,49 @@ def test_dry_run_prices_then_gc_after_the_state_file_is_deleted(aws, ssh_hosts, 
         booter.join(10)
 
 
+def _second_cloud(cloud: str, monkeypatch, tmp_path, request):
+    """The second cloud's stand-in with the baked node image: (its cloud-config source, the
+    host-key publisher or None, a check that it holds nothing, its catalog row, the zone
+    the nodes land in)."""
+    from cloudhosts import azure_source, gcp_publisher, gcp_source
+    if cloud == "gcp":
+        pytest.importorskip("google.cloud.compute_v1")
+        from gcpfake import ComputeFake
+        fake = ComputeFake()
+        request.addfinalizer(fake.close)
+        monkeypatch.setenv("HYPER_GCP_ENDPOINT", fake.url)
+        monkeypatch.setenv("GOOGLE_CLOUD_PROJECT", fake.project)
+        fake.add_image("hyper-node-cpu-1-a", {"hyper-image": "node", "hyper-variant": "cpu"},
+                       "2026-06-01T10:00:00.000-07:00")
+        return (gcp_source(fake), gcp_publisher(fake),
+                lambda: fake.instances == {z: {} for z in fake.zones}
+                and not fake.firewalls and not fake.service_accounts,
+                ("n2-standard-2", 2, 8, "us-central1", "us-central1-a", 0.097, 0.05),
+                "us-central1-a")
+    pytest.importorskip("azure.mgmt.compute")
+    from azurefake import ArmFake
+    fake = ArmFake(tmp_path)
+    request.addfinalizer(fake.close)
+    monkeypatch.setenv("HYPER_AZURE_ENDPOINT", fake.url)
+    monkeypatch.setenv("HYPER_AZURE_CA_BUNDLE", str(fake.ca))
+    monkeypatch.setenv("HYPER_AZURE_TOKEN", "token")
+    monkeypatch.setenv("AZURE_SUBSCRIPTION_ID", "sub-1")
+    fake.add_image("hyper-node-cpu-1-a", {"hyper:image": "node", "hyper:variant": "cpu"})
+    return (azure_source(fake), None, lambda: fake.groups == {} and fake.res == {},
+            ("Standard_D2s_v5", 2, 8, "eastus", "", 0.096, 0.05), None)
+
+
+@pytest.mark.parametrize("second", ["gcp", "azure"])
 def test_a_recipe_naming_only_cpus_fails_over_to_the_second_cloud_and_runs_there(
-        aws, ssh_hosts, tmp_path, hyper_home, hyper, monkeypatch):
-    """A recipe whose cluster allows ``clouds: [aws, gcp]`` and whose experiment names only
-    ``cpus:``: the optimizer ranks AWS first (cheaper), EC2 (moto_server) answers every
+        aws, ssh_hosts, tmp_path, hyper_home, hyper, monkeypatch, request, second):
+    """A recipe whose cluster allows ``clouds: [aws, <second>]`` and whose experiment names
+    only ``cpus:``: the optimizer ranks AWS first (cheaper), EC2 (moto_server) answers every
     RunInstances ``InsufficientInstanceCapacity`` (at the botocore client boundary of the
-    ``hyper run`` process), so the launch goes on to GCP (tests/gcpfake.py) in price order,
-    the tasks run there, `hyper status` and the run's output say the cloud changed, `hyper
-    down` (its own process) leaves nothing on either cloud and the ledger holds each node's
-    lifetime."""
-    pytest.importorskip("google.cloud.compute_v1")
+    ``hyper run`` process), so the launch goes on to the second cloud (tests/gcpfake.py,
+    tests/azurefake.py) in price order, the tasks run there, `hyper status` and the run's
+    output say the cloud changed, `hyper down` (its own process) leaves nothing on either
+    cloud and the ledger holds each node's lifetime."""
     from botocore.awsrequest import AWSResponse
-    from cloudhosts import gcp_publisher, gcp_source
-    from gcpfake import ComputeFake
     from hypercli.offers import catalog as C
     from hypercli.providers import aws as aws_provider
     from hypercli.scheduler import Scheduler
@@ -227,23 +257,19 @@ def test_a_recipe_naming_only_cpus_fails_over_to_the_second_cloud_and_runs_there
     from hypercli.workflows import prepare_run
     from test_ssh import assert_one_success_each
 
-    fake = ComputeFake()
-    monkeypatch.setenv("HYPER_GCP_ENDPOINT", fake.url)
-    monkeypatch.setenv("GOOGLE_CLOUD_PROJECT", fake.project)
-    fake.add_image("hyper-node-cpu-1-a", {"hyper-image": "node", "hyper-variant": "cpu"},
-                   "2026-06-01T10:00:00.000-07:00")  # the baked node image on GCP
-    # the catalog: AWS's two zones cheaper than GCP's, so AWS is tried first
+    source, publish, empty, row, zone = _second_cloud(second, monkeypatch, tmp_path, request)
+    # the catalog: AWS's two zones cheaper than the second cloud, so AWS is tried first
     for cloud, rows in {
             "aws": [("m5.large", 2, 8, REGION, f"{REGION}a", 0.096, 0.030),
                     ("m5.large", 2, 8, REGION, f"{REGION}b", 0.096, 0.031)],
-            "gcp": [("n2-standard-2", 2, 8, "us-central1", "us-central1-a", 0.097, 0.05)]
-            }.items():
+            second: [row]}.items():
         t = C.Table(cloud, read_at=time.time(), source="test")
-        for name, cpus, mem, region, zone, price, spot in rows:
+        for name, cpus, mem, region, z, price, spot in rows:
             t.add({"instance_type": name, "vcpus": str(cpus), "memory_gib": str(mem),
-                   "region": region, "zone": zone, "price": str(price),
+                   "region": region, "zone": z, "price": str(price),
                    "spot_price": str(spot)})
         C.write(t)
+    where = f"{second} {zone or row[3]} {row[0]}"
     asked: list = []
 
     def refuse(params, **_):  # EC2 has no room anywhere
@@ -263,13 +289,12 @@ def test_a_recipe_naming_only_cpus_fails_over_to_the_second_cloud_and_runs_there
     monkeypatch.setattr(aws_provider.AWSAPI, "__init__", refusing)
 
     hosts = ssh_hosts.start(2)
-    booter = Booter(gcp_source(fake), hosts, tmp_path / "addresses.json",
-                    publish=gcp_publisher(fake))
+    booter = Booter(source, hosts, tmp_path / "addresses.json", publish=publish)
     booter.start()
     image = aws.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
     recipe = {
         "name": "xcloud",
-        "cluster": {"provider": "aws", "clouds": ["aws", "gcp"], "workers": 2,
+        "cluster": {"provider": "aws", "clouds": ["aws", second], "workers": 2,
                     "image": image, "ssh_cidr": "10.213.0.0/24"},
         "experiments": {"work": {
             "parameters": {"i": [1, 2, 3, 4]}, "resources": {"cpus": 2},
@@ -290,31 +315,28 @@ def test_a_recipe_naming_only_cpus_fails_over_to_the_second_cloud_and_runs_there
         assert_one_success_each(state, wid)
         assert len(asked) == 2  # each AWS zone once, then GCP
         nodes = state.nodes("xcloud")
-        assert len(nodes) == 2 and {n["info"]["cloud"] for n in nodes} == {"gcp"}
-        assert {n["info"]["zone"] for n in nodes} == {"us-central1-a"}
+        assert len(nodes) == 2 and {n["info"]["cloud"] for n in nodes} == {second}
+        assert {n["info"]["region"] for n in nodes} == {row[3]}
         assert {a["node"] for a in state.attempts(wid)} <= {n["name"] for n in nodes}
-        assert f"failover: {REGION}b: no spot capacity for m5.large → gcp us-central1-a " \
-               "n2-standard-2" in said, said
-        assert "failover: changed cloud: 2 nodes on gcp, not aws: its offers had no room" \
-            in said, said
-        assert any(line.endswith("on 2 gcp nodes") for line in said), said
+        assert f"failover: {REGION}b: no spot capacity for m5.large → {where}" in said, said
+        assert f"failover: changed cloud: 2 nodes on {second}, not aws: its offers had no " \
+            "room" in said, said
+        assert any(line.endswith(f"on 2 {second} nodes") for line in said), said
         r = hyper("status", "xcloud")
         assert r.returncode == 0, r.stderr
-        assert "changed cloud: 2 nodes on gcp, not aws" in r.stdout, r.stdout
-        assert "gcp us-central1-a n2-standard-2 spot $0.0500/h" in r.stdout, r.stdout
+        assert f"changed cloud: 2 nodes on {second}, not aws" in r.stdout, r.stdout
+        assert f"{where} spot $0.0500/h" in r.stdout, r.stdout
 
         r = hyper("down", "xcloud", timeout=180)
         assert r.returncode == 0, r.stdout + r.stderr
         t2 = time.time()
-        assert fake.instances == {z: {} for z in fake.zones}  # nothing left on GCP
-        assert not fake.firewalls and not fake.service_accounts
+        assert empty()                                        # nothing left there
         assert tagged_left(aws, "xcloud") == []               # nor on AWS
         rows = State().ledger("xcloud")
         assert sorted(r["node"] for r in rows) == sorted(n["name"] for n in nodes)
-        assert all(r["cloud"] == "gcp" and r["price"] == 0.05 and t0 <= r["launched_at"] <= t1
+        assert all(r["cloud"] == second and r["price"] == 0.05 and t0 <= r["launched_at"] <= t1
                    and t1 <= r["ended_at"] <= t2 and r["end_reason"] == "down" for r in rows)
         assert not booter.errors, booter.errors
     finally:
         booter.stopping.set()
         booter.join(10)
-        fake.close()
