@@ -12,6 +12,7 @@ enforced in tests/test_aws_identity.py."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -336,6 +337,107 @@ def test_a_recipe_naming_only_cpus_fails_over_to_the_second_cloud_and_runs_there
         assert sorted(r["node"] for r in rows) == sorted(n["name"] for n in nodes)
         assert all(r["cloud"] == second and r["price"] == 0.05 and t0 <= r["launched_at"] <= t1
                    and t1 <= r["ended_at"] <= t2 and r["end_reason"] == "down" for r in rows)
+        assert not booter.errors, booter.errors
+    finally:
+        booter.stopping.set()
+        booter.join(10)
+
+
+def test_a_cluster_split_over_two_clouds_is_listed_run_taken_down_and_costed_whole(
+        aws, ssh_hosts, tmp_path, hyper_home, hyper, monkeypatch, request):
+    """EC2 has room for one node only (every later RunInstances answered
+    ``InsufficientInstanceCapacity``): the cluster's second node goes to GCP. Both nodes take
+    tasks, `hyper status` lists both with their clouds, `hyper down` removes both clouds'
+    resources and the ledger has one row per node, each with its own cloud."""
+    from botocore.awsrequest import AWSResponse
+    from cloudhosts import _ec2_source
+    from hypercli.offers import catalog as C
+    from hypercli.providers import aws as aws_provider
+    from hypercli.scheduler import Scheduler
+    from hypercli.state import State
+    from hypercli.workflows import prepare_run
+    from test_ssh import assert_one_success_each
+
+    gcp, publish, empty, row, zone = _second_cloud("gcp", monkeypatch, tmp_path, request)
+    for cloud, rows in {"aws": [("m5.large", 2, 8, REGION, f"{REGION}a", 0.096, 0.030)],
+                        "gcp": [row]}.items():
+        t = C.Table(cloud, read_at=time.time(), source="test")
+        for name, cpus, mem, region, z, price, spot in rows:
+            t.add({"instance_type": name, "vcpus": str(cpus), "memory_gib": str(mem),
+                   "region": region, "zone": z, "price": str(price),
+                   "spot_price": str(spot)})
+        C.write(t)
+    asked: list = []
+
+    def room_for_one(params, **_):
+        asked.append(params["body"].get("Placement.AvailabilityZone"))
+        if len(asked) == 1:
+            return None  # the first instance is launched
+        error = {"Code": "InsufficientInstanceCapacity", "Message": "We currently do not "
+                 "have sufficient capacity in the Availability Zone you requested."}
+        return (AWSResponse(params["url"], 500, {}, None),
+                {"Error": error, "ResponseMetadata": {"HTTPStatusCode": 500}})
+
+    init = aws_provider.AWSAPI.__init__
+
+    def refusing(self, *a, **kw):
+        init(self, *a, **kw)
+        self.ec2.meta.events.register("before-call.ec2.RunInstances", room_for_one)
+    monkeypatch.setattr(aws_provider.AWSAPI, "__init__", refusing)
+    ec2 = _ec2_source(aws)
+    hosts = ssh_hosts.start(2)
+    booter = Booter(lambda: {**ec2(), **gcp()}, hosts, tmp_path / "addresses.json",
+                    publish=publish)
+    booter.start()
+    image = aws.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+    recipe = {
+        "name": "split",
+        "cluster": {"provider": "aws", "clouds": ["aws", "gcp"], "workers": 2,
+                    "image": image, "ssh_cidr": "10.213.0.0/24"},
+        "experiments": {"work": {
+            "parameters": {"i": list(range(1, 9))}, "resources": {"cpus": 2},
+            "command": 'sleep 1; echo "done {{i}}" > "$HYPER_OUTPUT/v"'}}}
+    path = tmp_path / "split.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    try:
+        state = State()
+        said: list[str] = []
+        t0 = time.time()
+        wid, _, provider, nodes, lock = prepare_run(state, str(path), log=said.append)
+        t1 = time.time()
+        try:
+            summary = Scheduler(state, wid, provider, nodes).run()
+        finally:
+            lock.release()
+        assert summary.exit_code == 0, state.attempts(wid)
+        assert_one_success_each(state, wid)
+        nodes = {n["name"]: n for n in state.nodes("split")}
+        clouds = {n["info"]["cloud"]: name for name, n in nodes.items()}
+        assert len(nodes) == 2 and set(clouds) == {"aws", "gcp"}, nodes
+        used = {a["node"] for a in state.attempts(wid) if a["status"] == "succeeded"}
+        assert used == set(nodes)  # both clouds' nodes ran tasks
+        assert any(line.endswith("on 1 aws node, 1 gcp node") for line in said), said
+        assert "failover: changed cloud: 1 node on gcp, not aws: its offers had no room" \
+            in said, said
+        r = hyper("status", "split")
+        assert r.returncode == 0, r.stderr
+        assert f"aws {REGION}a m5.large spot $0.0300/h" in r.stdout, r.stdout
+        assert "gcp us-central1-a n2-standard-2 spot $0.0500/h" in r.stdout, r.stdout
+
+        r = hyper("down", "split", timeout=180)
+        assert r.returncode == 0, r.stdout + r.stderr
+        t2 = time.time()
+        assert empty() and tagged_left(aws, "split") == []  # nothing left on either cloud
+        rows = {r["node"]: r for r in State().ledger("split")}
+        assert set(rows) == set(nodes)
+        assert (rows[clouds["aws"]]["cloud"], rows[clouds["aws"]]["price"]) == ("aws", 0.03)
+        assert (rows[clouds["gcp"]]["cloud"], rows[clouds["gcp"]]["price"]) == ("gcp", 0.05)
+        assert all(t0 <= r["launched_at"] <= t1 <= r["ended_at"] <= t2
+                   and r["end_reason"] == "down" for r in rows.values())
+        r = hyper("cost", "split", "--json")
+        hours = {n: (r["ended_at"] - r["launched_at"]) / 3600 for n, r in rows.items()}
+        assert json.loads(r.stdout)["clusters"][0]["cost"] == pytest.approx(
+            0.03 * hours[clouds["aws"]] + 0.05 * hours[clouds["gcp"]], abs=1e-4)
         assert not booter.errors, booter.errors
     finally:
         booter.stopping.set()
