@@ -132,8 +132,8 @@ class Table:
 
     def by_gpu(self) -> dict:
         """GPU model (None for the types without GPU) → the :class:`InstanceType` values
-        with it, by name, made once per table and again when ``types`` is replaced or added to (the
-        optimizer's index: a GPU shape looks at the types of its model only)."""
+        with it, by name, made once per table and again when ``types`` is replaced or
+        added to (the optimizer's index: a GPU shape looks at the types of its model only)."""
         cached = self.__dict__.get("_by_gpu")
         if cached is None or cached[0] is not self.types:
             index: dict = {}

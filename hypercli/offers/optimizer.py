@@ -341,8 +341,8 @@ def cluster_offers(experiments, options: dict, provider: str,
     own offers are all cheaper does not push the next cloud out of the list: when every
     offer of the first cloud is out of capacity the launch goes on to the next cloud.
     ``cluster.region``/``zone`` limit the provider's own cloud only; ``regions``/``zones``
-    every cloud. Empty when no experiment says what it needs. Raises NoOffer (exit 2) when nothing
-    satisfies it; UsageError when ``cluster.clouds`` leaves out the provider."""
+    every cloud. Empty when no experiment says what it needs. Raises NoOffer (exit 2) when
+    nothing satisfies it; UsageError when ``cluster.clouds`` leaves out the provider."""
     shape = cluster_shape(experiments, options)
     if shape is None:
         return []
