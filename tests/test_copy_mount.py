@@ -18,6 +18,7 @@ from hypercli.errors import RecipeError
 from hypercli.mount import pack
 from hypercli.recipe import parse_recipe
 from s3server import s3  # noqa: F401  (fixture)
+from test_dataset_boundary import rewrite_index
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="bind mounts need root")
 ROOT = Path(__file__).resolve().parents[1]
@@ -224,3 +225,34 @@ def test_local_run_with_a_copied_dataset(s3, hyper, hyper_home, tmp_path):
         while mounted(mnt):
             if subprocess.run(["umount", str(mnt)]).returncode != 0:
                 break
+
+
+@pytest.mark.parametrize("craft", ["dotdot", "below-a-file", "root-is-a-file"])
+def test_a_crafted_index_writes_nothing_outside_the_copy(tmp_path, unmount_after, craft):
+    """An index naming a path with '..', a file below a file, or a root that is a file: a
+    clear error, nothing written outside the copies' folder, no copy kept."""
+    make_tree(tmp_path / "src", n=4, size=1000)
+    url = f"file://{tmp_path}/store"
+    pack.push(tmp_path / "src", url, chunk_size=MiB)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    row = ("INSERT INTO files VALUES ('{p}', '{parent}', '{name}', 'd', 0, 16877, 0, NULL, "
+           "NULL);")
+    rewrite_index(url, tmp_path, {
+        "dotdot": row.format(p="../../outside/evil", parent="../../outside", name="evil"),
+        "below-a-file": row.format(p="part-0/f000.bin/evil", parent="part-0/f000.bin",
+                                   name="evil"),
+        "root-is-a-file": "UPDATE files SET kind='f', sha256=(SELECT sha256 FROM files "
+                          "WHERE path='part-0/f000.bin') WHERE path='';"
+                          "INSERT INTO segments SELECT '', seq, chunk, offset, length FROM "
+                          "segments WHERE path='part-0/f000.bin';"}[craft])
+    root, mp = tmp_path / "copies", tmp_path / "mnt"
+    mp.mkdir()
+    unmount_after(mp)
+    r = run_node("copy", url, mp, "--root", root)
+    assert r.returncode == 1 and r.stderr.startswith("error: "), r.stderr
+    assert "Traceback" not in r.stderr
+    assert {"dotdot": "index is corrupt", "below-a-file": "refusing path 'part-0/f000.bin/evil'",
+            "root-is-a-file": "root is not a folder"}[craft] in r.stderr
+    assert os.listdir(outside) == [] and mounted(mp) is None
+    assert copies(root) == [] and not [p for p in root.iterdir() if p.name.startswith(".tmp-")]

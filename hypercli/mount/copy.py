@@ -239,7 +239,10 @@ def make_copy(url: str, root: str | os.PathLike, *, endpoint_url: str | None = N
         try:
             tmp.mkdir(mode=FOLDER_MODE)
             with _reading(store, manifest):
-                unpack(store, index, tmp / "data", jobs=jobs)
+                try:
+                    unpack(store, index, tmp / "data", jobs=jobs)
+                except OSError as ex:  # a full disk, or a path the index gives twice
+                    raise InfraError(f"{url}: copying into {tmp} failed: {ex}") from None
             (tmp / "used").touch()
             (tmp / "bytes").write_text(str(need))
             shutil.rmtree(home, ignore_errors=True)  # a folder left without data
@@ -302,6 +305,8 @@ def unpack(store, index, dest: str | os.PathLike, *, jobs: int = 16) -> int:
     entries = list(index.walk())
     dirs = {""}
     for e in entries:
+        if not e.path and e.kind != "d":
+            raise DatasetError(f"{url}: the dataset's root is not a folder")
         if e.path and (not path_ok(e.path) or parent_of(e.path) not in dirs):
             raise DatasetError(f"{url}: refusing path {e.path!r}: not below a folder of the "
                                "dataset")
