@@ -20,6 +20,10 @@ delay (0 and 20 ms) and each W, the sides take turns, ``--rounds`` times (median
             checked, unpacked to local disk): its time to ready is printed beside the mount's
             first epoch; then the page cache dropped and the copy read cold, and again
 
+The mount and the copy are then read a third time after the page cache is dropped again: for
+the mount, its chunk cache is full and the kernel's cache empty, the state of every epoch of a
+dataset larger than the node's memory.
+
 Cold means ``echo 1 > /proc/sys/vm/drop_caches`` (page cache only: the dentries a mount listed
 at start stay, as the local folder's do); without the right to, ``posix_fadvise(DONTNEED)`` on
 the local files. ``--cores 0`` or ``--cores 0,1`` pins this process, and so the daemons it starts
@@ -143,13 +147,17 @@ def run_mount(server, url, files, w, seed, paths) -> dict:
         c1 = cpu_s(m.pid)
         warm = epoch(m.mp, files, w, seed + 1)
         st = m.stats() or {}
+        drop(paths)  # the chunk cache full, the page cache empty: a later epoch of a
+        again = epoch(m.mp, files, w, seed + 2)  # dataset larger than the node's memory
     finally:
         m.close()
         shutil.rmtree(cache, ignore_errors=True)
     daemon = None if c0 is None or c1 is None else c1 - c0
     return {"cold": cold["files_s"], "warm": warm["files_s"], "mount_s": up,
+            "dropped": again["files_s"],
             "cold_s": cold["seconds"], "daemon_cpu_s": daemon,
             "reads": st.get("ops", {}).get("read", {}).get("calls"),
+            "read_us": st.get("ops", {}).get("read", {}).get("us"),
             "lookups": st.get("ops", {}).get("getattr", {}).get("calls")}
 
 
@@ -164,9 +172,12 @@ def run_copy(server, url, files, w, seed, paths) -> dict:
         drop(paths)
         cold = epoch(c.path, files, w, seed)
         warm = epoch(c.path, files, w, seed + 1)
+        drop(paths)
+        again = epoch(c.path, files, w, seed + 2)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    return {"cold": cold["files_s"], "warm": warm["files_s"], "ready_s": ready}
+    return {"cold": cold["files_s"], "warm": warm["files_s"], "ready_s": ready,
+            "dropped": again["files_s"]}
 
 
 def main() -> int:
@@ -249,11 +260,21 @@ def main() -> int:
                           f" s, cold epoch {statistics.median(x['cold_s'] for x in rs):.2f} s, "
                           f"daemon CPU {statistics.median(d) if d else float('nan'):.2f} s "
                           f"({statistics.median(d) / len(files) * 1e6 if d else float('nan'):.0f}"
-                          f" µs a file), {rs[-1]['reads']} READs", flush=True)
+                          f" µs a file), {rs[-1]['reads']} READs, "
+                          f"{(rs[-1]['read_us'] or 0) / max(1, rs[-1]['reads'] or 0):.0f} µs "
+                          "each in the READ handler", flush=True)
                 if "copy" in runs:
                     rs = runs["copy"]
                     print(f"{'':>19} copy: ready in "
                           f"{statistics.median(x['ready_s'] for x in rs):.2f} s", flush=True)
+                drops = {s: statistics.median(x["dropped"] for x in rs)
+                         for s, rs in runs.items() if s != "local"}
+                if drops:
+                    print(f"{'':>19} third epoch, page cache dropped again (the mount's chunk "
+                          "cache full): " + ", ".join(
+                              f"{s} {v:,.0f}" + (f" ({v / med['local']['cold']:.2f}× local "
+                                                 "cold)" if "local" in med else "")
+                              for s, v in drops.items()), flush=True)
         server.stop()
     finally:
         for fn in reversed(bs.CLEANUP):

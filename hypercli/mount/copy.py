@@ -373,6 +373,9 @@ def unpack(store, index, dest: str | os.PathLike, *, jobs: int = 16) -> int:
             os.close(fd)
         return e.size
 
+    def write_all(items) -> int:
+        return sum(map(write, items))
+
     done = 0
     needed = sorted(last_use)
     with ThreadPoolExecutor(jobs, thread_name_prefix="hyper-copy-get") as getters, \
@@ -389,7 +392,10 @@ def unpack(store, index, dest: str | os.PathLike, *, jobs: int = 16) -> int:
                     path = futures[seq].result()
                     fds[seq] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
                     os.unlink(path)  # gone from the disk with its last descriptor
-                done += sum(writers.map(write, by_last[last]))
+                todo = by_last[last]  # in slices, one per thread: a task per file costs
+                step = max(1, -(-len(todo) // jobs))  # more in the pool than the write
+                done += sum(writers.map(write_all, [todo[i:i + step]
+                                                    for i in range(0, len(todo), step)]))
                 for seq in [s for s in fds if last_use[s] <= last]:
                     os.close(fds.pop(seq))
                     futures.pop(seq)
