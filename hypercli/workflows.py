@@ -92,6 +92,7 @@ def start_or_resume(state: S.State, recipe: Recipe, wf: Workflow, *, new: bool =
                                 storage=storage, workdir=recipe.workdir or "",
                                 spec={"mounts": dict(recipe.mounts),
                                       "rw_mounts": sorted(recipe.rw_mounts),
+                                      "copy_mounts": sorted(recipe.copy_mounts),
                                       "token": secrets.token_hex(4),
                                       "log_params": log_params(recipe),
                                       # experiment → s an attempt may run (``timeout:``)

@@ -427,7 +427,7 @@ def test_bad_experiment_fields(body, field, message):
     ("cluster: {provider: aws, workers: 0}\n", "cluster.workers", "at least 1"),
     ("cluster: {provider: aws, regoin: x}\n", "cluster.regoin", "did you mean 'region'?"),
     ("cluster: [a]\n", "cluster", "cluster must be a mapping, not a list"),
-    ("mounts: {/d: {url: s3://b/p, mode: rx}}\n", "mounts./d.mode", "ro or rw"),
+    ("mounts: {/d: {url: s3://b/p, mode: rx}}\n", "mounts./d.mode", "ro, rw or copy"),
     ("mounts: {/d: {mode: rw}}\n", "mounts./d.url", "has no url"),
     ("mounts: {/d: {url: chunks+s3://b/p, mode: rw}}\n", "mounts./d.url", "immutable"),
     ("mounts: {/d: {url: s3://b/p, mdoe: rw}}\n", "mounts./d.mdoe", "did you mean 'mode'?"),

@@ -2,6 +2,7 @@
 mfusepy (a node may have hypercli's bundled runtime only, without click or rich):
 
     python3 -m hypercli.mount.node mount URL MOUNTPOINT --cache-dir D [--cache-mib N]
+    python3 -m hypercli.mount.node copy URL MOUNTPOINT --root D [--budget-mib N]
     python3 -m hypercli.mount.node push-output DIR URL
     python3 -m hypercli.mount.node pull-outputs STORAGE WORKFLOW DEST EXPERIMENT...
     python3 -m hypercli.mount.node checkpoint-save FOLDER URL ATTEMPT STATE [--stopped-at S]
@@ -27,6 +28,11 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("mountpoint")
     m.add_argument("--cache-dir", required=True)
     m.add_argument("--cache-mib", type=int, default=10240)
+    k = sub.add_parser("copy")
+    k.add_argument("url")
+    k.add_argument("mountpoint")
+    k.add_argument("--root", required=True)
+    k.add_argument("--budget-mib", type=int, default=None)
     p = sub.add_parser("push-output")
     p.add_argument("src")
     p.add_argument("url")
@@ -54,6 +60,12 @@ def main(argv: list[str] | None = None) -> int:
             pid = mount(a.url, a.mountpoint, cache_dir=a.cache_dir, cache_bytes=a.cache_mib << 20,
                         foreground=False, allow_other=True)
             print(f"mounted {a.url} at {a.mountpoint} (pid {pid})")
+        elif a.cmd == "copy":
+            from hypercli.mount.copy import make_copy
+            c = make_copy(a.url, a.root, mountpoint=a.mountpoint,
+                          budget_bytes=None if a.budget_mib is None else a.budget_mib << 20)
+            print(f"{'copied' if c.fetched else 'reused the copy of'} {a.url} at "
+                  f"{a.mountpoint} ({plural(c.bytes, 'byte')}, {c.seconds:.1f} s)")
         elif a.cmd == "push-output":
             from hypercli.mount.outputs import push_output
             r = push_output(a.src, a.url)

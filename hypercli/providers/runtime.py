@@ -81,12 +81,19 @@ def _detach(p: str) -> str:
             f">/dev/null 2>&1")
 
 
-def mount_command(hyper: str, url: str, path: str, cache: str, rw: bool = False) -> str:
+def mount_command(hyper: str, url: str, path: str, cache: str, rw: bool = False,
+                  copy: bool = False) -> str:
     """Shell text that mounts ``url`` at ``path`` on a node (idempotent: nothing when a file
     system is mounted there and answers; a mount whose daemon died is detached and mounted
-    again). A plain bucket is mounted read-only (goofys and s3fs alike) unless ``rw``."""
+    again). A plain bucket is mounted read-only (goofys and s3fs alike) unless ``rw``.
+    ``copy`` (a ``chunks+`` dataset in ``mode: copy``): the dataset is copied to the node's
+    disk under ``cache/copies``, shared by its tasks (:mod:`hypercli.mount.copy`), and bound
+    at ``path`` read-only."""
     p = shlex.quote(path)
-    if url.startswith("chunks+"):
+    if copy:
+        cmd = (f"{env_prefix()}{hyper} copy {shlex.quote(url[len('chunks+'):])} {p} "
+               f"--root {shlex.quote(cache + '/copies')}")
+    elif url.startswith("chunks+"):
         cmd = (f"{env_prefix()}{hyper} mount {shlex.quote(url[len('chunks+'):])} {p} "
                f"--cache-dir {shlex.quote(cache)}")
     else:
@@ -215,7 +222,8 @@ class NodeRuntime:
             try:
                 self.sh(guarded(path, self.root, mount_command(
                     self.hyper, url, path, f"{self.root}/cache",
-                    rw=path in spec.get("rw_mounts", ()))))
+                    rw=path in spec.get("rw_mounts", ()),
+                    copy=path in spec.get("copy_mounts", ()))))
             except (CommandFailed, NodeSetupError) as e:
                 raise NodeSetupError(f"mounting {url} at {path} on {self.node} failed: "
                                      f"{_said(e)}") from None

@@ -164,9 +164,9 @@ def _recipe(ctx: _Ctx, root: MappingNode, base_dir: str, digest: str) -> Recipe:
             workdir = None
         else:
             workdir = _local_path(base_dir, _str(ctx, top["workdir"], "workdir"))
-    mounts, rw_mounts = ({}, frozenset())
+    mounts, rw_mounts, copy_mounts = ({}, frozenset(), frozenset())
     if "mounts" in top:
-        mounts, rw_mounts = _mounts(ctx, top["mounts"], base_dir)
+        mounts, rw_mounts, copy_mounts = _mounts(ctx, top["mounts"], base_dir)
     cluster = replace(cluster, grants=storage_grants(storage, mounts, rw_mounts))
     if "experiments" not in top:
         ctx.fail("experiments is required", None, "experiments",
@@ -175,7 +175,7 @@ def _recipe(ctx: _Ctx, root: MappingNode, base_dir: str, digest: str) -> Recipe:
     return Recipe(path=ctx.path, name=name, version=version, seed=seed, cluster=cluster,
                   storage=storage, workdir=workdir, mounts=mounts, rw_mounts=rw_mounts,
                   experiments=experiments,
-                  order=order, digest=digest)
+                  order=order, digest=digest, copy_mounts=copy_mounts)
 
 
 def _recipe_name(ctx: _Ctx, item: _Item | None) -> str:

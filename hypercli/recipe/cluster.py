@@ -211,12 +211,14 @@ def _mount_path(ctx: _Ctx, path: str, line: int | None, field: str) -> None:
                  "mount on a folder of its own, such as ~/data or /data")
 
 
-def _mounts(ctx: _Ctx, item: _Item, base_dir: str) -> tuple[dict, frozenset]:
-    """(mount path → URL, the paths mounted read-write). A mount is ``PATH: URL`` or
-    ``PATH: {url: URL, mode: ro|rw}``; only a plain ``s3://`` bucket mount may be ``rw``
-    (datasets of ``chunks+`` URLs are immutable)."""
+def _mounts(ctx: _Ctx, item: _Item, base_dir: str) -> tuple[dict, frozenset, frozenset]:
+    """(mount path → URL, the paths mounted read-write, the paths copied). A mount is
+    ``PATH: URL`` or ``PATH: {url: URL, mode: ro|rw|copy}``; only a plain ``s3://`` bucket
+    mount may be ``rw`` (datasets of ``chunks+`` URLs are immutable); only a ``chunks+``
+    dataset may be ``copy`` (copied whole to each node's disk, :mod:`hypercli.mount.copy`)."""
     out: dict[str, str] = {}
     rw: set[str] = set()
+    copy: set[str] = set()
     for target, it in _mapping(ctx, item, "mounts", null_ok=True).items():
         field = f"mounts.{target}"
         if not target.startswith("/") or ".." in target.split("/") or "\x00" in target:
@@ -235,9 +237,9 @@ def _mounts(ctx: _Ctx, item: _Item, base_dir: str) -> tuple[dict, frozenset]:
                          "url: s3://BUCKET/PREFIX")
             if "mode" in keys:
                 mode = _str(ctx, keys["mode"], f"{field}.mode")
-                if mode not in ("ro", "rw"):
-                    ctx.fail(f"mode must be ro or rw, not {_show(mode)}", keys["mode"].line,
-                             f"{field}.mode")
+                if mode not in ("ro", "rw", "copy"):
+                    ctx.fail(f"mode must be ro, rw or copy, not {_show(mode)}",
+                             keys["mode"].line, f"{field}.mode")
             it, field = keys["url"], f"{field}.url"
         out[norm] = _url(ctx, it, field, MOUNT_SCHEMES, base_dir)
         if mode == "rw":
@@ -245,6 +247,11 @@ def _mounts(ctx: _Ctx, item: _Item, base_dir: str) -> tuple[dict, frozenset]:
                 ctx.fail("only a plain s3:// bucket mount can be rw (chunks+ datasets are "
                          "immutable)", it.line, field, "write outputs to $HYPER_OUTPUT")
             rw.add(norm)
-    return out, frozenset(rw)
+        elif mode == "copy":
+            if not out[norm].startswith("chunks+"):
+                ctx.fail("only a chunks+ dataset can be copied (mode: copy)", it.line, field,
+                         "push it with `hyper data push DIR URL` and mount chunks+URL")
+            copy.add(norm)
+    return out, frozenset(rw), frozenset(copy)
 
 

@@ -140,6 +140,8 @@ class Recipe:
             (``workdir: none``: tasks start in an empty folder).
         mounts: absolute mount path → URL.
         rw_mounts: the mount paths mounted read-write (plain ``s3://`` only).
+        copy_mounts: the mount paths of ``chunks+`` datasets copied whole to each node's
+            disk (``mode: copy``, :mod:`hypercli.mount.copy`).
         experiments: name → :class:`ExperimentSpec`, in file order.
         order: experiment names in a topological order of ``after`` (file order among ready).
         digest: sha256 hex digest of the recipe text (UTF-8).
@@ -157,3 +159,4 @@ class Recipe:
     experiments: dict
     order: tuple[str, ...]
     digest: str
+    copy_mounts: frozenset = frozenset()
