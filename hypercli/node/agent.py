@@ -17,7 +17,11 @@ Attempt folder ``ROOT/tasks/<attempt id>/``::
                    "ticks": <its start time, clock ticks since boot>, "image": str?,
                    "output": str?, "attempt_output": str?}, written atomically (rename)
                    once started
-    stdout,stderr  the command's output
+    stdout,stderr  the command's output, carried there by the agent's log pump (_Pump)
+    order          made when a task's lines alternate between stdout and stderr: one line
+                   ``o N`` / ``e N`` per switch (the run of stdout / stderr lines that
+                   ended at byte N of its file), so a reader shows the lines of both in the
+                   order they came (hypercli/logmerge.py)
     metrics.jsonl  JSON objects, one per line, written by the task through $HYPER_METRICS
                    (created by the task's first write)
     exit           JSON {"code": <int>, "ended": <unix s>}, written atomically (rename) at the end
@@ -96,7 +100,8 @@ Requests (``{"id": N, "op": OP, ...}``) and responses (``{"id": N, "ok": true, .
                                     arrives, or ``wait`` seconds pass
     cancel  ids: [id], grace: s   → states: {id: state}  (SIGTERM to the process group, then
                                     SIGKILL after ``grace`` seconds)
-    read    id, stream, offset, limit → data (base64), offset, size, done
+    read    id, stream, offset, limit → data (base64), offset, size, done (stream: stdout,
+                                    stderr, order or metrics.jsonl)
     wake                          → no response; cuts short the ``poll`` wait in progress (a
                                     wake read before a request is stale: ignored)
 
@@ -125,8 +130,9 @@ A state is ``{"state": "running"|"exited"|"lost"|"unknown", "code": int?, "start
 metrics (the last value of each key over all lines of metrics.jsonl) come with every state
 that is not running.
 ``launch``, ``poll`` and ``cancel`` take an optional ``inline: N`` (bytes): every state that
-is not running then also carries ``inline = {"stdout": b64?, "stderr": b64?, "output_empty":
-bool, "checkpoint_empty": bool}``, the logs included when both together are at most N bytes,
+is not running then also carries ``inline = {"stdout": b64?, "stderr": b64?, "order": b64?,
+"output_empty": bool, "checkpoint_empty": bool}``, the logs included when all together are at
+most N bytes,
 so a client over a network brings back an ended attempt's logs in the answer it already waits
 for instead of a second round trip (``output_empty``: the attempt's output folder holds
 nothing to copy; ``checkpoint_empty``: its ``HYPER_CHECKPOINT`` folder holds nothing, so no
@@ -246,6 +252,7 @@ class Agent:
         self.sampler = _Sampler(self.root)
         self.sample_every = 0.0  # s between utilisation samples, from the last request
         self.own_cgroups = None  # this agent's memory cgroups (its tasks start in them)
+        self.pump = None  # the thread that carries its tasks' output to their logs
         # SIGCHLD → a byte on _sig_w → select() returns: a task's end is seen at once
         self._sig_r, self._sig_w = os.pipe()
         for fd in (self._sig_r, self._sig_w):
@@ -412,20 +419,20 @@ class Agent:
         return {"states": states}
 
     def inline(self, attempt_id, limit):
-        """``{"stdout": b64, "stderr": b64, "output_empty": bool, "checkpoint_empty": bool}``
-        of an ended attempt; the
-        logs are left out when together they exceed ``limit`` bytes (the client reads them)."""
+        """``{"stdout": b64, "stderr": b64, "order": b64, "output_empty": bool,
+        "checkpoint_empty": bool}`` of an ended attempt; the logs are left out when
+        together they exceed ``limit`` bytes (the client reads them)."""
         d = self.dir(attempt_id)
         out = {}
         sizes = {}
-        for name in ("stdout", "stderr"):
+        for name in LOG_FILES:
             try:
                 st = os.lstat(os.path.join(d, name))
                 sizes[name] = st.st_size if stat.S_ISREG(st.st_mode) else 0
             except OSError:
                 sizes[name] = 0
         if sum(sizes.values()) <= limit:
-            for name in ("stdout", "stderr"):
+            for name in LOG_FILES:
                 out[name] = ""
                 if not sizes[name]:
                     continue
@@ -521,8 +528,8 @@ class Agent:
 
     def op_read(self, req):
         name = req.get("stream", "stdout")
-        if name not in ("stdout", "stderr", "metrics.jsonl"):
-            raise ValueError("stream must be stdout, stderr or metrics.jsonl")
+        if name not in ("stdout", "stderr", "order", "metrics.jsonl"):
+            raise ValueError("stream must be stdout, stderr, order or metrics.jsonl")
         path = os.path.join(self.dir(req["id"]), name)
         offset, limit = int(req.get("offset", 0)), int(req.get("limit", 1 << 20))
         state = self.state(req["id"], with_metrics=False)["state"]
@@ -776,20 +783,17 @@ class Agent:
         self.runtime = (now, error)
         return error
 
-    @staticmethod
-    def _spawn(d, argv, env, cwd, new_session, feed=None):
-        """The command as a child of this agent, output appended to the attempt's logs
-        (``vfork``: no copy of this process is made); ``feed`` (bytes, at most a pipe's
-        buffer: the secrets' exports) is written to its stdin, which is then closed."""
+    def _spawn(self, d, argv, env, cwd, new_session, feed=None):
+        """The command as a child of this agent, its output carried by the agent's log pump
+        (:class:`_Pump`) to the attempt's logs (``vfork``: no copy of this process is made);
+        ``feed`` (bytes, at most a pipe's buffer: the secrets' exports) is written to its
+        stdin, which is then closed."""
         import subprocess
+        if self.pump is None:
+            self.pump = _Pump()
         fds = []
         try:
-            for name in ("stdout", "stderr"):  # never through a symlink a task put there
-                try:
-                    fds.append(_open_regular(os.path.join(d, name),
-                                             os.O_WRONLY | os.O_APPEND | os.O_CREAT))
-                except NotRegular:
-                    fds.append(os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC))
+            fds = self.pump.attach(os.path.basename(d), d)
             proc = subprocess.Popen(argv, cwd=cwd or None, env=env, stdout=fds[0],
                                     stderr=fds[1], stdin=subprocess.DEVNULL if feed is None
                                     else subprocess.PIPE, start_new_session=new_session)
@@ -814,6 +818,8 @@ class Agent:
             rc = child.proc.poll()
             if rc is None:
                 continue
+            if self.pump is not None:  # what it wrote is in its logs before its end is told
+                self.pump.drain(child.id)
             code = rc if rc >= 0 else 128 - rc
             if child.finishing:
                 if code != 0:
@@ -883,9 +889,229 @@ class Agent:
             except (OSError, subprocess.TimeoutExpired) as e:
                 _note(child.dir, "cannot stop the engine's processes: %s" % e)
         _write_json(os.path.join(child.dir, "exit"), ex)
+        if self.pump is not None:
+            self.pump.release(child.id)
         os.close(child.lock)
         self.children.pop(child.id, None)
         self.ended += 1
+
+
+LOG_FILES = ("stdout", "stderr", "order")  # an attempt's logs, as copied off its node
+LOG_READ = 1 << 16  # bytes read from a task's pipe at a time (a pipe's default buffer)
+#: bytes of a line without its end after which the part written so far counts as a line in
+#: ``order`` (a progress bar's ``\r`` ends a line too): the order of a stream that never
+#: ends its lines still moves, and nothing holds more than LOG_READ bytes of it
+LINE_MAX = 1 << 16
+DRAIN_MAX = 4 << 20  # bytes read at most from a pipe at a task's end (what it left in it)
+ORDER_STREAMS = (b"o", b"e")  # how ``order`` names stdout and stderr
+
+
+class _Logs:
+    """The logs of one attempt while processes of it write into the pump's pipes: fds of its
+    ``stdout`` and ``stderr`` files (appended to), of ``order`` (made at its first record;
+    -1 not yet, None: not kept), the run now open (0: stdout, 1: stderr, None: no line
+    yet), where each stream's last complete line ends (bytes into its file), the bytes of
+    each stream's unended line (-1: it is over LINE_MAX, all of it counts as come), the
+    pipes still open, and whether the attempt ended."""
+
+    __slots__ = ("id", "dir", "files", "order", "cur", "done", "part", "pipes", "ended")
+
+    def __init__(self, attempt_id, d, files, keep_order):
+        self.id, self.dir, self.files = attempt_id, d, files
+        self.order = -1 if keep_order else None
+        self.cur = None
+        self.done = [0, 0]
+        self.part = [0, 0]
+        self.pipes = 0
+        self.ended = False
+
+
+class _Pump:
+    """One thread per agent that carries what its tasks write to their logs, and the order in
+    which their lines came.
+
+    A task's stdout and stderr are two pipes; the thread waits on all pipes of all the
+    agent's tasks at once (``poll``) and appends what comes on each, as it comes, to the
+    attempt's ``stdout`` or ``stderr`` (kept exact). When a stream's line ends (``\n``,
+    ``\r``, or LINE_MAX bytes without one) after lines of the other stream, the run of
+    lines of that other stream is closed: the record ``o N`` or ``e N`` (stdout or stderr,
+    N: the byte offset in its file where the run ends) is appended to ``order``. So
+    ``order`` holds one short line per switch between the streams (none for a task that
+    writes one stream only, and no file then), and a reader rebuilds the lines of both
+    streams in the order they came (:mod:`hypercli.logmerge`). Lines written to both
+    streams before the thread wakes are taken stdout first. The thread holds at most
+    LOG_READ bytes of a task's output at a time, whatever the task writes.
+
+    An attempt's files are opened once (never through a symlink: a log that is not a
+    regular file gets nothing, and then no ``order``) for the task and its ``finish``
+    command, and closed when the attempt has ended and its last pipe is closed. Processes a
+    task left behind that still write are carried while this agent runs.
+    """
+
+    def __init__(self):
+        import threading
+        self.lock = threading.Lock()
+        self.logs = {}  # attempt id -> _Logs
+        self.pipes = {}  # read fd -> (_Logs, stream index)
+        self.new = []  # read fds not registered with the poll object yet
+        self.poll = select.poll()
+        self.wake_r, self.wake_w = os.pipe()
+        for fd in (self.wake_r, self.wake_w):
+            os.set_blocking(fd, False)
+        self.poll.register(self.wake_r, select.POLLIN)
+        threading.Thread(target=self._run, name="log-pump", daemon=True).start()
+
+    def attach(self, attempt_id, d):
+        """Two new pipes for a process of attempt ``attempt_id`` (folder ``d``): returns
+        their write ends [stdout, stderr] (the caller closes them once the process has
+        them). Raises OSError (no fd left)."""
+        with self.lock:
+            logs = self.logs.get(attempt_id)
+            if logs is None:
+                files, keep = [], True
+                try:
+                    for name in ("stdout", "stderr"):  # never through a task's symlink
+                        try:
+                            files.append(_open_regular(
+                                os.path.join(d, name), os.O_WRONLY | os.O_APPEND | os.O_CREAT))
+                        except NotRegular:
+                            files.append(os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC))
+                            keep = False
+                except OSError:
+                    for fd in files:
+                        os.close(fd)
+                    raise
+                logs = self.logs[attempt_id] = _Logs(attempt_id, d, files, keep)
+                for i, fd in enumerate(files):
+                    logs.done[i] = os.fstat(fd).st_size if keep else 0
+            ends = []
+            try:
+                for i in (0, 1):
+                    r, w = os.pipe()
+                    ends.append(w)
+                    os.set_blocking(r, False)
+                    self.pipes[r] = (logs, i)
+                    logs.pipes += 1
+                    self.new.append(r)
+            except OSError:
+                for fd in ends:
+                    os.close(fd)
+                raise
+            finally:
+                _wake(self.wake_w)
+            return ends
+
+    def drain(self, attempt_id):
+        """Carry at once what the attempt's pipes hold (its task ended: all it wrote is
+        in them), up to DRAIN_MAX bytes per pipe (processes it left may go on writing)."""
+        with self.lock:
+            for fd, (logs, _) in list(self.pipes.items()):
+                if logs is self.logs.get(attempt_id):
+                    n = 0
+                    while n < DRAIN_MAX:
+                        got = self._carry(fd)
+                        if not got:
+                            break
+                        n += got
+
+    def release(self, attempt_id):
+        """The attempt ended: its files are closed once no pipe of it is open."""
+        with self.lock:
+            logs = self.logs.get(attempt_id)
+            if logs is not None:
+                logs.ended = True
+                if not logs.pipes:
+                    self._close(logs)
+
+    def _close(self, logs):
+        for fd in logs.files + ([logs.order] if logs.order is not None and logs.order >= 0
+                                else []):
+            os.close(fd)
+        self.logs.pop(logs.id, None)
+
+    def _run(self):
+        while True:
+            events = self.poll.poll()
+            with self.lock:
+                for fd in self.new:
+                    self.poll.register(fd, select.POLLIN)
+                self.new = []
+                for fd, _ in events:
+                    if fd == self.wake_r:
+                        try:
+                            while os.read(fd, 4096):
+                                pass
+                        except OSError:
+                            pass
+                    elif fd in self.pipes:
+                        try:
+                            self._carry(fd)
+                        except Exception:  # never expected: the thread goes on for the rest
+                            pass
+
+    def _carry(self, fd):
+        """Move one read of pipe ``fd`` to its log (called with the lock held): returns the
+        bytes moved, 0 when none waited; at its end the pipe is closed."""
+        logs, i = self.pipes[fd]
+        try:
+            data = os.read(fd, LOG_READ)
+        except BlockingIOError:
+            return 0
+        except OSError:
+            data = b""
+        if not data:  # every writer closed it
+            if fd in self.new:
+                self.new.remove(fd)
+            else:
+                self.poll.unregister(fd)
+            os.close(fd)
+            del self.pipes[fd]
+            logs.pipes -= 1
+            if logs.ended and not logs.pipes:
+                self._close(logs)
+            return 0
+        _write_all(logs.files[i], data)
+        if logs.order is None:
+            return len(data)
+        end = max(data.rfind(b"\n"), data.rfind(b"\r")) + 1
+        if not end and 0 <= logs.part[i] and logs.part[i] + len(data) < LINE_MAX:
+            logs.part[i] += len(data)
+            return len(data)
+        try:
+            at = os.lseek(logs.files[i], 0, os.SEEK_CUR)  # (appends by others counted)
+        except OSError:
+            return len(data)
+        logs.part[i] = len(data) - end if end else -1  # -1: in a line over LINE_MAX
+        if logs.cur is not None and logs.cur != i:  # the other stream's run ends here
+            if logs.order == -1:
+                try:
+                    logs.order = _open_regular(os.path.join(logs.dir, "order"),
+                                               os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+                except OSError:
+                    logs.order = None
+                    return len(data)
+            _write_all(logs.order, b"%s %d\n" % (ORDER_STREAMS[logs.cur],
+                                                  logs.done[logs.cur]))
+        logs.cur = i
+        logs.done[i] = at - max(0, logs.part[i])
+        return len(data)
+
+
+def _wake(fd):
+    try:
+        os.write(fd, b"w")
+    except OSError:  # full: a wake-up is pending anyway
+        pass
+
+
+def _write_all(fd, data):
+    """Write all of ``data`` to ``fd``; a full disk or a broken file loses it (the task goes
+    on: its output is never what stops it)."""
+    try:
+        while data:
+            data = data[os.write(fd, data):]
+    except OSError:
+        pass
 
 
 class _Sampler:
