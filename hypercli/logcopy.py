@@ -5,8 +5,8 @@ A node's thread (:class:`hypercli.scheduler.NodeWorker`) of a node that keeps it
 attempts it watches: what each wrote since the last look is read by offset (the agent's
 ``read``, one request per log) and appended to ``$HYPER_HOME/logs/<attempt id>/stdout``,
 ``stderr`` and ``order`` (read first: each of its records is of lines copied by the same
-look, :mod:`hypercli.logmerge`), the copy ``hyper logs`` falls back to when the node cannot be reached. The offset
-is the copy's own size, so a ``hyper run`` that was restarted goes on where the last one
+look, :mod:`hypercli.logmerge`), the copy ``hyper logs`` falls back to when the node cannot
+be reached. The offset is the copy's own size, so a ``hyper run`` that was restarted goes on where the last one
 stopped. ``streamed.json`` beside them records when the last look was and how many bytes the
 node had then that were not copied yet, so a reader of the copy of a lost attempt is told how
 much may be missing (:func:`note`). When the attempt ends and its node answers, its whole logs
@@ -53,7 +53,10 @@ def pull(client, ids: list[str]) -> None:
     for aid in ids:
         d = copy_dir(aid)
         mark = {"at": None, "behind": 0}
-        for stream in ("order", "stdout", "stderr"):
+        # ``order`` first, and only once both streams have something (it has no record
+        # before): one request less per look for a task that writes one stream
+        both = _size(d / "stdout") and _size(d / "stderr")
+        for stream in ("order", "stdout", "stderr") if both else ("stdout", "stderr"):
             path = d / stream
             offset = _size(path)
             r = client.read(aid, stream, offset, READ_LIMIT)
