@@ -252,7 +252,7 @@ class Agent:
         self.sampler = _Sampler(self.root)
         self.sample_every = 0.0  # s between utilisation samples, from the last request
         self.own_cgroups = None  # this agent's memory cgroups (its tasks start in them)
-        self.pump = None  # the thread that carries its tasks' output to their logs
+        self.pump = None  # carries its tasks' output to their logs (_Pump)
         # SIGCHLD → a byte on _sig_w → select() returns: a task's end is seen at once
         self._sig_r, self._sig_w = os.pipe()
         for fd in (self._sig_r, self._sig_w):
@@ -267,7 +267,10 @@ class Agent:
     def _fill(self, timeout):
         """Read what stdin has within timeout, reaping tasks that end meanwhile; False at
         EOF. Returns early (True) when a task ended, so a poll wait can look again."""
-        r, _, _ = select.select([0, self._sig_r], [], [], timeout)
+        r, _, _ = select.select([0, self._sig_r] + ([self.pump] if self.pump else []), [],
+                                [], timeout)
+        if self.pump in r:
+            self.pump.carry()
         if self._sig_r in r:
             self._children_ended()
         if 0 not in r:
@@ -325,8 +328,22 @@ class Agent:
         if parent_done is not None:
             os.close(parent_done)
         while self.children:
-            select.select([self._sig_r], [], [], 1.0)
-            self._children_ended()
+            self._pause(1.0)
+
+    def _pause(self, seconds):
+        """Wait ``seconds``, carrying the tasks' output meanwhile (or until a task ends)."""
+        end = time.time() + seconds
+        while True:
+            left = end - time.time()
+            if left <= 0:
+                return
+            r, _, _ = select.select([self._sig_r] + ([self.pump] if self.pump else []), [],
+                                    [], left)
+            if self.pump in r:
+                self.pump.carry()
+            if self._sig_r in r:
+                self._children_ended()
+                return
 
     def _children_ended(self):
         """SIGCHLD came (its bytes on the wakeup pipe): empty the pipe, reap."""
@@ -508,22 +525,24 @@ class Agent:
                     stops.append(subprocess.Popen(
                         [shutil.which("docker") or "docker", "stop", "-t", str(int(grace)),
                          "hyper-" + i], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        until = time.time() + grace + 30
         for p in stops:
-            try:
-                p.wait(timeout=grace + 30)
-            except subprocess.TimeoutExpired:
+            while p.poll() is None and time.time() < until:
+                self._pause(0.05)  # (the tasks' output is carried meanwhile)
+            if p.poll() is None:
                 p.kill()
+                p.wait()
 
         def busy(i):  # running, or a process of its group is left (it ignored SIGTERM)
             return self.state(i, with_metrics=False)["state"] == "running" or (
                 i in stopped and self._signal(i, 0))
         deadline = time.time() + grace
         while time.time() < deadline and any(busy(i) for i in ids):
-            time.sleep(0.02)
+            self._pause(0.02)
         for i in ids:
             if busy(i):
                 self._signal(i, signal.SIGKILL)
-        time.sleep(0.05)
+        self._pause(0.05)
         return self._inline(req, {i: self.state(i) for i in ids})
 
     def op_read(self, req):
@@ -927,20 +946,22 @@ class _Logs:
 
 
 class _Pump:
-    """One thread per agent that carries what its tasks write to their logs, and the order in
-    which their lines came.
+    """Carries what the agent's tasks write to their logs, and the order in which their lines
+    came; driven by the agent's own loop (no thread, no process of its own).
 
-    A task's stdout and stderr are two pipes; the thread waits on all pipes of all the
-    agent's tasks at once (``poll``) and appends what comes on each, as it comes, to the
-    attempt's ``stdout`` or ``stderr`` (kept exact). When a stream's line ends (``\n``,
-    ``\r``, or LINE_MAX bytes without one) after lines of the other stream, the run of
-    lines of that other stream is closed: the record ``o N`` or ``e N`` (stdout or stderr,
-    N: the byte offset in its file where the run ends) is appended to ``order``. So
-    ``order`` holds one short line per switch between the streams (none for a task that
-    writes one stream only, and no file then), and a reader rebuilds the lines of both
-    streams in the order they came (:mod:`hypercli.logmerge`). Lines written to both
-    streams before the thread wakes are taken stdout first. The thread holds at most
-    LOG_READ bytes of a task's output at a time, whatever the task writes.
+    A task's stdout and stderr are two pipes, all of them in one epoll set whose fd the
+    agent's loop waits on beside its requests and SIGCHLD (:meth:`carry`): what comes on
+    each pipe is appended to the attempt's ``stdout`` or ``stderr`` (kept exact). When a
+    stream's line ends (``\\n``, ``\\r``, or LINE_MAX bytes without one) after lines of
+    the other stream, the run of lines of that other stream is closed: the record ``o N``
+    or ``e N`` (stdout or stderr, N: the byte offset in its file where the run ends) is
+    appended to ``order``. So ``order`` holds one short line per switch between the streams
+    (none for a task that writes one stream only, and no file then), and a reader rebuilds
+    the lines of both streams in the order they came (:mod:`hypercli.logmerge`). Lines
+    written to both streams before the agent reads them are taken stdout first. At most
+    LOG_READ bytes of a task's output are held at a time, whatever the task writes; while
+    the agent is busy with something else (a ``docker info``, a ``docker stop``), a task
+    that fills its pipe (64 KiB) waits, as on a slow terminal.
 
     An attempt's files are opened once (never through a symlink: a log that is not a
     regular file gets nothing, and then no ``order``) for the task and its ``finish``
@@ -949,79 +970,75 @@ class _Pump:
     """
 
     def __init__(self):
-        import threading
-        self.lock = threading.Lock()
         self.logs = {}  # attempt id -> _Logs
         self.pipes = {}  # read fd -> (_Logs, stream index)
-        self.new = []  # read fds not registered with the poll object yet
-        self.poll = select.poll()
-        self.wake_r, self.wake_w = os.pipe()
-        for fd in (self.wake_r, self.wake_w):
-            os.set_blocking(fd, False)
-        self.poll.register(self.wake_r, select.POLLIN)
-        threading.Thread(target=self._run, name="log-pump", daemon=True).start()
+        self.poll = select.epoll()
+
+    def fileno(self):
+        """The fd that is readable when a pipe has something (for ``select``)."""
+        return self.poll.fileno()
 
     def attach(self, attempt_id, d):
         """Two new pipes for a process of attempt ``attempt_id`` (folder ``d``): returns
         their write ends [stdout, stderr] (the caller closes them once the process has
         them). Raises OSError (no fd left)."""
-        with self.lock:
-            logs = self.logs.get(attempt_id)
-            if logs is None:
-                files, keep = [], True
-                try:
-                    for name in ("stdout", "stderr"):  # never through a task's symlink
-                        try:
-                            files.append(_open_regular(
-                                os.path.join(d, name), os.O_WRONLY | os.O_APPEND | os.O_CREAT))
-                        except NotRegular:
-                            files.append(os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC))
-                            keep = False
-                except OSError:
-                    for fd in files:
-                        os.close(fd)
-                    raise
-                logs = self.logs[attempt_id] = _Logs(attempt_id, d, files, keep)
-                for i, fd in enumerate(files):
-                    logs.done[i] = os.fstat(fd).st_size if keep else 0
-            ends = []
+        logs = self.logs.get(attempt_id)
+        if logs is None:
+            files, keep = [], True
             try:
-                for i in (0, 1):
-                    r, w = os.pipe()
-                    ends.append(w)
-                    os.set_blocking(r, False)
-                    self.pipes[r] = (logs, i)
-                    logs.pipes += 1
-                    self.new.append(r)
+                for name in ("stdout", "stderr"):  # never through a task's symlink
+                    try:
+                        files.append(_open_regular(
+                            os.path.join(d, name), os.O_WRONLY | os.O_APPEND | os.O_CREAT))
+                    except NotRegular:
+                        files.append(os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC))
+                        keep = False
             except OSError:
-                for fd in ends:
+                for fd in files:
                     os.close(fd)
                 raise
-            finally:
-                _wake(self.wake_w)
-            return ends
+            logs = self.logs[attempt_id] = _Logs(attempt_id, d, files, keep)
+        ends = []
+        try:
+            for i in (0, 1):
+                r, w = os.pipe()
+                ends.append(w)
+                os.set_blocking(r, False)
+                self.poll.register(r, select.EPOLLIN)
+                self.pipes[r] = (logs, i)
+                logs.pipes += 1
+        except OSError:
+            for fd in ends:
+                os.close(fd)
+            raise
+        return ends
+
+    def carry(self):
+        """Move what waits in the pipes to the logs (one read per ready pipe)."""
+        for fd, _ in self.poll.poll(0):
+            if fd in self.pipes:
+                self._carry(fd)
 
     def drain(self, attempt_id):
         """Carry at once what the attempt's pipes hold (its task ended: all it wrote is
         in them), up to DRAIN_MAX bytes per pipe (processes it left may go on writing)."""
-        with self.lock:
-            for fd, (logs, _) in list(self.pipes.items()):
-                if logs is self.logs.get(attempt_id):
-                    n = 0
-                    while n < DRAIN_MAX:
-                        got = self._carry(fd)
-                        if not got:
-                            break
-                        n += got
+        logs = self.logs.get(attempt_id)
+        for fd, (owner, _) in list(self.pipes.items()):
+            if owner is logs:
+                n = 0
+                while n < DRAIN_MAX:
+                    got = self._carry(fd)
+                    if not got:
+                        break
+                    n += got
 
     def release(self, attempt_id):
         """The attempt ended: its files are closed once no pipe of it is open."""
-        with self.lock:
-            logs = self.logs.get(attempt_id)
-            if logs is not None:
-                logs.ended = True
-                if not logs.pipes:
-                    self._close(logs)
+        logs = self.logs.get(attempt_id)
+        if logs is not None:
+            logs.ended = True
+            if not logs.pipes:
+                self._close(logs)
 
     def _close(self, logs):
         for fd in logs.files + ([logs.order] if logs.order is not None and logs.order >= 0
@@ -1029,29 +1046,9 @@ class _Pump:
             os.close(fd)
         self.logs.pop(logs.id, None)
 
-    def _run(self):
-        while True:
-            events = self.poll.poll()
-            with self.lock:
-                for fd in self.new:
-                    self.poll.register(fd, select.POLLIN)
-                self.new = []
-                for fd, _ in events:
-                    if fd == self.wake_r:
-                        try:
-                            while os.read(fd, 4096):
-                                pass
-                        except OSError:
-                            pass
-                    elif fd in self.pipes:
-                        try:
-                            self._carry(fd)
-                        except Exception:  # never expected: the thread goes on for the rest
-                            pass
-
     def _carry(self, fd):
-        """Move one read of pipe ``fd`` to its log (called with the lock held): returns the
-        bytes moved, 0 when none waited; at its end the pipe is closed."""
+        """Move one read of pipe ``fd`` to its log: returns the bytes moved, 0 when none
+        waited; at its end the pipe is closed."""
         logs, i = self.pipes[fd]
         try:
             data = os.read(fd, LOG_READ)
@@ -1060,10 +1057,7 @@ class _Pump:
         except OSError:
             data = b""
         if not data:  # every writer closed it
-            if fd in self.new:
-                self.new.remove(fd)
-            else:
-                self.poll.unregister(fd)
+            self.poll.unregister(fd)
             os.close(fd)
             del self.pipes[fd]
             logs.pipes -= 1
@@ -1095,13 +1089,6 @@ class _Pump:
         logs.cur = i
         logs.done[i] = at - max(0, logs.part[i])
         return len(data)
-
-
-def _wake(fd):
-    try:
-        os.write(fd, b"w")
-    except OSError:  # full: a wake-up is pending anyway
-        pass
 
 
 def _write_all(fd, data):
