@@ -960,8 +960,9 @@ class _Pump:
     the lines of both streams in the order they came (:mod:`hypercli.logmerge`). Lines
     written to both streams before the agent reads them are taken stdout first. At most
     LOG_READ bytes of a task's output are held at a time, whatever the task writes; while
-    the agent is busy with something else (a ``docker info``, a ``docker stop``), a task
-    that fills its pipe (64 KiB) waits, as on a slow terminal.
+    the agent is busy with something else (a ``docker info``, an engine's check), a task
+    that fills its pipe (64 KiB) waits, as on a slow terminal (``cancel`` carries output
+    while it waits).
 
     An attempt's files are opened once (never through a symlink: a log that is not a
     regular file gets nothing, and then no ``order``) for the task and its ``finish``
