@@ -1002,9 +1002,9 @@ class _Pump:
         ends = []
         try:
             for i in (0, 1):
-                r, w = os.pipe()
+                r, w = os.pipe()  # (both close-on-exec: the task gets w as its 1 or 2)
                 ends.append(w)
-                os.set_blocking(r, False)
+                fcntl.fcntl(r, fcntl.F_SETFL, os.O_NONBLOCK)
                 self.poll.register(r, select.EPOLLIN)
                 self.pipes[r] = (logs, i)
                 logs.pipes += 1
@@ -1058,8 +1058,7 @@ class _Pump:
         except OSError:
             data = b""
         if not data:  # every writer closed it
-            self.poll.unregister(fd)
-            os.close(fd)
+            os.close(fd)  # (which takes it out of the epoll set: no other fd refers to it)
             del self.pipes[fd]
             logs.pipes -= 1
             if logs.ended and not logs.pipes:
