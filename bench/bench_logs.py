@@ -6,11 +6,13 @@ one thread per agent carries its tasks' stdout and stderr pipes to their logs an
 
 Each side: one agent started by ``hypercli.node.client.local_agent`` with its file swapped,
 ``--tasks`` tasks launched 4 at a time (``launch`` with ``wait``, then ``poll`` until the
-four have ended, as the scheduler's 4 slots would), then the agent's CPU read from
+four have ended, as the scheduler's 4 slots would), the two agents alive at once and taking
+turns batch by batch (the machine's other load falls on both alike); then each agent's CPU
+read from
 ``/proc/<its serving pid>/stat``: its own (utime + stime: the pump's cost is there) and its
 reaped tasks' (cutime + cstime: the task shells). Two workloads: ``true``, and a task
-writing four lines alternating stdout and stderr (so the new agent writes ``order``). Sides
-alternate, ``--rounds`` times; medians and the ratio this tree / peer are printed. CPU time
+writing four lines alternating stdout and stderr (so the new agent writes ``order``).
+``--rounds`` rounds; medians and the ratio this tree / peer are printed. CPU time
 is much less sensitive than wall time to the other load on a shared machine; the wall time
 is printed too. Last, the pump alone in this process: CPU per line it carries.
 
@@ -48,28 +50,36 @@ def cpu(pid: int) -> tuple[float, float]:
     return (int(v[11]) + int(v[12])) / tick, (int(v[13]) + int(v[14])) / tick
 
 
-def one(agent: Path, script: str, tasks: int, work: Path) -> tuple[float, float, float]:
-    """Run ``tasks`` tasks through the agent file ``agent``: (own CPU ms/task, tasks' CPU
-    ms/task, wall s)."""
-    C.AGENT_PATH = agent
-    root = Path(tempfile.mkdtemp(dir=work))
-    c = C.local_agent("bench", root)
+def both(agents: dict[str, Path], script: str, tasks: int, work: Path) -> dict:
+    """Run ``tasks`` tasks through each agent file of ``agents`` ({side: path}), both agents
+    alive at once and taking turns batch by batch (so the machine's other load falls on
+    both alike): {side: (own CPU ms/task, tasks' CPU ms/task, wall s)}."""
+    clients, pids, roots, wall = {}, {}, {}, dict.fromkeys(agents, 0.0)
     try:
-        pid = c.call("hello")["pid"]
-        t0 = time.monotonic()
+        for side, path in agents.items():
+            C.AGENT_PATH = path
+            roots[side] = Path(tempfile.mkdtemp(dir=work))
+            clients[side] = C.local_agent("bench", roots[side])
+            pids[side] = clients[side].call("hello")["pid"]
         for b in range(0, tasks, SLOTS):
-            ids = [f"w.t{b + i}.1" for i in range(SLOTS)]
-            c.call("launch", attempts=[{"id": i, "script": script, "env": {}, "cwd": str(root)}
-                                       for i in ids], wait=0.2)
-            while any(s["state"] == "running" for s in
-                      c.call("poll", ids=ids, wait=5)["states"].values()):
-                pass
-        wall = time.monotonic() - t0
-        own, kids = cpu(pid)
+            for side, c in clients.items():
+                ids = [f"w.t{b + i}.1" for i in range(SLOTS)]
+                t0 = time.monotonic()
+                c.call("launch", attempts=[{"id": i, "script": script, "env": {},
+                                            "cwd": str(roots[side])} for i in ids], wait=0.2)
+                while any(s["state"] == "running" for s in
+                          c.call("poll", ids=ids, wait=5)["states"].values()):
+                    pass
+                wall[side] += time.monotonic() - t0
+        out = {}
+        for side, pid in pids.items():
+            own, kids = cpu(pid)
+            out[side] = (own * 1000 / tasks, kids * 1000 / tasks, wall[side])
+        return out
     finally:
-        c.close()
-        shutil.rmtree(root, ignore_errors=True)
-    return own * 1000 / tasks, kids * 1000 / tasks, wall
+        for side, c in clients.items():
+            c.close()
+            shutil.rmtree(roots[side], ignore_errors=True)
 
 
 def pump_alone(lines: int, work: Path) -> tuple[float, float]:
@@ -117,9 +127,9 @@ def main() -> int:
         for name, script in WORKLOADS.items():
             got: dict[str, list] = {s: [] for s in sides}
             for r in range(a.rounds):
-                for side, path in sides.items():
-                    got[side].append(one(path, script, a.tasks, work))
-                    own, kids, wall = got[side][-1]
+                for side, res in both(sides, script, a.tasks, work).items():
+                    got[side].append(res)
+                    own, kids, wall = res
                     print(f"  {name:22} round {r + 1} {side:10} agent {own:.3f} ms/task, "
                           f"tasks {kids:.3f} ms/task, {wall:.2f} s")
             med = {s: [statistics.median(x[k] for x in v) for k in range(3)]
