@@ -10,8 +10,10 @@ four have ended, as the scheduler's 4 slots would), the two agents alive at once
 turns batch by batch (the machine's other load falls on both alike); then each agent's CPU
 read from
 ``/proc/<its serving pid>/stat``: its own (utime + stime: the pump's cost is there) and its
-reaped tasks' (cutime + cstime: the task shells). Two workloads: ``true``, and a task
-writing four lines alternating stdout and stderr (so the new agent writes ``order``).
+reaped tasks' (cutime + cstime: the task shells). Three workloads: ``true``; a task
+writing four lines alternating stdout and stderr (so the new agent writes ``order``); and
+``true`` under the checkpoint wrapper, as hypercli runs every task (its side loop's ``sleep``
+holds the task's stdout and stderr up to 1 s after the task).
 ``--rounds`` rounds; medians and the ratio this tree / peer are printed. CPU time
 is much less sensitive than wall time to the other load on a shared machine; the wall time
 is printed too. Last, the pump alone in this process: CPU per line it carries.
@@ -38,7 +40,8 @@ if str(ROOT) not in sys.path:
 from hypercli.node import client as C  # noqa: E402
 
 WORKLOADS = {"true": "true",
-             "4 lines, alternating": "echo out; echo err >&2; echo out; echo err >&2"}
+             "4 lines, alternating": "echo out; echo err >&2; echo out; echo err >&2",
+             "true, checkpoint wrapper": "true"}
 SLOTS = 4
 
 
@@ -50,11 +53,17 @@ def cpu(pid: int) -> tuple[float, float]:
     return (int(v[11]) + int(v[12])) / tick, (int(v[13]) + int(v[14])) / tick
 
 
-def both(agents: dict[str, Path], script: str, tasks: int, work: Path) -> dict:
+def both(agents: dict[str, Path], script: str, tasks: int, work: Path,
+         wrapped: bool = False) -> dict:
     """Run ``tasks`` tasks through each agent file of ``agents`` ({side: path}), both agents
     alive at once and taking turns batch by batch (so the machine's other load falls on
     both alike): {side: (own CPU ms/task, tasks' CPU ms/task, wall s)}."""
     clients, pids, roots, wall = {}, {}, {}, dict.fromkeys(agents, 0.0)
+
+    def extra(root: Path, attempt: str) -> dict:  # as hypercli runs every task: the
+        # checkpoint wrapper, its side loop holding the logs for up to 1 s after the task
+        return {"checkpoint": {"dir": str(root / "ck" / attempt), "save": "",
+                               "every": 60}} if wrapped else {}
     try:
         for side, path in agents.items():
             C.AGENT_PATH = path
@@ -65,8 +74,9 @@ def both(agents: dict[str, Path], script: str, tasks: int, work: Path) -> dict:
             for side, c in clients.items():
                 ids = [f"w.t{b + i}.1" for i in range(SLOTS)]
                 t0 = time.monotonic()
-                c.call("launch", attempts=[{"id": i, "script": script, "env": {},
-                                            "cwd": str(roots[side])} for i in ids], wait=0.2)
+                c.call("launch", attempts=[dict({"id": i, "script": script, "env": {},
+                                                 "cwd": str(roots[side])}, **extra(roots[side], i))
+                                           for i in ids], wait=0.2)
                 while any(s["state"] == "running" for s in
                           c.call("poll", ids=ids, wait=5)["states"].values()):
                     pass
@@ -127,7 +137,8 @@ def main() -> int:
         for name, script in WORKLOADS.items():
             got: dict[str, list] = {s: [] for s in sides}
             for r in range(a.rounds):
-                for side, res in both(sides, script, a.tasks, work).items():
+                for side, res in both(sides, script, a.tasks, work,
+                                      "wrapper" in name).items():
                     got[side].append(res)
                     own, kids, wall = res
                     print(f"  {name:22} round {r + 1} {side:10} agent {own:.3f} ms/task, "

@@ -186,7 +186,8 @@ if [ -n "$HYPER_CKPT_RESTORE" ]; then
 fi
 (
   n=0; noticed=
-  while sleep 1; do
+  while sleep 1 </dev/null >/dev/null 2>&1; do  # (its sleep holds no log pipe: killed
+    # with the task's end, the loop leaves nothing the agent's log pump waits on)
     n=$((n + 1))
     if [ -z "$noticed" ] && [ -n "$HYPER_CKPT_PREEMPTED" ] && [ -e "$HYPER_CKPT_PREEMPTED" ]
     then noticed=1; n=0; save
@@ -933,7 +934,8 @@ class _Logs:
     each stream's unended line (-1: it is over LINE_MAX, all of it counts as come), the
     pipes still open, and whether the attempt ended."""
 
-    __slots__ = ("id", "dir", "files", "order", "cur", "done", "part", "pipes", "ended")
+    __slots__ = ("id", "dir", "files", "order", "cur", "done", "part", "pipes", "ended",
+                 "fds")
 
     def __init__(self, attempt_id, d, files, keep_order):
         self.id, self.dir, self.files = attempt_id, d, files
@@ -943,6 +945,7 @@ class _Logs:
         self.part = [0, 0]
         self.pipes = 0
         self.ended = False
+        self.fds = []  # read ends of its open pipes
 
 
 class _Pump:
@@ -1008,6 +1011,7 @@ class _Pump:
                 self.poll.register(r, select.EPOLLIN)
                 self.pipes[r] = (logs, i)
                 logs.pipes += 1
+                logs.fds.append(r)
         except OSError:
             for fd in ends:
                 os.close(fd)
@@ -1024,14 +1028,13 @@ class _Pump:
         """Carry at once what the attempt's pipes hold (its task ended: all it wrote is
         in them), up to DRAIN_MAX bytes per pipe (processes it left may go on writing)."""
         logs = self.logs.get(attempt_id)
-        for fd, (owner, _) in list(self.pipes.items()):
-            if owner is logs:
-                n = 0
-                while n < DRAIN_MAX:
-                    got = self._carry(fd)
-                    if not got:
-                        break
-                    n += got
+        for fd in list(logs.fds if logs else ()):
+            n = 0
+            while n < DRAIN_MAX and fd in logs.fds:
+                got = self._carry(fd)
+                if not got:
+                    break
+                n += got
 
     def release(self, attempt_id):
         """The attempt ended: its files are closed once no pipe of it is open."""
@@ -1060,6 +1063,7 @@ class _Pump:
         if not data:  # every writer closed it
             os.close(fd)  # (which takes it out of the epoll set: no other fd refers to it)
             del self.pipes[fd]
+            logs.fds.remove(fd)
             logs.pipes -= 1
             if logs.ended and not logs.pipes:
                 self._close(logs)
