@@ -4,10 +4,10 @@ A node's thread (:class:`hypercli.scheduler.NodeWorker`) of a node that keeps it
 (an SSH host, a cloud VM) calls :func:`pull` about every STREAM_EVERY s with the ids of the
 attempts it watches: what each wrote since the last look is read by offset (the agent's
 ``read``, one request per log) and appended to ``$HYPER_HOME/logs/<attempt id>/stdout``,
-``stderr`` and ``order`` (read first: each of its records is of lines copied by the same
-look, :mod:`hypercli.logmerge`), the copy ``hyper logs`` falls back to when the node cannot
-be reached. The offset is the copy's own size, so a ``hyper run`` that was restarted goes on where the last one
-stopped. ``streamed.json`` beside them records when the last look was and how many bytes the
+``stderr`` and ``order`` (read first, once both streams have something: each of its records
+is then of lines copied by the same look, :mod:`hypercli.logmerge`), the copy ``hyper logs``
+falls back to when the node cannot be reached. The offset is the copy's own size, so a
+``hyper run`` that was restarted goes on where the last one stopped. ``streamed.json`` beside them records when the last look was and how many bytes the
 node had then that were not copied yet, so a reader of the copy of a lost attempt is told how
 much may be missing (:func:`note`). When the attempt ends and its node answers, its whole logs
 replace the copy (the provider's session, ``after_end``).
