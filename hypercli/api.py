@@ -138,7 +138,7 @@ class Workflow:
         def read(st: S.State) -> Logs:
             a = pick_attempt(st, f"{self.id}/{task}", attempt, rank)
             got = {"stdout": bytearray(), "stderr": bytearray()}
-            for stream, data in log_chunks(st, a):
+            for stream, data in log_chunks(st, a, merge=False):
                 got[stream] += data
             return Logs(a["task"], a["number"], a["node"],
                         got["stdout"].decode(errors="replace"),

@@ -3,10 +3,11 @@
 A node's thread (:class:`hypercli.scheduler.NodeWorker`) of a node that keeps its logs there
 (an SSH host, a cloud VM) calls :func:`pull` about every STREAM_EVERY s with the ids of the
 attempts it watches: what each wrote since the last look is read by offset (the agent's
-``read``, one request per stream) and appended to ``$HYPER_HOME/logs/<attempt id>/stdout`` and
-``stderr``, the copy ``hyper logs`` falls back to when the node cannot be reached. The offset
-is the copy's own size, so a ``hyper run`` that was restarted goes on where the last one
-stopped. ``streamed.json`` beside them records when the last look was and how many bytes the
+``read``, one request per log) and appended to ``$HYPER_HOME/logs/<attempt id>/stdout``,
+``stderr`` and ``order`` (read first, once both streams have something: each of its records
+is then of lines copied by the same look, :mod:`hypercli.logmerge`), the copy ``hyper logs``
+falls back to when the node cannot be reached. The offset is the copy's own size, so a
+``hyper run`` that was restarted goes on where the last one stopped. ``streamed.json`` beside them records when the last look was and how many bytes the
 node had then that were not copied yet, so a reader of the copy of a lost attempt is told how
 much may be missing (:func:`note`). When the attempt ends and its node answers, its whole logs
 replace the copy (the provider's session, ``after_end``).
@@ -52,7 +53,10 @@ def pull(client, ids: list[str]) -> None:
     for aid in ids:
         d = copy_dir(aid)
         mark = {"at": None, "behind": 0}
-        for stream in ("stdout", "stderr"):
+        # ``order`` first, and only once both streams have something (it has no record
+        # before): one request less per look for a task that writes one stream
+        both = _size(d / "stdout") and _size(d / "stderr")
+        for stream in ("order", "stdout", "stderr") if both else ("stdout", "stderr"):
             path = d / stream
             offset = _size(path)
             r = client.read(aid, stream, offset, READ_LIMIT)
@@ -64,7 +68,8 @@ def pull(client, ids: list[str]) -> None:
                     os.write(fd, r["data"])
                 finally:
                     os.close(fd)
-            mark["behind"] += max(0, int(r.get("size") or 0) - r["offset"])
+            if stream != "order":
+                mark["behind"] += max(0, int(r.get("size") or 0) - r["offset"])
         if not d.is_dir():  # nothing written yet: nothing to keep
             continue
         mark["at"] = time.time()

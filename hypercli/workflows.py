@@ -331,22 +331,27 @@ def pick_attempt(state: S.State, ref: str, number: int | None = None, rank: int 
 
 
 def log_chunks(state: S.State, attempt: dict, *, follow: bool = False,
-               interval: float = 0.25, note: Callable[[str], None] | None = None
-               ) -> Iterator[tuple[str, bytes]]:
+               interval: float = 0.25, note: Callable[[str], None] | None = None,
+               merge: bool = True) -> Iterator[tuple[str, bytes]]:
     """Yield (stream, bytes) of an attempt's stdout and stderr, read by offset from its node;
-    with ``follow``, until the attempt ends. Falls back to the copy in ``$HYPER_HOME/logs``
+    with ``follow``, until the attempt ends. With ``merge``, the lines of both come in the
+    order they came (:mod:`hypercli.logmerge`, from the node's ``order``), each still named
+    by its stream; else all of stdout, then all of stderr. Falls back to the copy in
+    ``$HYPER_HOME/logs``
     when the node cannot be reached (a local node's attempt folder, under
     ``$HYPER_HOME/local/tasks``, is such a copy: it stays when its cluster is forgotten).
     A copy made while the attempt ran on a node that was then lost (:mod:`hypercli.logcopy`)
     may miss its last lines: ``note`` gets one line saying up to when it is complete.
 
     A copy's log is read only when it is a regular file, opened without following a
-    symlink and without waiting (a task may have put a FIFO or a symlink in its place).
+    symlink and without waiting (a task may have put a FIFO or a symlink in its place; an
+    ``order`` that is not one is not read: the streams then come one after the other).
 
     Raises:
         InfraError: the node is unreachable and no copy exists; a log of the copy is not a
             regular file.
     """
+    from hypercli.logmerge import Merger
     wf = state.workflow(attempt["workflow"])
     copies = [S.home() / "logs" / attempt["id"], S.home() / "local" / "tasks" / attempt["id"]]
     copy = next((c for c in copies if c.exists()), copies[0])
@@ -356,6 +361,10 @@ def log_chunks(state: S.State, attempt: dict, *, follow: bool = False,
         why = partial(attempt) if attempt["status"] in ("lost", *S.LIVE_ATTEMPT) else None
         if why and note is not None:
             note(why)
+        if merge:
+            yield from Merger(lambda name, offset, limit: _read_log(
+                copy / name, offset, limit, name == "order") or b"").step()
+            return
         for stream in ("stdout", "stderr"):
             data = _read_log(copy / stream)
             if data is not None:
@@ -375,8 +384,17 @@ def log_chunks(state: S.State, attempt: dict, *, follow: bool = False,
             raise
         yield from from_copy()
         return
-    offsets = {"stdout": 0, "stderr": 0}
     try:
+        if merge:
+            merger = Merger(lambda name, offset, limit: client.read(
+                attempt["id"], name, offset, limit)["data"])
+            while True:
+                ended = client.read(attempt["id"], "order", 0, 0)["state"] != "running"
+                yield from merger.step(final=ended or not follow)
+                if ended or not follow:
+                    return
+                time.sleep(interval)
+        offsets = {"stdout": 0, "stderr": 0}
         while True:
             done = True
             for stream in offsets:
@@ -395,8 +413,10 @@ def log_chunks(state: S.State, attempt: dict, *, follow: bool = False,
         client.close()
 
 
-def _read_log(path: Path) -> bytes | None:
-    """The bytes of the log at ``path``; None when there is none.
+def _read_log(path: Path, offset: int = 0, limit: int = -1,
+              optional: bool = False) -> bytes | None:
+    """``limit`` bytes (-1: all) at ``offset`` of the log at ``path``; None when there is
+    none, or with ``optional`` when it is not a regular file.
 
     Raises:
         InfraError: it is not a regular file (a symlink, a FIFO, a folder), or cannot be read.
@@ -406,14 +426,19 @@ def _read_log(path: Path) -> bytes | None:
     except FileNotFoundError:
         return None
     except OSError as e:  # ELOOP: a symlink
+        if optional:
+            return None
         raise InfraError(f"log {path} is not a regular file ({e.strerror}): not read",
                          "something other than the task's agent replaced it") from None
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
+            if optional:
+                return None
             raise InfraError(f"log {path} is not a regular file: not read",
                              "something other than the task's agent replaced it")
         with os.fdopen(fd, "rb", closefd=False) as f:
-            return f.read()
+            f.seek(offset)
+            return f.read(limit)
     except OSError as e:
         raise InfraError(f"cannot read log {path}: {e.strerror or e}") from None
     finally:
@@ -438,7 +463,8 @@ def failure(state: S.State, wid: str, lines: int = 10) -> tuple[list[str], dict 
     if not attempts:
         return ids, None, []
     attempt = root_cause(attempts)
-    err = b"".join(data for stream, data in log_chunks(state, attempt) if stream == "stderr")
+    err = b"".join(data for stream, data in log_chunks(state, attempt, merge=False)
+                   if stream == "stderr")
     tail = err.decode(errors="replace").rstrip("\n").splitlines()[-lines:] if err else []
     return ids, attempt, tail
 

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import wait_for
+from conftest import ROOT, hyper_cmd, wait_for
 from test_ssh import run_in_process, ssh_recipe
 
 from hypercli.state import State
@@ -127,6 +127,11 @@ def test_logs_of_a_rank_whose_host_was_killed_are_kept_up_to_the_loss(ssh_hosts,
     assert lines[:20] == [f"out 0 {i}" for i in range(1, 21)]
     assert f"node {killed['node']} cannot be reached" in r.stderr and "missing" in r.stderr
     assert "err 0 20" in r.stderr  # its stderr, kept the same way
+    both = subprocess.run([*hyper_cmd(), "logs", "lab-1/talk-0000", "--attempt", "1", "--rank",
+                           "0"], cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, timeout=120).stdout.splitlines()
+    assert [ln for ln in both if ln[:4] in ("out ", "err ")][:40] == [
+        f"{s} 0 {i}" for i in range(1, 21) for s in ("out", "err")]  # in the order they came
     # and the run said so, in one line
     lines = [e["message"] for e in state.events("lab-1") if "restarted" in e["message"]]
     [(first, second)] = [tuple(by[(2, r)]["node"] for r in (0, 1))]

@@ -200,7 +200,8 @@ def outputs(workflow, args, merge, jobs):
               help="Rank of a multi-node task.")
 def logs(task, follow, attempt, rank):
     """Print the output of TASK (search-0007, or WORKFLOW/search-0007 when several
-    workflows have that task)."""
+    workflows have that task): its stdout and stderr lines in the order they came, each on
+    its own stream."""
     from hypercli.workflows import log_chunks, pick_attempt
     state = open_state()
     err_con = console(stderr=True)

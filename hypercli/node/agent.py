@@ -17,7 +17,11 @@ Attempt folder ``ROOT/tasks/<attempt id>/``::
                    "ticks": <its start time, clock ticks since boot>, "image": str?,
                    "output": str?, "attempt_output": str?}, written atomically (rename)
                    once started
-    stdout,stderr  the command's output
+    stdout,stderr  the command's output, carried there by the agent's log pump (_Pump)
+    order          made when a task's lines alternate between stdout and stderr: one line
+                   ``o N`` / ``e N`` per switch (the run of stdout / stderr lines that
+                   ended at byte N of its file), so a reader shows the lines of both in the
+                   order they came (hypercli/logmerge.py)
     metrics.jsonl  JSON objects, one per line, written by the task through $HYPER_METRICS
                    (created by the task's first write)
     exit           JSON {"code": <int>, "ended": <unix s>}, written atomically (rename) at the end
@@ -96,7 +100,8 @@ Requests (``{"id": N, "op": OP, ...}``) and responses (``{"id": N, "ok": true, .
                                     arrives, or ``wait`` seconds pass
     cancel  ids: [id], grace: s   → states: {id: state}  (SIGTERM to the process group, then
                                     SIGKILL after ``grace`` seconds)
-    read    id, stream, offset, limit → data (base64), offset, size, done
+    read    id, stream, offset, limit → data (base64), offset, size, done (stream: stdout,
+                                    stderr, order or metrics.jsonl)
     wake                          → no response; cuts short the ``poll`` wait in progress (a
                                     wake read before a request is stale: ignored)
 
@@ -125,8 +130,9 @@ A state is ``{"state": "running"|"exited"|"lost"|"unknown", "code": int?, "start
 metrics (the last value of each key over all lines of metrics.jsonl) come with every state
 that is not running.
 ``launch``, ``poll`` and ``cancel`` take an optional ``inline: N`` (bytes): every state that
-is not running then also carries ``inline = {"stdout": b64?, "stderr": b64?, "output_empty":
-bool, "checkpoint_empty": bool}``, the logs included when both together are at most N bytes,
+is not running then also carries ``inline = {"stdout": b64?, "stderr": b64?, "order": b64?,
+"output_empty": bool, "checkpoint_empty": bool}``, the logs included when all together are at
+most N bytes,
 so a client over a network brings back an ended attempt's logs in the answer it already waits
 for instead of a second round trip (``output_empty``: the attempt's output folder holds
 nothing to copy; ``checkpoint_empty``: its ``HYPER_CHECKPOINT`` folder holds nothing, so no
@@ -180,7 +186,8 @@ if [ -n "$HYPER_CKPT_RESTORE" ]; then
 fi
 (
   n=0; noticed=
-  while sleep 1; do
+  while sleep 1 </dev/null >/dev/null 2>&1; do  # (its sleep holds no log pipe: killed
+    # with the task's end, the loop leaves nothing the agent's log pump waits on)
     n=$((n + 1))
     if [ -z "$noticed" ] && [ -n "$HYPER_CKPT_PREEMPTED" ] && [ -e "$HYPER_CKPT_PREEMPTED" ]
     then noticed=1; n=0; save
@@ -246,6 +253,7 @@ class Agent:
         self.sampler = _Sampler(self.root)
         self.sample_every = 0.0  # s between utilisation samples, from the last request
         self.own_cgroups = None  # this agent's memory cgroups (its tasks start in them)
+        self.pump = None  # carries its tasks' output to their logs (_Pump)
         # SIGCHLD → a byte on _sig_w → select() returns: a task's end is seen at once
         self._sig_r, self._sig_w = os.pipe()
         for fd in (self._sig_r, self._sig_w):
@@ -260,7 +268,10 @@ class Agent:
     def _fill(self, timeout):
         """Read what stdin has within timeout, reaping tasks that end meanwhile; False at
         EOF. Returns early (True) when a task ended, so a poll wait can look again."""
-        r, _, _ = select.select([0, self._sig_r], [], [], timeout)
+        r, _, _ = select.select([0, self._sig_r] + ([self.pump] if self.pump else []), [],
+                                [], timeout)
+        if self.pump in r:
+            self.pump.carry()
         if self._sig_r in r:
             self._children_ended()
         if 0 not in r:
@@ -318,8 +329,22 @@ class Agent:
         if parent_done is not None:
             os.close(parent_done)
         while self.children:
-            select.select([self._sig_r], [], [], 1.0)
-            self._children_ended()
+            self._pause(1.0)
+
+    def _pause(self, seconds):
+        """Wait ``seconds``, carrying the tasks' output meanwhile (or until a task ends)."""
+        end = time.time() + seconds
+        while True:
+            left = end - time.time()
+            if left <= 0:
+                return
+            r, _, _ = select.select([self._sig_r] + ([self.pump] if self.pump else []), [],
+                                    [], left)
+            if self.pump in r:
+                self.pump.carry()
+            if self._sig_r in r:
+                self._children_ended()
+                return
 
     def _children_ended(self):
         """SIGCHLD came (its bytes on the wakeup pipe): empty the pipe, reap."""
@@ -412,20 +437,20 @@ class Agent:
         return {"states": states}
 
     def inline(self, attempt_id, limit):
-        """``{"stdout": b64, "stderr": b64, "output_empty": bool, "checkpoint_empty": bool}``
-        of an ended attempt; the
-        logs are left out when together they exceed ``limit`` bytes (the client reads them)."""
+        """``{"stdout": b64, "stderr": b64, "order": b64, "output_empty": bool,
+        "checkpoint_empty": bool}`` of an ended attempt; the logs are left out when
+        together they exceed ``limit`` bytes (the client reads them)."""
         d = self.dir(attempt_id)
         out = {}
         sizes = {}
-        for name in ("stdout", "stderr"):
+        for name in LOG_FILES:
             try:
                 st = os.lstat(os.path.join(d, name))
                 sizes[name] = st.st_size if stat.S_ISREG(st.st_mode) else 0
             except OSError:
                 sizes[name] = 0
         if sum(sizes.values()) <= limit:
-            for name in ("stdout", "stderr"):
+            for name in LOG_FILES:
                 out[name] = ""
                 if not sizes[name]:
                     continue
@@ -501,28 +526,30 @@ class Agent:
                     stops.append(subprocess.Popen(
                         [shutil.which("docker") or "docker", "stop", "-t", str(int(grace)),
                          "hyper-" + i], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        until = time.time() + grace + 30
         for p in stops:
-            try:
-                p.wait(timeout=grace + 30)
-            except subprocess.TimeoutExpired:
+            while p.poll() is None and time.time() < until:
+                self._pause(0.05)  # (the tasks' output is carried meanwhile)
+            if p.poll() is None:
                 p.kill()
+                p.wait()
 
         def busy(i):  # running, or a process of its group is left (it ignored SIGTERM)
             return self.state(i, with_metrics=False)["state"] == "running" or (
                 i in stopped and self._signal(i, 0))
         deadline = time.time() + grace
         while time.time() < deadline and any(busy(i) for i in ids):
-            time.sleep(0.02)
+            self._pause(0.02)
         for i in ids:
             if busy(i):
                 self._signal(i, signal.SIGKILL)
-        time.sleep(0.05)
+        self._pause(0.05)
         return self._inline(req, {i: self.state(i) for i in ids})
 
     def op_read(self, req):
         name = req.get("stream", "stdout")
-        if name not in ("stdout", "stderr", "metrics.jsonl"):
-            raise ValueError("stream must be stdout, stderr or metrics.jsonl")
+        if name not in ("stdout", "stderr", "order", "metrics.jsonl"):
+            raise ValueError("stream must be stdout, stderr, order or metrics.jsonl")
         path = os.path.join(self.dir(req["id"]), name)
         offset, limit = int(req.get("offset", 0)), int(req.get("limit", 1 << 20))
         state = self.state(req["id"], with_metrics=False)["state"]
@@ -776,20 +803,17 @@ class Agent:
         self.runtime = (now, error)
         return error
 
-    @staticmethod
-    def _spawn(d, argv, env, cwd, new_session, feed=None):
-        """The command as a child of this agent, output appended to the attempt's logs
-        (``vfork``: no copy of this process is made); ``feed`` (bytes, at most a pipe's
-        buffer: the secrets' exports) is written to its stdin, which is then closed."""
+    def _spawn(self, d, argv, env, cwd, new_session, feed=None):
+        """The command as a child of this agent, its output carried by the agent's log pump
+        (:class:`_Pump`) to the attempt's logs (``vfork``: no copy of this process is made);
+        ``feed`` (bytes, at most a pipe's buffer: the secrets' exports) is written to its
+        stdin, which is then closed."""
         import subprocess
+        if self.pump is None:
+            self.pump = _Pump()
         fds = []
         try:
-            for name in ("stdout", "stderr"):  # never through a symlink a task put there
-                try:
-                    fds.append(_open_regular(os.path.join(d, name),
-                                             os.O_WRONLY | os.O_APPEND | os.O_CREAT))
-                except NotRegular:
-                    fds.append(os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC))
+            fds = self.pump.attach(os.path.basename(d), d)
             proc = subprocess.Popen(argv, cwd=cwd or None, env=env, stdout=fds[0],
                                     stderr=fds[1], stdin=subprocess.DEVNULL if feed is None
                                     else subprocess.PIPE, start_new_session=new_session)
@@ -814,6 +838,8 @@ class Agent:
             rc = child.proc.poll()
             if rc is None:
                 continue
+            if self.pump is not None:  # what it wrote is in its logs before its end is told
+                self.pump.drain(child.id)
             code = rc if rc >= 0 else 128 - rc
             if child.finishing:
                 if code != 0:
@@ -883,9 +909,200 @@ class Agent:
             except (OSError, subprocess.TimeoutExpired) as e:
                 _note(child.dir, "cannot stop the engine's processes: %s" % e)
         _write_json(os.path.join(child.dir, "exit"), ex)
+        if self.pump is not None:
+            self.pump.release(child.id)
         os.close(child.lock)
         self.children.pop(child.id, None)
         self.ended += 1
+
+
+LOG_FILES = ("stdout", "stderr", "order")  # an attempt's logs, as copied off its node
+LOG_READ = 1 << 16  # bytes read from a task's pipe at a time (a pipe's default buffer)
+#: bytes of a line without its end after which the part written so far counts as a line in
+#: ``order`` (a progress bar's ``\r`` ends a line too): the order of a stream that never
+#: ends its lines still moves, and nothing holds more than LOG_READ bytes of it
+LINE_MAX = 1 << 16
+DRAIN_MAX = 4 << 20  # bytes read at most from a pipe at a task's end (what it left in it)
+ORDER_STREAMS = (b"o", b"e")  # how ``order`` names stdout and stderr
+
+
+class _Logs:
+    """The logs of one attempt while processes of it write into the pump's pipes: fds of its
+    ``stdout`` and ``stderr`` files (appended to), of ``order`` (made at its first record;
+    -1 not yet, None: not kept), the run now open (0: stdout, 1: stderr, None: no line
+    yet), where each stream's last complete line ends (bytes into its file), the bytes of
+    each stream's unended line (-1: it is over LINE_MAX, all of it counts as come), the
+    pipes still open, and whether the attempt ended."""
+
+    __slots__ = ("id", "dir", "files", "order", "cur", "done", "part", "pipes", "ended",
+                 "fds")
+
+    def __init__(self, attempt_id, d, files, keep_order):
+        self.id, self.dir, self.files = attempt_id, d, files
+        self.order = -1 if keep_order else None
+        self.cur = None
+        self.done = [0, 0]
+        self.part = [0, 0]
+        self.pipes = 0
+        self.ended = False
+        self.fds = []  # read ends of its open pipes
+
+
+class _Pump:
+    """Carries what the agent's tasks write to their logs, and the order in which their lines
+    came; driven by the agent's own loop (no thread, no process of its own).
+
+    A task's stdout and stderr are two pipes, all of them in one epoll set whose fd the
+    agent's loop waits on beside its requests and SIGCHLD (:meth:`carry`): what comes on
+    each pipe is appended to the attempt's ``stdout`` or ``stderr`` (kept exact). When a
+    stream's line ends (``\\n``, ``\\r``, or LINE_MAX bytes without one) after lines of
+    the other stream, the run of lines of that other stream is closed: the record ``o N``
+    or ``e N`` (stdout or stderr, N: the byte offset in its file where the run ends) is
+    appended to ``order``. So ``order`` holds one short line per switch between the streams
+    (none for a task that writes one stream only, and no file then), and a reader rebuilds
+    the lines of both streams in the order they came (:mod:`hypercli.logmerge`). Lines
+    written to both streams before the agent reads them are taken stdout first. At most
+    LOG_READ bytes of a task's output are held at a time, whatever the task writes; while
+    the agent is busy with something else (a ``docker info``, an engine's check), a task
+    that fills its pipe (64 KiB) waits, as on a slow terminal (``cancel`` carries output
+    while it waits).
+
+    An attempt's files are opened once (never through a symlink: a log that is not a
+    regular file gets nothing, and then no ``order``) for the task and its ``finish``
+    command, and closed when the attempt has ended and its last pipe is closed. Processes a
+    task left behind that still write are carried while this agent runs.
+    """
+
+    def __init__(self):
+        self.logs = {}  # attempt id -> _Logs
+        self.pipes = {}  # read fd -> (_Logs, stream index)
+        self.poll = select.epoll()
+
+    def fileno(self):
+        """The fd that is readable when a pipe has something (for ``select``)."""
+        return self.poll.fileno()
+
+    def attach(self, attempt_id, d):
+        """Two new pipes for a process of attempt ``attempt_id`` (folder ``d``): returns
+        their write ends [stdout, stderr] (the caller closes them once the process has
+        them). Raises OSError (no fd left)."""
+        logs = self.logs.get(attempt_id)
+        if logs is None:
+            files, keep = [], True
+            try:
+                for name in ("stdout", "stderr"):  # never through a task's symlink
+                    try:
+                        files.append(_open_regular(
+                            os.path.join(d, name), os.O_WRONLY | os.O_APPEND | os.O_CREAT))
+                    except NotRegular:
+                        files.append(os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC))
+                        keep = False
+            except OSError:
+                for fd in files:
+                    os.close(fd)
+                raise
+            logs = self.logs[attempt_id] = _Logs(attempt_id, d, files, keep)
+        ends = []
+        try:
+            for i in (0, 1):
+                r, w = os.pipe()  # (both close-on-exec: the task gets w as its 1 or 2)
+                ends.append(w)
+                fcntl.fcntl(r, fcntl.F_SETFL, os.O_NONBLOCK)
+                self.poll.register(r, select.EPOLLIN)
+                self.pipes[r] = (logs, i)
+                logs.pipes += 1
+                logs.fds.append(r)
+        except OSError:
+            for fd in ends:
+                os.close(fd)
+            raise
+        return ends
+
+    def carry(self):
+        """Move what waits in the pipes to the logs (one read per ready pipe)."""
+        for fd, _ in self.poll.poll(0):
+            if fd in self.pipes:
+                self._carry(fd)
+
+    def drain(self, attempt_id):
+        """Carry at once what the attempt's pipes hold (its task ended: all it wrote is
+        in them), up to DRAIN_MAX bytes per pipe (processes it left may go on writing)."""
+        logs = self.logs.get(attempt_id)
+        for fd in list(logs.fds if logs else ()):
+            n = 0
+            while n < DRAIN_MAX and fd in logs.fds:
+                got = self._carry(fd)
+                if not got:
+                    break
+                n += got
+
+    def release(self, attempt_id):
+        """The attempt ended: its files are closed once no pipe of it is open."""
+        logs = self.logs.get(attempt_id)
+        if logs is not None:
+            logs.ended = True
+            if not logs.pipes:
+                self._close(logs)
+
+    def _close(self, logs):
+        for fd in logs.files + ([logs.order] if logs.order is not None and logs.order >= 0
+                                else []):
+            os.close(fd)
+        self.logs.pop(logs.id, None)
+
+    def _carry(self, fd):
+        """Move one read of pipe ``fd`` to its log: returns the bytes moved, 0 when none
+        waited; at its end the pipe is closed."""
+        logs, i = self.pipes[fd]
+        try:
+            data = os.read(fd, LOG_READ)
+        except BlockingIOError:
+            return 0
+        except OSError:
+            data = b""
+        if not data:  # every writer closed it
+            os.close(fd)  # (which takes it out of the epoll set: no other fd refers to it)
+            del self.pipes[fd]
+            logs.fds.remove(fd)
+            logs.pipes -= 1
+            if logs.ended and not logs.pipes:
+                self._close(logs)
+            return 0
+        _write_all(logs.files[i], data)
+        if logs.order is None:
+            return len(data)
+        end = max(data.rfind(b"\n"), data.rfind(b"\r")) + 1
+        if not end and 0 <= logs.part[i] and logs.part[i] + len(data) < LINE_MAX:
+            logs.part[i] += len(data)
+            return len(data)
+        try:
+            at = os.lseek(logs.files[i], 0, os.SEEK_CUR)  # (appends by others counted)
+        except OSError:
+            return len(data)
+        logs.part[i] = len(data) - end if end else -1  # -1: in a line over LINE_MAX
+        if logs.cur is not None and logs.cur != i:  # the other stream's run ends here
+            if logs.order == -1:
+                try:
+                    logs.order = _open_regular(os.path.join(logs.dir, "order"),
+                                               os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+                except OSError:
+                    logs.order = None
+                    return len(data)
+            _write_all(logs.order, b"%s %d\n" % (ORDER_STREAMS[logs.cur],
+                                                  logs.done[logs.cur]))
+        logs.cur = i
+        logs.done[i] = at - max(0, logs.part[i])
+        return len(data)
+
+
+def _write_all(fd, data):
+    """Write all of ``data`` to ``fd``; a full disk or a broken file loses it (the task goes
+    on: its output is never what stops it)."""
+    try:
+        while data:
+            data = data[os.write(fd, data):]
+    except OSError:
+        pass
 
 
 class _Sampler:

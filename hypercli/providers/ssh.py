@@ -39,6 +39,7 @@ from typing import Callable
 from hypercli import state as S
 from hypercli.errors import HyperError, InfraError, NodeError, UsageError
 from hypercli.node.bundle import bundle, remote_python
+from hypercli.node.agent import LOG_FILES
 from hypercli.node.client import AgentClient, agent_source
 from hypercli.providers.base import Instance, LaunchResult
 from hypercli.providers.runtime import (NodeRuntime, checkpoint_name, forwarded_env,
@@ -459,7 +460,7 @@ class SSHSession:
                     wanted[a] = t
         if not fetch and not wanted:
             return
-        paths = [f"tasks/{a}/{s}" for a in fetch for s in ("stdout", "stderr")]
+        paths = [f"tasks/{a}/{s}" for a in fetch for s in LOG_FILES]
         paths += [f"outputs/{wid}/{t}" for t in wanted.values()]
         cmd = (f"cd {self.root} && tar -cf - --ignore-failed-read "
                + " ".join(shlex.quote(p) for p in paths) + " 2>/dev/null; true")
@@ -548,11 +549,11 @@ def _keep_output(root: Path, name: str, src: Path | None, attempt_id: str) -> No
 
 
 def _save_logs(dest: Path, inline: dict) -> None:
-    """Write an attempt's logs that came inline (base64 ``stdout``/``stderr``) into
+    """Write an attempt's logs that came inline (base64 ``stdout``/``stderr``/``order``) into
     ``dest``, each file atomically. An empty stream gets no file (the folder alone says the
     logs were brought back): each file made costs ~0.1 ms on a VM's disk, per attempt."""
     dest.mkdir(parents=True, exist_ok=True)
-    for name in ("stdout", "stderr"):
+    for name in LOG_FILES:
         data = base64.b64decode(inline.get(name) or "")
         if not data:
             continue

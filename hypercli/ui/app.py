@@ -147,7 +147,7 @@ def task_data(state: S.State, wid: str, tid: str) -> dict:
     error = None
     if attempts:
         try:
-            for stream, data in log_chunks(state, attempts[-1]):
+            for stream, data in log_chunks(state, attempts[-1], merge=False):
                 logs[stream] = (logs[stream] + data)[-LOG_TAIL:]
         except HyperError as e:
             error = e.message
