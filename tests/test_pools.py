@@ -74,6 +74,25 @@ def test_a_shape_no_offer_holds_is_exit_2_naming_the_pool(hyper_home, write_reci
     assert "pool p2 (b)" in r.stderr and "V100:64" in r.stderr
 
 
+def test_plan_shows_the_pools_and_up_says_to_run_them(hyper_home, write_recipe, hyper):
+    path = write_recipe("""
+        name: stages
+        cluster: {provider: aws, region: us-east-1, pool_idle_minutes: 0.5}
+        experiments:
+          prep: {parameters: {i: [1, 2, 3]}, workers: 3, resources: {cpus: 2}, command: "true"}
+          train: {after: [prep], resources: {cpus: 2, memory: "12+"}, command: "true"}
+    """)
+    r = hyper("plan", path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "p1 (prep) [2+ vCPUs, spot]: aws us-east-1" in r.stdout
+    assert "at most 3 nodes, idle limit 0.5 min" in r.stdout
+    assert "p2 (train) [2+ vCPUs, 11.2+ GiB, spot]: aws" in r.stdout
+    r = hyper("up", path)
+    assert r.returncode == 2 and "runs as node pools" in r.stderr, r.stdout + r.stderr
+    from hypercli.state import State
+    assert State().cluster("stages") is None  # nothing recorded, nothing launched
+
+
 @pytest.mark.slow
 def test_two_stages_two_pools_grow_shrink_and_a_spot_interruption_on_aws(
         aws, ssh_hosts, tmp_path, hyper_home, hyper):
