@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from hypercli.offers.pools import idle_nodes, wanted
+from test_failover import moto_aws  # noqa: F401 (a fixture: moto's EC2 in process)
 
 
 def test_a_pool_grows_for_the_tasks_waiting_within_its_cap():
@@ -209,3 +210,47 @@ def test_two_stages_two_pools_grow_shrink_and_a_spot_interruption_on_aws(
     finally:
         booter.stopping.set()
         booter.join(10)
+
+
+@pytest.mark.slow
+def test_a_pool_that_cannot_grow_tries_again_then_the_run_names_it(
+        hyper_home, tmp_path, monkeypatch, moto_aws):
+    """Every offer of the pool out of capacity (EC2's own error, moto in process): the pool
+    launches again after GROW_RETRY, GROW_TRIES times in all, then the run ends with an
+    error naming the pool and the cloud's answer; no instance is left."""
+    from test_failover import EAST, Refuse
+    from hypercli.errors import InfraError
+    from hypercli.offers import pools
+    from hypercli.providers.aws import AWSAPI
+    from hypercli.providers.cloud_provider import CloudProvider
+    from hypercli.scheduler import Scheduler
+    from hypercli.state import State
+    from hypercli.workflows import prepare_run
+    monkeypatch.setattr(pools, "GROW_RETRY", 0.2)
+    path = tmp_path / "full.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": "full", "cluster": {"provider": "aws", "region": EAST, "zone": [f"{EAST}a"],
+                                    "ssh_cidr": "10.213.0.0/24"},
+        "experiments": {"a": {"resources": {"cpus": 2}, "command": "true"},
+                        "b": {"after": ["a"], "resources": {"cpus": 2, "memory": "12+"},
+                              "command": "true"}}}))
+    state = State()
+    wid, _, _, nodes, lock = prepare_run(state, str(path))
+    api = AWSAPI(EAST)
+    refused = Refuse(api, {"*"})
+    provider = CloudProvider("aws", options=state.cluster("full")["spec"]["options"], api=api)
+    try:
+        with pytest.raises(InfraError) as e:
+            Scheduler(state, wid, provider, nodes).run()
+    finally:
+        lock.release()
+    assert "pool p1 of cluster full (a) cannot grow" in e.value.message
+    assert "InsufficientInstanceCapacity" in e.value.message or "capacity" in e.value.message
+    offers = len(pools.offers_of(state.pools("full")[0]))
+    assert len(refused.asked) == pools.GROW_TRIES * offers  # each try walks every offer
+    p1, p2 = state.pools("full")
+    assert (p1["status"], p2["status"], p2["target"]) == ("held", "steady", 0)
+    assert "capacity" in p1["why"]
+    running = [i for r in api.ec2.describe_instances()["Reservations"] for i in r["Instances"]
+               if i["State"]["Name"] != "terminated"]
+    assert running == [] and state.ledger("full") == []
