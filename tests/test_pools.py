@@ -170,7 +170,7 @@ def test_two_stages_two_pools_grow_shrink_and_a_spot_interruption_on_aws(
                                a["task"] in {x["task"] for x in lost} for a in attempts))
         assert replacement
         # pool 1 went up for stage 1 and was taken down when stage 1 ended, before stage 2
-        # ended; pool 2 went up only once stage 2 was ready
+        # ended; pool 2 went up only for stage 2
         ledger = {r["node"]: r for r in state.ledger("stages")}
         assert set(ledger) == set(all_nodes)
         prep_end = max(a["ended_at"] for a in attempts if a["task"].startswith("prep"))
@@ -181,13 +181,23 @@ def test_two_stages_two_pools_grow_shrink_and_a_spot_interruption_on_aws(
             assert prep_end <= ledger[n]["ended_at"] < train_end
             print(f"{n} ended {ledger[n]['ended_at'] - prep_end:.2f} s after stage 1's last "
                   "task")
-        assert all(ledger[n]["launched_at"] >= prep_end for n in p2)
+        # ... launched once every task of stage 1 had started, to boot while the last ran
+        last_prep = max(a["created_at"] for a in attempts if a["task"].startswith("prep"))
+        assert all(ledger[n]["launched_at"] >= last_prep for n in p2)
         assert all(ledger[n]["launched_at"] <= prep_start for n in p1)
         assert ledger[injected["node"]]["end_reason"] == "preempted"
         p1_ids = [all_nodes[n]["provider_id"] for n in p1]
         states = {i["InstanceId"]: i["State"]["Name"] for r in aws.describe_instances(
             InstanceIds=p1_ids)["Reservations"] for i in r["Instances"]}
         assert set(states.values()) == {"terminated"}
+        # without the driver, the node watcher takes an idle pool node down after the same
+        # minutes: they are in its boot document
+        import base64
+        import json
+        data = aws.describe_instance_attribute(InstanceId=p1_ids[0], Attribute="userData")
+        doc = yaml.safe_load(base64.b64decode(data["UserData"]["Value"]).decode())
+        node_json = next(f for f in doc["write_files"] if f["path"] == "/etc/hyper/node.json")
+        assert json.loads(node_json["content"])["idle_minutes"] == 0.05
         # the run's end took pool 2 down too: its experiments have all ended
         assert all(ledger[n]["ended_at"] is not None for n in p2)
         assert {p["name"]: p["status"] for p in state.pools("stages")} == {

@@ -12,7 +12,9 @@ what the scheduler knows; the provider only launches (``grow``) and terminates
 
 Rules (the decisions of :class:`Pools`, taken in the scheduler's loop after each dispatch):
   * **grow**: a pool launches nodes when its ready experiments have tasks that no free node of
-    the pool could hold (and that their own ``workers:`` would let run), enough for them at
+    the pool could hold (and that their own ``workers:`` would let run) — an experiment is
+    counted as ready as soon as every task of the experiments it comes after has started,
+    so that its nodes boot while their last tasks run — enough for them at
     the tasks one node of its offer holds (:func:`hypercli.offers.estimate.per_node`), up to
     its cap and within ``max_cost`` (:func:`hypercli.offers.ledger.within_budget`); each node
     is launched in a thread of its own and takes tasks as soon as it is up.
@@ -265,8 +267,10 @@ class Pools:
         """Ranks of tasks of the pool's ready experiments that wait for room."""
         n = 0
         for exp in self.rows[pool]["experiments"]:
-            if exp not in sched.queue or not sched.queue[exp] or \
-                    sched._exp_state(exp) != "ready":
+            if exp not in sched.queue or not sched.queue[exp]:
+                continue
+            st = sched._exp_state(exp)
+            if st != "ready" and not (st == "blocked" and self._next(sched, exp)):
                 continue
             q = len(sched.queue[exp])
             cap = sched.exps[exp]["workers"]
@@ -276,6 +280,15 @@ class Pools:
                 q = min(q, max(0, cap - running))
             n += q * max(1, self.shape[pool].nodes)
         return n
+
+    @staticmethod
+    def _next(sched, exp: str) -> bool:
+        """Whether ``exp`` is next: every experiment it comes after is ready and has all its
+        tasks started (none pending), so its nodes boot while their last tasks run."""
+        for dep in sched.exps[exp]["after"]:
+            if sched._exp_state(dep) != "ready" or sched.count[dep].get("pending"):
+                return False
+        return True
 
     def _ended(self, sched, pool: str) -> bool:
         """Every task of the pool's experiments (of this run) has ended."""
