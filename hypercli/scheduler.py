@@ -1161,7 +1161,7 @@ class Scheduler:
                 if progress:
                     progress(self)
                 self._drain(refresh)
-            if self.pools is not None and not summary.interrupted:
+            if self.pools is not None and summary.interrupted != "leave":
                 self.pools.finish(self)  # the pools whose experiments ended go away
         finally:
             for s, h in old.items():
