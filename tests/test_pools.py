@@ -264,3 +264,66 @@ def test_a_pool_that_cannot_grow_tries_again_then_the_run_names_it(
     running = [i for r in api.ec2.describe_instances()["Reservations"] for i in r["Instances"]
                if i["State"]["Name"] != "terminated"]
     assert running == [] and state.ledger("full") == []
+
+
+@pytest.mark.slow
+def test_two_stages_two_pools_on_gcp(ssh_hosts, tmp_path, hyper_home, monkeypatch, hyper):
+    """The same on GCP (the Compute Engine stand-in tests/gcpfake.py through the real
+    client; nodes make and publish their own host keys): each stage on its own pool, pool 1
+    terminated when stage 1 ended, nothing left after `hyper down`."""
+    pytest.importorskip("google.cloud.compute_v1")
+    from cloudhosts import Booter, gcp_publisher, gcp_source
+    from gcpfake import ComputeFake
+    from hypercli.scheduler import Scheduler
+    from hypercli.state import State
+    from hypercli.workflows import prepare_run
+    from test_ssh import assert_one_success_each
+    fake = ComputeFake()
+    monkeypatch.setenv("HYPER_GCP_ENDPOINT", fake.url)
+    monkeypatch.setenv("HYPER_CLOUD_ADDRESSES", str(tmp_path / "addresses.json"))
+    hosts = ssh_hosts.start(3)
+    booter = Booter(gcp_source(fake), hosts, tmp_path / "addresses.json",
+                    publish=gcp_publisher(fake))
+    booter.start()
+    path = tmp_path / "gstages.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": "gstages",
+        "cluster": {"provider": "gcp", "project": "proj", "region": "us-central1",
+                    "zone": ["us-central1-a"], "image": "projects/proj/global/images/x",
+                    "ssh_cidr": "10.213.0.0/24", "pool_idle_minutes": 0.05},
+        "experiments": {
+            "prep": {"parameters": {"i": [1, 2]}, "workers": 2, "resources": {"cpus": 2},
+                     "command": "sleep 1"},
+            "train": {"after": ["prep"], "resources": {"cpus": 2, "memory": "12+"},
+                      "command": "sleep 3"}}}, sort_keys=False))
+    try:
+        state = State()
+        wid, _, provider, nodes, lock = prepare_run(state, str(path))
+        try:
+            summary = Scheduler(state, wid, provider, nodes).run()
+        finally:
+            lock.release()
+        assert summary.exit_code == 0, state.attempts(wid)
+        assert_one_success_each(state, wid)
+        assert not booter.errors, booter.errors
+        by_pool: dict = {}
+        for n in state.nodes("gstages"):
+            by_pool.setdefault(n["pool"], []).append(n["name"])
+        assert sorted(by_pool) == ["p1", "p2"] and len(by_pool["p1"]) == 2
+        attempts = state.attempts(wid)
+        assert {a["node"] for a in attempts if a["task"].startswith("prep")} <= set(
+            by_pool["p1"])
+        assert {a["node"] for a in attempts if a["task"].startswith("train")} <= set(
+            by_pool["p2"])
+        ledger = {r["node"]: r for r in state.ledger("gstages")}
+        train_end = max(a["ended_at"] for a in attempts if a["task"].startswith("train"))
+        assert all(ledger[n]["cloud"] == "gcp" and ledger[n]["end_reason"] == "idle" and
+                   ledger[n]["ended_at"] < train_end for n in by_pool["p1"])
+        r = hyper("down", "gstages", timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert fake.instances == {z: {} for z in fake.zones}
+        assert not fake.firewalls and not fake.service_accounts
+    finally:
+        booter.stopping.set()
+        booter.join(10)
+        fake.close()
