@@ -46,6 +46,10 @@ Rules (paper section III-D for the re-run of lost work):
     notice is lost at once, before it vanishes. With ``replace_preempted`` (default for spot),
     a node lost that way gets a replacement launched into the cluster, which takes work as
     soon as it is up.
+  * Node pools (a cloud cluster with one pool per resource shape, :mod:`hypercli.offers.
+    pools`): a task goes only to nodes of its experiment's pool; after each dispatch the
+    pools launch nodes for tasks that wait for room and terminate idle ones; a pool's node
+    lost to the cloud is not replaced by a launch of the cluster: its pool grows again.
   * Utilisation (:mod:`hypercli.usage`): agents sample their node and running attempts every
     ``HYPER_SAMPLE_EVERY`` s and hand the samples over in the answers the node threads wait
     for anyway (no extra round trip); the main thread stores them, compacts the old ones

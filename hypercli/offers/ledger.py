@@ -102,9 +102,10 @@ def costs(state, ref: str | None = None, now: float | None = None) -> dict:
     Returns:
         ``{"total": USD, "clusters": [{"cluster", "cost", "node_hours", "nodes", "running",
         "idle", "unpriced"}], "pools": [{"cluster", "pool", "cost", "node_hours", "nodes",
-        "running"}] (nodes of node pools only), "workflows": [{"workflow", "cluster", "cost", "experiments":
-        {name: USD}}], "nodes": [{"cluster", "node", "cloud", "region", "zone",
-        "instance_type", "spot", "price", "launched_at", "ended_at", "hours", "cost"}]}``,
+        "running"}] (nodes of node pools only), "workflows": [{"workflow", "cluster",
+        "cost", "experiments": {name: USD}}], "nodes": [{"cluster", "node", "cloud",
+        "region", "zone", "instance_type", "spot", "price", "launched_at", "ended_at",
+        "hours", "cost", "pool"}]}``,
         USD rounded to the cent's hundredth; ``unpriced``: nodes whose price is not known.
     Raises:
         UsageError: ``ref`` names neither a cluster nor a workflow.

@@ -234,9 +234,6 @@ class Pools:
         self.spec_row = c
 
     # -- what the scheduler asks ----------------------------------------------------------
-    def pool_of_node(self, nodes: dict, node: str) -> str | None:
-        return (nodes.get(node) or {}).get("pool")
-
     def usable(self, experiment: str, free: dict, nodes: dict) -> dict:
         """The nodes of ``free`` an experiment's tasks may go to: those of its pool (nodes
         without a pool: any)."""
