@@ -327,3 +327,33 @@ def test_two_stages_two_pools_on_gcp(ssh_hosts, tmp_path, hyper_home, monkeypatc
         booter.stopping.set()
         booter.join(10)
         fake.close()
+
+
+@pytest.mark.slow
+def test_max_cost_stops_a_pool_growing_and_the_run_says_so(hyper_home, tmp_path, moto_aws):
+    """``max_cost`` below the next hour of a pool's first node: nothing is launched and the
+    run ends naming the pool and the budget."""
+    from test_failover import EAST
+    from hypercli.errors import InfraError
+    from hypercli.scheduler import Scheduler
+    from hypercli.state import State
+    from hypercli.workflows import prepare_run
+    path = tmp_path / "cheap.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": "cheap", "cluster": {"provider": "aws", "region": EAST, "zone": [f"{EAST}a"],
+                                     "ssh_cidr": "10.213.0.0/24", "max_cost": 0.001},
+        "experiments": {"a": {"resources": {"cpus": 2}, "command": "true"},
+                        "b": {"after": ["a"], "resources": {"cpus": 2, "memory": "12+"},
+                              "command": "true"}}}))
+    state = State()
+    wid, _, provider, nodes, lock = prepare_run(state, str(path))
+    try:
+        with pytest.raises(InfraError) as e:
+            Scheduler(state, wid, provider, nodes).run()
+    finally:
+        lock.release()
+    assert "pool p1 of cluster cheap (a) cannot grow: max_cost $0.00" in e.value.message
+    assert state.ledger("cheap") == [] and state.nodes("cheap") == []
+    assert state.pools("cheap")[0]["status"] == "held"
+    assert any("max_cost" in ev["message"] for ev in state.cluster_events("cheap",
+                                                                          ("cluster",)))
