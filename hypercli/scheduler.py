@@ -46,6 +46,10 @@ Rules (paper section III-D for the re-run of lost work):
     notice is lost at once, before it vanishes. With ``replace_preempted`` (default for spot),
     a node lost that way gets a replacement launched into the cluster, which takes work as
     soon as it is up.
+  * Node pools (a cloud cluster with one pool per resource shape, :mod:`hypercli.offers.
+    pools`): a task goes only to nodes of its experiment's pool; after each dispatch the
+    pools launch nodes for tasks that wait for room and terminate idle ones; a pool's node
+    lost to the cloud is not replaced by a launch of the cluster: its pool grows again.
   * Utilisation (:mod:`hypercli.usage`): agents sample their node and running attempts every
     ``HYPER_SAMPLE_EVERY`` s and hand the samples over in the answers the node threads wait
     for anyway (no extra round trip); the main thread stores them, compacts the old ones
@@ -479,6 +483,16 @@ class Scheduler:
         #: failed or a time limit passed (``train-0000: node lab-0 lost (host unreachable) →
         #: gang restarted, attempt 2/2 on lab-1, lab-2``), oldest first
         self.lines: list[str] = []
+        from hypercli.offers.pools import for_run
+        #: the cluster's node pools, grown and shrunk from the loop (None: no pools)
+        self.pools = for_run(state, self.wf, provider, self.events)
+
+    def retire(self, node: str) -> None:
+        """Take a node with no live attempt out of the run (its pool is shrinking)."""
+        self.up.discard(node)
+        w = self.workers.pop(node, None)
+        if w is not None:
+            w.stop()
 
     def _worker(self, n: dict) -> NodeWorker:
         probe = getattr(self.provider, "probe", None)
@@ -494,6 +508,8 @@ class Scheduler:
             return
         if not ("preempted" in why or why.startswith("gone")):
             return
+        if self.pools is not None and self.pools.lost(row):
+            return  # its pool grows again for the work it had
         self.replacing.add(node)
         self.state.event("node", "launching a replacement", workflow=self.wid, node=node)
 
@@ -689,6 +705,8 @@ class Scheduler:
     def _usable(self, name: str, free: dict) -> dict:
         """The nodes of ``free`` that can run experiment ``name`` (a container experiment
         skips nodes whose container runtime failed). The values are shared, not copied."""
+        if self.pools is not None:
+            free = self.pools.usable(name, free, self.nodes)
         needs = self._needs(name)
         if not needs or not self.lacking:
             return free
@@ -921,12 +939,15 @@ class Scheduler:
         if kind == "error":
             self.state.event("node", f"unreachable: {payload}", workflow=self.wid, node=node)
             return
-        if kind == "replaced":  # payload: the new nodes' rows (none when it failed)
+        if kind in ("replaced", "joined"):  # payload: the new nodes' rows (none: failed)
             self.replacing.discard(node)
+            if kind == "joined":  # node: the pool that grew
+                payload = self.pools.joined(node, payload)
             for row in payload:
                 if row["name"] in self.workers:
                     continue
-                self.state.event("node", f"joined the run, replacing {node}",
+                self.state.event("node", f"joined the run, replacing {node}" if kind ==
+                                 "replaced" else f"joined the run (pool {node})",
                                  workflow=self.wid, node=row["name"])
                 self.nodes[row["name"]] = row
                 self.up.add(row["name"])
@@ -1132,13 +1153,20 @@ class Scheduler:
                 if self.deadlines:
                     self._check_timeouts()
                 self._dispatch()
+                if self.pools is not None:
+                    self.pools.tick(self)
                 if self._done():
                     break
-                if not self.live and not self.replacing:
+                if not self.live and not self.replacing and not (
+                        self.pools is not None and self.pools.busy()):
+                    if self.pools is not None:
+                        self.pools.check(self)
                     self._check_stuck()
                 if progress:
                     progress(self)
                 self._drain(refresh)
+            if self.pools is not None and summary.interrupted != "leave":
+                self.pools.finish(self)  # the pools whose experiments ended go away
         finally:
             for s, h in old.items():
                 signal.signal(s, h)

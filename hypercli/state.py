@@ -174,6 +174,26 @@ def m009_ledger(db: sqlite3.Connection) -> None:
     """)
 
 
+@migration
+def m_pools(db: sqlite3.Connection) -> None:
+    """``pools``: a cloud cluster's node pools (:mod:`hypercli.offers.pools`), one row per
+    (cluster, pool): the resource ``shape`` it holds and the ``offer`` it launches on (JSON),
+    its ``experiments`` (JSON list), ``cap`` (most nodes), ``target`` (nodes it wants now),
+    ``idle_s`` (s a node may stay idle), ``status`` (``growing``, ``steady``, ``shrinking``,
+    ``done``) and ``why`` (the reason, for ``hyper status``). ``nodes.pool`` and
+    ``ledger.pool``: the pool a node belongs to (NULL: a cluster without pools)."""
+    _script(db, """
+    CREATE TABLE pools (
+        cluster TEXT NOT NULL, name TEXT NOT NULL, shape TEXT NOT NULL DEFAULT '{}',
+        offer TEXT NOT NULL DEFAULT '{}', experiments TEXT NOT NULL DEFAULT '[]',
+        cap INTEGER NOT NULL, target INTEGER NOT NULL DEFAULT 0, idle_s REAL NOT NULL,
+        status TEXT NOT NULL DEFAULT 'steady', why TEXT, updated_at REAL NOT NULL,
+        PRIMARY KEY (cluster, name));
+    ALTER TABLE nodes ADD COLUMN pool TEXT;
+    ALTER TABLE ledger ADD COLUMN pool TEXT
+    """)
+
+
 def _script(db: sqlite3.Connection, sql: str) -> None:
     """Run ``;``-separated statements inside the caller's transaction (``executescript``
     would commit it)."""
@@ -468,7 +488,9 @@ class State:
                  address: dict | None = None, status: str = "up", info: dict | None = None):
         now = time.time()
         with self.tx() as db:
-            db.execute("INSERT INTO nodes VALUES (?,?,?,?,?,?,?,?,?) ON CONFLICT(name) DO UPDATE "
+            db.execute("INSERT INTO nodes (name, cluster, provider_id, address, slots, status, "
+                       "info, created_at, updated_at) VALUES (?,?,?,?,?,?,?,?,?) "
+                       "ON CONFLICT(name) DO UPDATE "
                        "SET cluster=excluded.cluster, provider_id=excluded.provider_id, "
                        "address=excluded.address, slots=excluded.slots, status=excluded.status, "
                        "info=excluded.info, updated_at=excluded.updated_at",
@@ -789,6 +811,45 @@ class State:
             q, args = q + " AND cluster=?", args + [cluster]
         return [dict(r) for r in self.db.execute(q + " ORDER BY launched_at, id", args)]
 
+    # -- node pools (migration m_pools) ---------------------------------------------------
+    def put_pool(self, cluster: str, name: str, *, shape: dict, offer: dict,
+                 experiments: list[str], cap: int, idle_s: float) -> None:
+        """Record a pool of a cluster (its target and status are kept when it exists)."""
+        with self.tx() as db:
+            db.execute("INSERT INTO pools (cluster, name, shape, offer, experiments, cap, "
+                       "idle_s, updated_at) VALUES (?,?,?,?,?,?,?,?) ON CONFLICT(cluster, name)"
+                       " DO UPDATE SET shape=excluded.shape, offer=excluded.offer, "
+                       "experiments=excluded.experiments, cap=excluded.cap, "
+                       "idle_s=excluded.idle_s, updated_at=excluded.updated_at",
+                       (cluster, name, _dumps(shape), _dumps(offer), _dumps(experiments), cap,
+                        idle_s, time.time()))
+
+    def set_pool(self, cluster: str, name: str, *, target: int, status: str,
+                 why: str | None) -> None:
+        """Record what a pool wants now: ``target`` nodes, ``status`` and why."""
+        with self.tx() as db:
+            db.execute("UPDATE pools SET target=?, status=?, why=?, updated_at=? "
+                       "WHERE cluster=? AND name=?",
+                       (target, status, why, time.time(), cluster, name))
+
+    def pools(self, cluster: str) -> list[dict]:
+        """The pools of a cluster, in the order they were made."""
+        rows = self.db.execute("SELECT * FROM pools WHERE cluster=? ORDER BY rowid",
+                               (cluster,)).fetchall()
+        return [_row(r, "shape", "offer", "experiments") for r in rows]
+
+    def set_node_pool(self, cluster: str, nodes: Iterable[str], pool: str) -> None:
+        """Put these nodes (their ``nodes`` and ``ledger`` rows) in ``pool``."""
+        nodes = list(nodes)
+        if not nodes:
+            return
+        marks = ",".join("?" * len(nodes))
+        with self.tx() as db:
+            db.execute(f"UPDATE nodes SET pool=? WHERE cluster=? AND name IN ({marks})",
+                       (pool, cluster, *nodes))
+            db.execute(f"UPDATE ledger SET pool=? WHERE cluster=? AND node IN ({marks})",
+                       (pool, cluster, *nodes))
+
     def cluster_since(self, name: str) -> float:
         """When the cluster's id (migration 8) was made (unix s; 0.0 without one): its
         ledger since it was last forgotten."""
@@ -882,6 +943,7 @@ class State:
         with self.tx() as db:
             n = db.execute("DELETE FROM nodes WHERE cluster=?", (name,)).rowcount
             db.execute("DELETE FROM clusters WHERE name=?", (name,))
+            db.execute("DELETE FROM pools WHERE cluster=?", (name,))
             db.execute("DELETE FROM cluster_ids WHERE name=?", (name,))
             self._event(db, "cluster", f"{name} forgotten ({n} node rows deleted)")
         return n

@@ -62,7 +62,10 @@ def load_with_defaults(recipe_path: str, offer: bool = True) -> Recipe:
     if offer and recipe.cluster.provider in ("aws", "gcp", "azure") and \
             not recipe.cluster.options.get("instance_type"):
         from hypercli.offers.optimizer import with_first_offer
-        recipe = with_first_offer(recipe, S.State())
+        from hypercli.offers.pools import wants_pools
+        state = S.State()
+        if not wants_pools(recipe, state):  # pools choose their offers per shape
+            recipe = with_first_offer(recipe, state)
     return recipe
 
 
@@ -605,8 +608,13 @@ def prepare_run(state: S.State, recipe_path: str, *, new: bool = False,
             options=(row.get("spec") or {}).get("options") or {}))
     provider = get_provider(recipe.cluster.provider, trust_new_hosts=trust_new_hosts,
                             options=recipe.cluster.options)
+    from hypercli.offers import pools
+    pooled = cluster is None and pools.wants_pools(recipe, state)
     if cluster is not None:
         nodes = state.nodes(cluster, status="up")
+    elif pooled:  # no node yet: each pool grows when its experiments have work
+        nodes = pools.record(state, recipe, pools.plan(
+            recipe, {e.name: e.tasks for e in wf.experiments}))
     else:
         started = time.time()
         try:
@@ -614,7 +622,8 @@ def prepare_run(state: S.State, recipe_path: str, *, new: bool = False,
         finally:  # the launch's failover steps: another zone, region or cloud, on-demand
             for e in state.cluster_events(recipe.cluster.name, ("launch",), since=started):
                 log(f"failover: {e['message']}")
-    check_fits(wf, recipe.cluster.name, nodes)  # before a workflow is recorded
+    if not pooled:  # a pool's offer holds its shape
+        check_fits(wf, recipe.cluster.name, nodes)  # before a workflow is recorded
     if recipe.mounts and hasattr(provider, "check_mounts"):  # this machine: known now
         provider.check_mounts(recipe.mounts)
     creds = registry.check(registry.of_recipe(recipe))  # a ${VAR} not set: refused now

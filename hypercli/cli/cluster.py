@@ -43,7 +43,14 @@ def up(recipe, provider, hosts, identity_file, user, workers, name, trust_new_ho
     from hypercli.workflows import up as up_
     if recipe:
         from hypercli.workflows import load_with_defaults
-        spec = load_with_defaults(recipe).cluster
+        loaded = load_with_defaults(recipe)
+        spec = loaded.cluster
+        from hypercli.offers.pools import wants_pools
+        if wants_pools(loaded, open_state()):
+            raise UsageError(f"cluster {spec.name} runs as node pools, one per resource shape:"
+                             " `hyper run` launches each pool when its experiments have work",
+                             "`hyper plan` shows the pools; set cluster.pools: false to "
+                             "bring one cluster up now")
         if dry_run:
             from hypercli.cluster import dry_run as dry_run_
             p = dry_run_(spec)
@@ -179,6 +186,7 @@ def gc(provider, region, project, subscription, dry_run):
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def status(cluster, show_all, as_json):
     """Show clusters and their nodes (the clusters that are not down, or CLUSTER)."""
+    from hypercli.offers.pools import pool_rows
     from hypercli.workflows import cluster_rows
     state = open_state()
     out, hidden = cluster_rows(state, cluster, show_all)
@@ -190,6 +198,7 @@ def status(cluster, show_all, as_json):
                 k: r[k] for k in ("cloud", "region", "zone", "instance_type", "price")}
             if r is not None:
                 n["offer"]["spot"] = bool(r["spot"])
+        c["pools"] = pool_rows(state, c["cluster"])
         c["launch"] = [{"ts": e["ts"], "step": e["message"]}
                        for e in state.cluster_events(c["cluster"], ("launch",), limit=5)]
     if as_json:
@@ -209,6 +218,13 @@ def status(cluster, show_all, as_json):
                 + (f" ${o['price']:.4f}/h" if o["price"] else ""))
             click.echo(f"  {n['name']:<24} {n['status']:<6} slots {n['slots']}  "
                        f"{n['provider_id'] or ''}{where}")
+        for p in c.get("pools", []):
+            o = p["offer"]
+            click.echo(f"  pool {p['pool']} ({', '.join(p['experiments'])}): {p['shape']}  "
+                       f"{o['cloud']} {o['zone'] or o['region']} {o['instance_type']} "
+                       f"{'spot' if o['spot'] else 'on-demand'} ${o['price']:.4f}/h  "
+                       f"{p['size']}/{p['target']} nodes (cap {p['cap']})  {p['status']}"
+                       + (f": {p['why']}" if p["why"] else ""))
         for e in c.get("launch", []):
             click.echo(f"  launch {ago(e['ts'])}: {e['step']}")
     if hidden:

@@ -37,6 +37,10 @@ def cost(ref, show_nodes, as_json):
         if c["unpriced"]:
             line += f" ({plural(c['unpriced'], 'node')} with no known price)"
         click.echo(line)
+    for p in out.get("pools", []):
+        click.echo(f"  pool {p['pool']:<21} {_usd(p['cost']):>10}  "
+                   f"{p['node_hours']:.2f} node-hours, {plural(p['nodes'], 'node')}"
+                   + (f", {p['running']} running" if p["running"] else ""))
     for w in out["workflows"]:
         click.echo(f"workflow {w['workflow']:<19} {_usd(w['cost']):>10}  on {w['cluster']}")
         for exp, usd in w["experiments"].items():

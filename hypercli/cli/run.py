@@ -100,6 +100,15 @@ def _plan_machines(con, r, wf) -> None:
                            f"{c.node_hours:.3g} node-hours ≈ ${c.cost:.2f}"))
     if known:
         con.print(text(("estimate", "bold"), f": ${total:.2f} for the workflow"))
+    from hypercli.offers import pools
+    if pools.wants_pools(r, State()):
+        con.print(text(("pools", "bold"), " (one per resource shape, each launched when its "
+                       "experiments have ready tasks, terminated when idle):"))
+        for p in pools.plan(r, {e.name: e.tasks for e in wf.experiments}):
+            con.print(text((p.name, "bold"), f" ({', '.join(p.experiments)}) "
+                           f"[{p.shape.describe()}]: ", (p.offers[0].describe(), "green"),
+                           f", at most {plural(p.cap, 'node')}, idle limit "
+                           f"{p.idle_s / 60:g} min"))
     for cloud in machines["stale"]:
         con.print(text(("note:", "dim"), f" the {cloud} catalog is older than a week: "
                        f"`hyper catalog refresh --cloud {cloud}`"))

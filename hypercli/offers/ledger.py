@@ -101,9 +101,11 @@ def costs(state, ref: str | None = None, now: float | None = None) -> dict:
         now: unix s that running nodes count up to (default: now).
     Returns:
         ``{"total": USD, "clusters": [{"cluster", "cost", "node_hours", "nodes", "running",
-        "idle", "unpriced"}], "workflows": [{"workflow", "cluster", "cost", "experiments":
-        {name: USD}}], "nodes": [{"cluster", "node", "cloud", "region", "zone",
-        "instance_type", "spot", "price", "launched_at", "ended_at", "hours", "cost"}]}``,
+        "idle", "unpriced"}], "pools": [{"cluster", "pool", "cost", "node_hours", "nodes",
+        "running"}] (nodes of node pools only), "workflows": [{"workflow", "cluster",
+        "cost", "experiments": {name: USD}}], "nodes": [{"cluster", "node", "cloud",
+        "region", "zone", "instance_type", "spot", "price", "launched_at", "ended_at",
+        "hours", "cost", "pool"}]}``,
         USD rounded to the cent's hundredth; ``unpriced``: nodes whose price is not known.
     Raises:
         UsageError: ``ref`` names neither a cluster nor a workflow.
@@ -126,6 +128,7 @@ def costs(state, ref: str | None = None, now: float | None = None) -> dict:
     for a in state.node_work({r["node"] for r in rows}):
         work.setdefault(a["node"], []).append(a)
     clusters: dict[str, dict] = {}
+    pools: dict[tuple, dict] = {}
     workflows: dict[str, dict] = {}
     nodes = []
     for r in rows:
@@ -135,7 +138,15 @@ def costs(state, ref: str | None = None, now: float | None = None) -> dict:
                                            "instance_type", "price", "launched_at",
                                            "ended_at")},
                       "spot": bool(r["spot"]), "hours": round(hours, 4),
-                      "cost": round(cost, 4)})
+                      "cost": round(cost, 4), "pool": r.get("pool")})
+        if r.get("pool"):  # a node pool's (hypercli.offers.pools)
+            p = pools.setdefault((r["cluster"], r["pool"]), {
+                "cluster": r["cluster"], "pool": r["pool"], "cost": 0.0, "node_hours": 0.0,
+                "nodes": 0, "running": 0})
+            p["cost"] += cost
+            p["node_hours"] += hours
+            p["nodes"] += 1
+            p["running"] += r["ended_at"] is None
         c = clusters.setdefault(r["cluster"], {"cluster": r["cluster"], "cost": 0.0,
                                                "node_hours": 0.0, "nodes": 0, "running": 0,
                                                "idle": 0.0, "unpriced": 0})
@@ -178,5 +189,8 @@ def costs(state, ref: str | None = None, now: float | None = None) -> dict:
         w["experiments"] = {k: round(v, 4) for k, v in sorted(w["experiments"].items())}
     total = (sum(w["cost"] for w in workflows.values()) if only_wf is not None
              else sum(c["cost"] for c in clusters.values()))
+    for p in pools.values():
+        p["cost"], p["node_hours"] = round(p["cost"], 4), round(p["node_hours"], 4)
     return {"total": round(total, 4), "clusters": list(clusters.values()),
+            "pools": list(pools.values()),
             "workflows": list(workflows.values()), "nodes": nodes}

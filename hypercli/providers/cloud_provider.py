@@ -43,6 +43,7 @@ import base64
 import gzip
 import json
 import os
+import threading
 import time
 import urllib.request
 from dataclasses import replace
@@ -67,6 +68,7 @@ TEARDOWN_TIMEOUT = 600.0  # s that ``terminate`` keeps deleting until nothing is
 #: time a fulfilled instance stays pending (EC2, GCE, Azure: well under a minute).
 SPOT_WAIT = 300.0
 SSH_USER = "root"
+_CREATING = threading.Lock()  # see CloudProvider.grow
 CHECKIP_URL = "https://checkip.amazonaws.com"
 
 #: provider name → (module, class) of its CloudAPI
@@ -469,46 +471,111 @@ class CloudProvider(SSHProvider):
             if over:
                 state.event("cluster", str(next(iter(over.values()))), cluster=cs.cluster)
         if new_nodes:
-            prepared_at: dict = {}
-
-            def launch_on(offer, nodes):
-                api = self.api_for(offer.cloud, offer.region, place_options(offer))
-                ocs = replace(cs, region=offer.region, instance_type=offer.instance_type,
-                              zones=(offer.zone,) if offer.zone else (), spot=offer.spot,
-                              image=self._image_for(cs, offer))
-                try:
-                    if (offer.cloud, offer.region) not in prepared_at:
-                        self._remember_place(cs.cluster, offer)
-                        prepared_at[offer.cloud, offer.region] = api.prepare(ocs, public)
-                    prepared = prepared_at[offer.cloud, offer.region]
-                    docs = self._boot_docs(ocs, offer.cloud, api, nodes, public, prepared)
-                    created, failed = api.create(ocs, nodes, Boot(docs, SSH_USER, public),
-                                                 prepared)
-                    if offer.spot:
-                        created, unfulfilled = self._fulfilled(api, ocs, created)
-                        failed = {**failed, **unfulfilled}
-                except CloudError as e:  # this place cannot be used: its nodes' error
-                    return [], {n: e for n in nodes}
-                if created:
-                    offer = offer if offer.price else failover.with_price(
-                        offer, self._prices(api, ocs))
-                now = time.time()
-                for vm in created:  # billed from now on, whether or not it comes up
-                    where[vm.id] = (api, ocs, offer, now)
-                    state.ledger_launch(cs.cluster, vm.node, vm.id, {
-                        "cloud": offer.cloud, "region": offer.region,
-                        "zone": vm.zone or offer.zone, "instance_type": offer.instance_type,
-                        "spot": offer.spot, "price": offer.price or None, "launched_at": now})
-                return created, failed
-
-            created, failed, _ = failover.walk(
-                offers, new_nodes, launch_on,
-                step=lambda s: state.event("launch", s.line(), cluster=cs.cluster))
+            created, failed = self._create(cs, offers, new_nodes, state, where, public)
             errors.update(failed)
             live += created
         instances, more = self._bring_up(cs, live, key_path, where)
         errors.update(more)
         return LaunchResult(instances, errors)
+
+    def _create(self, cs: CloudSpec, offers: list, new_nodes: list[str], state, where: dict,
+                public: str) -> tuple[list[VM], dict[str, Exception]]:
+        """Create the instances of ``new_nodes`` along ``offers`` (:func:`hypercli.offers.
+        failover.walk`), each entered in the cost ledger and in ``where`` (instance id →
+        (api, spec of its place, offer, launch time)). Returns (VMs created, {node: error})."""
+        from hypercli.offers import failover
+        prepared_at: dict = {}
+
+        def launch_on(offer, nodes):
+            api = self.api_for(offer.cloud, offer.region, place_options(offer))
+            ocs = replace(cs, region=offer.region, instance_type=offer.instance_type,
+                          zones=(offer.zone,) if offer.zone else (), spot=offer.spot,
+                          image=self._image_for(cs, offer))
+            try:
+                if (offer.cloud, offer.region) not in prepared_at:
+                    self._remember_place(cs.cluster, offer)
+                    prepared_at[offer.cloud, offer.region] = api.prepare(ocs, public)
+                prepared = prepared_at[offer.cloud, offer.region]
+                docs = self._boot_docs(ocs, offer.cloud, api, nodes, public, prepared)
+                created, failed = api.create(ocs, nodes, Boot(docs, SSH_USER, public),
+                                             prepared)
+                if offer.spot:
+                    created, unfulfilled = self._fulfilled(api, ocs, created)
+                    failed = {**failed, **unfulfilled}
+            except CloudError as e:  # this place cannot be used: its nodes' error
+                return [], {n: e for n in nodes}
+            if created:
+                offer = offer if offer.price else failover.with_price(
+                    offer, self._prices(api, ocs))
+            now = time.time()
+            for vm in created:  # billed from now on, whether or not it comes up
+                where[vm.id] = (api, ocs, offer, now)
+                state.ledger_launch(cs.cluster, vm.node, vm.id, {
+                    "cloud": offer.cloud, "region": offer.region,
+                    "zone": vm.zone or offer.zone, "instance_type": offer.instance_type,
+                    "spot": offer.spot, "price": offer.price or None, "launched_at": now})
+            return created, failed
+
+        created, failed, _ = failover.walk(
+            offers, new_nodes, launch_on,
+            step=lambda s: state.event("launch", s.line(), cluster=cs.cluster))
+        return created, failed
+
+    def grow(self, spec: ClusterSpec, offers: list, names: list[str],
+             idle_minutes: float | None = None) -> LaunchResult:
+        """Launch exactly the nodes ``names`` (new names, none the cluster had) along
+        ``offers`` and bring each up (a node pool growing: :mod:`hypercli.offers.pools`);
+        the nodes the cluster has already are left alone. ``idle_minutes``: the node
+        watcher's idle limit on these nodes (default the cluster's).
+
+        Returns:
+            the nodes up and an error per node that is not.
+        Raises:
+            CredentialsError, CloudError from the cloud.
+        """
+        cs = self.cloud_spec(spec)
+        if idle_minutes is not None:
+            cs = replace(cs, idle_minutes=idle_minutes)
+        if cs.ssh_cidr is None:
+            cs = replace(cs, ssh_cidr=caller_cidr())
+        state = S.State()
+        from hypercli.offers import failover, ledger
+        offers = failover.ordered(offers, ledger.preempted_regions(state))
+        where: dict[str, tuple] = {}
+        with _CREATING:  # pools growing at once: one makes the cluster's key, prepares a
+            key_path, public = cluster_key(cs.cluster)  # place and creates at a time
+            for name in names:
+                reserve_name(cs.cluster, name)
+            created, errors = self._create(cs, offers, list(names), state, where, public)
+        instances, more = self._bring_up(cs, created, key_path, where) if created else ([], {})
+        errors.update(more)
+        failed = [v for v in created if v.node in more]
+        for vm in failed:  # created but never up: not left running unused
+            self.drop(vm.node)
+            try:
+                where[vm.id][0].terminate(cs.cluster, [vm.id])
+            except HyperError as e:
+                errors[vm.node] = NodeError(vm.node, f"{more[vm.node]}; terminating "
+                                            f"{vm.id} failed too: {e}")
+        state.ledger_end(cs.cluster, [v.node for v in failed], reason="gone")
+        return LaunchResult(instances, errors)
+
+    def release(self, cluster: str, nodes: list[dict]) -> list[str]:
+        """Terminate these nodes' instances only (a pool shrinking); the cluster's other
+        nodes and shared resources stay. Returns a line per instance terminated.
+        Raises CloudError."""
+        out = []
+        for n in nodes:
+            self.drop(n["name"])
+            info = n.get("info") or {}
+            cloud = info.get("cloud") or self.name
+            region = info.get("region") or self.options.get("region", "")
+            opts = next((o for c, r, o in self._places(cluster, []) if (c, r) == (cloud, region)),
+                        {})
+            if n.get("provider_id"):
+                self.api_for(cloud, region, opts).terminate(cluster, [n["provider_id"]])
+                out.append(f"instance {n['provider_id']} ({n['name']})")
+        return out
 
     def _image_for(self, cs: CloudSpec, offer) -> str | None:
         """The image to boot on ``offer``: the recipe's ``image`` in the recipe's own cloud

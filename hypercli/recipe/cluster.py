@@ -99,6 +99,15 @@ def _cost(ctx: _Ctx, item: _Item, field: str) -> float:
     return v
 
 
+def _minutes(ctx: _Ctx, item: _Item, field: str) -> float:
+    """``pool_idle_minutes``: minutes above 0 (fractions allowed)."""
+    v = _get(ctx, item, field, _is_number, "a number of minutes")
+    if not (_finite(v) and v > 0):
+        ctx.fail(f"{_leaf(field)} must be a number of minutes above 0, not {_show(v)}",
+                 item.line, field)
+    return v
+
+
 def _spot(ctx: _Ctx, item: _Item, field: str) -> bool | str:
     """``spot``: true, false, or ``auto`` (spot, then on-demand when no spot capacity is
     left: hypercli.offers.failover)."""
@@ -115,6 +124,10 @@ _CLOUD_KEYS: dict[str, _Check] = {
     # where the optimizer may look when an experiment says what it needs, not which
     # instance (hypercli.offers.optimizer): max_price above caps the price per node-hour
     "clouds": _clouds, "regions": _list, "zones": _list,
+    # node pools, one per resource shape (hypercli.offers.pools): on or off (default: on
+    # when the experiments ask for more than one shape), and the minutes a pool's node
+    # may stay idle before it is terminated
+    "pools": _bool, "pool_idle_minutes": _minutes,
 }
 _PROVIDER_KEYS: dict[str, dict[str, _Check]] = {
     "local": {},
