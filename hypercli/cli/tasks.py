@@ -9,8 +9,14 @@ import time
 
 import click
 
+from hypercli.errors import HyperError
+
 from hypercli.cli.common import (ago, console, duration, fmt, open_state, plural, print_json,
                                   text, when)
+
+
+def _note(line: str) -> None:
+    console(stderr=True).print(text(("note:", "yellow"), f" {line}"), soft_wrap=True)
 
 
 # -- workflows and tasks ------------------------------------------------------------------
@@ -25,9 +31,15 @@ def ps(workflow, as_json):
     and shows each running task's CPU (100% is one core) and GPUs from its newest
     utilisation sample.
     """
+    from hypercli.controller.client import refresh_all, refreshed
     from hypercli.workflows import observe, task_times, undriven
     state = open_state()
+    err = console(stderr=True)
+
+    def note(line: str) -> None:
+        err.print(text(("note:", "yellow"), f" {line}"), soft_wrap=True)
     if workflow is None:
+        refresh_all(state, note)  # workflows a controller drives: its records copied here
         rows = [{"workflow": w["id"], "status": w["status"], "cluster": w["cluster"],
                  "counts": state.counts(w["id"]), "created_at": w["created_at"]}
                 for w in state.workflows()]
@@ -50,6 +62,7 @@ def ps(workflow, as_json):
             click.echo("no workflows yet; `hyper run RECIPE` starts one")
         return
     from hypercli.envvars import shown_env
+    refreshed(state, state.workflow(workflow)["id"], note)
     wf_row = state.workflow(workflow)
     wid = wf_row["id"]
     since = undriven(state, wid)
@@ -130,8 +143,11 @@ def ps(workflow, as_json):
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list, one object per task.")
 def results(workflow, sort, ascending, show_all, as_json):
     """Parameters and metrics of WORKFLOW's tasks, best first."""
+    from hypercli.controller.client import refreshed
     from hypercli.workflows import results as results_
-    wid, metric, rows = results_(open_state(), workflow, sort, ascending)
+    state = open_state()
+    refreshed(state, state.workflow(workflow)["id"], _note)
+    wid, metric, rows = results_(state, workflow, sort, ascending)
     if as_json:
         print_json([{k: r[k] for k in ("task", "experiment", "status", "params", "metrics")}
                      for r in rows])
@@ -182,7 +198,10 @@ def outputs(workflow, args, merge, jobs):
         raise UsageError("give DIR, or EXPERIMENT and DIR",
                          "hyper outputs WORKFLOW [EXPERIMENT] DIR")
     experiment, dest = (None, args[0]) if len(args) == 1 else args
-    wid, r = gather(open_state(), workflow, dest, experiment=experiment, merge=merge, jobs=jobs)
+    from hypercli.controller.client import refreshed
+    state = open_state()
+    refreshed(state, state.workflow(workflow)["id"], _note)
+    wid, r = gather(state, workflow, dest, experiment=experiment, merge=merge, jobs=jobs)
     click.echo(f"{wid}: {plural(len(r.pulled), 'task output')} pulled ({r.bytes / 1e6:.1f} MB), "
                f"{len(r.kept)} already there, into {dest}")
     for rel in r.merged:
@@ -201,9 +220,14 @@ def outputs(workflow, args, merge, jobs):
 def logs(task, follow, attempt, rank):
     """Print the output of TASK (search-0007, or WORKFLOW/search-0007 when several
     workflows have that task)."""
-    from hypercli.workflows import log_chunks, pick_attempt
+    from hypercli.controller.client import refreshed
+    from hypercli.workflows import log_chunks, pick_attempt, resolve_task
     state = open_state()
     err_con = console(stderr=True)
+    try:  # a workflow a controller drives: its records first
+        refreshed(state, resolve_task(state, task)[0], _note)
+    except HyperError:
+        pass  # an unknown task is said by pick_attempt below
     a = pick_attempt(state, task, attempt, rank,
                      note=lambda line: err_con.print(text(("note:", "dim"), f" {line}"),
                                                      soft_wrap=True))
@@ -222,6 +246,9 @@ def logs(task, follow, attempt, rank):
 @click.argument("target")
 def cancel(target):
     """Cancel a workflow (id or recipe name) or one task (WORKFLOW/TASK)."""
+    from hypercli.controller.client import cancel as on_controller
     from hypercli.workflows import cancel as cancel_
-    what, n = cancel_(open_state(), target)
+    state = open_state()
+    done = on_controller(state, target)  # a workflow a controller drives is cancelled there
+    what, n = done if done is not None else cancel_(state, target)
     click.echo(f"cancelled {what} ({plural(n, 'task')})")

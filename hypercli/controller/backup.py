@@ -1,0 +1,240 @@
+"""A controller's backups of the workflows it drives, and the lease that lets one driver only
+drive a workflow: kept on the workflow's own nodes.
+
+Where: an SSH cluster's storage is often ``file://`` on the machine that ran ``hyper run``,
+which is away while the controller drives, and the controller's own disk dies with the
+controller. The cluster's nodes are the one place that outlives either and that every party
+already reaches with pinned host keys; a backup held nowhere but on nodes that are all gone
+would be useless anyway (there is nothing left to drive). So each node of the replica set
+(the cluster's nodes when the workflow was handed over) keeps ``<root>/controller/<workflow>
+.json``, and a write counts when a majority of the set took it (the lease over a quorum of
+replicas, as in Chubby, Burrows, OSDI 2006, and Gray & Cheriton's leases, SOSP 1989: two
+majorities always share a replica, so two holders never both succeed).
+
+Each record: ``{"holder", "ttl" (s, or null: until handed over), "renewed_at" (the node's
+clock), "seq", "blob"}`` where ``blob`` is base64 of the gzipped JSON of
+:meth:`hypercli.state.State.export_workflow`. A node takes a write only when no other holder
+has a lease there that is still live by its own clock, or when the writer names that holder
+as the one it takes over from (``handoff``: the user's machine giving the workflow back to a
+controller). Expiry is judged by each node's own clock, so no two machines' clocks are
+compared. Each replica is served by one small Python process on one SSH channel that stays
+open (``python3 -I -S -c``; the node needs nothing but its python3, as for the agent).
+"""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import json
+import shlex
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from hypercli.errors import HyperError, InfraError
+
+LEASE_TTL = 20.0  #: s a controller's lease lasts unless renewed (renewed every TTL/4)
+RETRY_AFTER = 5.0  #: s before a replica that failed is tried again (a dead host costs time)
+CALL_TIMEOUT = 15.0  #: s a replica has to answer one request
+
+#: the replica's server (node side): one JSON request per line on stdin, one answer per line
+NODE_SCRIPT = r'''
+import fcntl, json, os, re, sys, time
+top = os.path.expanduser(sys.argv[1])
+os.makedirs(top, mode=0o700, exist_ok=True)
+def load(p):
+    try:
+        with open(p, "rb") as f:
+            return json.loads(f.read())
+    except (OSError, ValueError):
+        return None
+def live(r, now):
+    return r.get("ttl") is None or now - r.get("renewed_at", 0) < r["ttl"]
+for line in sys.stdin:
+    q = json.loads(line)
+    wid = q.get("workflow", "")
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}", wid):
+        print(json.dumps({"error": "bad workflow id"}), flush=True)
+        continue
+    path = os.path.join(top, wid + ".json")
+    lock = os.open(path + ".lock", os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        now = time.time()
+        have = load(path)
+        if q["op"] == "read":
+            if have is None:
+                print(json.dumps({"found": False}), flush=True)
+                continue
+            left = None if have.get("ttl") is None else have["ttl"] - (now - have.get("renewed_at", 0))
+            print(json.dumps({"found": True, "holder": have.get("holder"), "left": left,
+                              "seq": have.get("seq", 0), "blob": have.get("blob")}), flush=True)
+            continue
+        if (have is not None and have.get("holder") != q["holder"] and live(have, now)
+                and q.get("handoff") != have.get("holder")):
+            left = None if have.get("ttl") is None else have["ttl"] - (now - have.get("renewed_at", 0))
+            print(json.dumps({"ok": False, "holder": have.get("holder"), "left": left}), flush=True)
+            continue
+        rec = {"holder": q["holder"], "ttl": q.get("ttl"), "renewed_at": now,
+               "seq": q.get("seq", 0), "blob": q["blob"] if q.get("blob") is not None
+               else (have or {}).get("blob")}
+        tmp = path + ".tmp"
+        fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(json.dumps(rec).encode())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        print(json.dumps({"ok": True}), flush=True)
+    finally:
+        os.close(lock)
+'''
+
+
+class LeaseLost(InfraError):
+    """Another driver holds the workflow's lease on a replica: this one must stop driving."""
+
+
+class NoQuorum(InfraError):
+    """Fewer than a majority of the replicas answered."""
+
+
+def pack(export: dict) -> str:
+    """base64 of the gzipped JSON of a workflow export (:meth:`State.export_workflow`)."""
+    raw = json.dumps(export, separators=(",", ":"), default=str).encode()
+    return base64.b64encode(gzip.compress(raw, 3)).decode()
+
+
+def unpack(blob: str) -> dict:
+    """The export :func:`pack` made. Raises ValueError: not such a blob."""
+    try:
+        return json.loads(gzip.decompress(base64.b64decode(blob)))
+    except (OSError, EOFError, ValueError, TypeError) as e:
+        raise ValueError(f"not a workflow backup: {e}") from None
+
+
+class _Replica:
+    """One node's server channel (opened on first use, again after a failure)."""
+
+    def __init__(self, provider, node: dict):
+        self.provider, self.node = provider, node
+        self.ch = self.f = None
+        self.failed_at = 0.0
+        self.lock = threading.Lock()
+
+    def _open(self) -> None:
+        from hypercli.providers.ssh import _target_of
+        conn = self.provider.connection(self.node["name"], _target_of(self.node),
+                                        self.node["cluster"])
+        root = (self.node.get("info") or {}).get("root") or "~/.hyper"
+        ch = conn.channel()
+        ch.settimeout(CALL_TIMEOUT)
+        ch.exec_command(f"exec python3 -I -S -c {shlex.quote(NODE_SCRIPT)} "
+                        f"{shlex.quote(root + '/controller')}")
+        self.ch, self.f = ch, ch.makefile("rb")
+
+    def close(self) -> None:
+        if self.ch is not None:
+            try:
+                self.ch.close()
+            except Exception:
+                pass
+        self.ch = self.f = None
+
+    def call(self, request: dict) -> dict:
+        """Send one request, return the answer. Raises InfraError (the replica is skipped
+        for RETRY_AFTER s)."""
+        with self.lock:
+            if self.ch is None and time.time() - self.failed_at < RETRY_AFTER:
+                raise InfraError(f"replica {self.node['name']} failed just before")
+            try:
+                if self.ch is None:
+                    self._open()
+                self.ch.sendall(json.dumps(request).encode() + b"\n")
+                line = self.f.readline()
+                if not line:
+                    raise EOFError("the channel closed")
+                return json.loads(line)
+            except (HyperError, OSError, EOFError, ValueError, Exception) as e:
+                self.close()
+                self.failed_at = time.time()
+                raise InfraError(f"replica {self.node['name']}: {e}") from None
+
+
+class Replicas:
+    """The backups of one workflow on its replica set (module docstring).
+
+    Args:
+        provider: the cluster's SSH provider (its pinned, cached connections).
+        nodes: the replica set, ``nodes`` rows (name, cluster, address, info).
+        workflow: the workflow id.
+        holder: this driver's lease holder id.
+        ttl: s the lease lasts unless renewed; None: until handed over.
+        seq: the sequence number of the newest backup so far (writes count on from it).
+    """
+
+    def __init__(self, provider, nodes: list[dict], workflow: str, holder: str, *,
+                 ttl: float | None = LEASE_TTL, seq: int = 0):
+        self.replicas = [_Replica(provider, n) for n in nodes]
+        self.workflow, self.holder, self.ttl, self.seq = workflow, holder, ttl, seq
+        self.quorum = len(nodes) // 2 + 1
+        self.blob: str | None = None
+        self.lock = threading.Lock()
+        self.pool = ThreadPoolExecutor(max(1, len(nodes)), thread_name_prefix="backup")
+
+    def _all(self, request: dict) -> list:
+        """Answers (dict) or errors (InfraError) of every replica, in replica order."""
+        def one(r):
+            try:
+                return r.call(request)
+            except InfraError as e:
+                return e
+        return list(self.pool.map(one, self.replicas))
+
+    def write(self, blob: str | None = None, handoff: str | None = None) -> None:
+        """Write ``blob`` (None: the last one again, to renew the lease) with this holder's
+        lease, and return once a majority took it.
+
+        Raises:
+            LeaseLost: a replica has another holder's live lease.
+            NoQuorum: fewer than a majority took it (replicas unreachable).
+        """
+        with self.lock:
+            if blob is not None:
+                self.blob = blob
+            self.seq += 1
+            answers = self._all({"op": "write", "workflow": self.workflow,
+                                 "holder": self.holder, "ttl": self.ttl, "seq": self.seq,
+                                 "blob": self.blob, "handoff": handoff})
+        refused = [a for a in answers if isinstance(a, dict) and a.get("ok") is False]
+        if refused:
+            raise LeaseLost(f"workflow {self.workflow} is driven by {refused[0]['holder']} "
+                            "now (its lease is on the backups)")
+        ok = sum(isinstance(a, dict) and a.get("ok") is True for a in answers)
+        if ok < self.quorum:
+            errors = "; ".join(str(a) for a in answers if not isinstance(a, dict))
+            raise NoQuorum(f"backup of {self.workflow} reached {ok} of "
+                           f"{len(self.replicas)} nodes, {self.quorum} needed: {errors}")
+
+    def read(self) -> list[dict]:
+        """What each replica that answered holds: ``{"node", "found", "holder", "left" (s
+        of lease left by that node's clock, None: no expiry), "seq", "blob"}``.
+
+        Raises:
+            NoQuorum: fewer than a majority answered (a newer backup may be on the others).
+        """
+        answers = self._all({"op": "read", "workflow": self.workflow})
+        got = [{**a, "node": r.node["name"]} for r, a in zip(self.replicas, answers)
+               if isinstance(a, dict) and "found" in a]
+        if len(got) < self.quorum:
+            errors = "; ".join(str(a) for a in answers if not isinstance(a, dict))
+            raise NoQuorum(f"the backups of {self.workflow}: {len(got)} of "
+                           f"{len(self.replicas)} nodes answered, {self.quorum} needed"
+                           + (f" ({errors})" if errors else ""),
+                           "bring the cluster's hosts back, then try again")
+        return got
+
+    def close(self) -> None:
+        for r in self.replicas:
+            r.close()
+        self.pool.shutdown(wait=False)
