@@ -97,6 +97,11 @@ def test_workflow_goes_on_without_this_machine_and_a_lost_worker(ssh_hosts, tmp_
     wait_for(lambda: any(r["status"] == "running" and victim in r["nodes"]
                          for r in ps(hyper, wid)), timeout=300, interval=0.5,
              what=f"a task running on {victim}")
+    name = f"root@{controller.ip}:22"
+    r = hyper("status", timeout=60)
+    assert f"controller {name}  up  drives {wid}" in r.stdout, r.stdout + r.stderr
+    r = hyper("down", "--controller", name, timeout=60)  # it drives a workflow: refused
+    assert r.returncode == 2 and f"drives {wid}" in r.stderr, r.stdout + r.stderr
     workers[1].kill()
     r = hyper("attach", wid, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -108,6 +113,9 @@ def test_workflow_goes_on_without_this_machine_and_a_lost_worker(ssh_hosts, tmp_
     for task, statuses in by_task.items():
         assert statuses.count("succeeded") == 1, (task, statuses)
     assert any("lost" in s for s in by_task.values())  # the killed host's work was re-run
+    r = hyper("down", "--controller", name, timeout=120)
+    assert r.returncode == 0 and "removed" in r.stdout, r.stdout + r.stderr
+    assert controller.run("ls /root/.hyper").stdout.split() == ["lib"]  # its folder is gone
     controller.kill()  # the records were copied here when the workflow ended
     r = hyper("results", wid, "--json", timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -139,4 +147,42 @@ def test_controller_killed_is_taken_over_from_the_backups(ssh_hosts, tmp_path, h
     rows = ps(hyper, wid)
     assert [row["status"] for row in rows] == ["succeeded"] * 9
     assert [row["attempts"] for row in rows] == [1] * 9
+    assert sorted(starts(workers), key=int) == [str(i) for i in range(9)]  # none twice
+
+
+def test_a_controller_cut_off_and_back_stops_driving_what_was_taken_over(ssh_hosts, tmp_path,
+                                                                         hyper, hyper_home):
+    """The controller's network cut: `hyper attach` waits out its lease and takes the
+    workflow over; the network back, the controller finds another holder on the backups and
+    stops driving it (two drivers never drive one workflow): every task one success, none
+    started twice."""
+    hosts = ssh_hosts.start(4, share=(ROOT, PACKAGES))
+    controller, workers = hosts[0], hosts[1:]
+    path = controller_recipe(tmp_path, ssh_hosts, controller, workers)
+    r = hyper("run", path, "--controller", "--trust-new-hosts", "-d", timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    wid = next(line.split()[0] for line in r.stdout.splitlines()
+               if "is driven by the controller" in line)
+    wait_for(lambda: sum(row["status"] == "succeeded" for row in ps(hyper, wid)) >= 2,
+             timeout=300, interval=0.5, what="two tasks done on the controller")
+    controller.cut()
+    p = subprocess.Popen([*hyper_cmd(), "attach", wid], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(lambda: "took" in (p.stdout.readline() or ""), timeout=300,
+                 what="the takeover", proc=p)
+        controller.heal()
+        out, _ = p.communicate(timeout=600)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == 0, out
+    lost = wait_for(lambda: json.loads(on_controller(controller, (
+        "import json; from hypercli.state import State; "
+        f"print(json.dumps(State().workflow({wid!r})['spec']['lease'].get('lost')))"))),
+        timeout=120, interval=1, what="the controller to see the lease taken")
+    assert "driven by here" in lost, lost
+    rows = ps(hyper, wid)
+    assert [row["status"] for row in rows] == ["succeeded"] * 9
     assert sorted(starts(workers), key=int) == [str(i) for i in range(9)]  # none twice
