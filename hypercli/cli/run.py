@@ -218,7 +218,8 @@ def run(recipe, new, on_interrupt, trust_new_hosts, cluster, detach, wait, use_c
                        "attaching"))
         sys.exit(_attach(state, e.workflow))
     if ctl is not None or link_of(state.workflow(wid)) is not None:
-        code = _on_controller(state, wid, ctl, lock, con, trust_new_hosts, detach and not wait)
+        code = _on_controller(state, wid, ctl, lock, con, trust_new_hosts, detach and not wait,
+                              use_controller)
         if code is not None:
             sys.exit(code)
     if detach or wait:
@@ -364,11 +365,12 @@ def _attach(state, wid: str, interval: float = 0.5) -> int:
 
 
 def _on_controller(state, wid: str, ctl: dict | None, lock, con, trust_new_hosts: bool,
-                   detach: bool) -> int | None:
+                   detach: bool, asked: bool) -> int | None:
     """``hyper run`` of a workflow a controller drives or is to drive: hand it over (``ctl``:
-    the recipe's controller), or follow it there; a controller that does not answer is
-    taken over first. Returns the exit code, or None when the workflow is to be driven here
-    (taken over, no controller asked for; ``lock`` is then still held)."""
+    the recipe's controller), or follow it there. A controller that does not answer is taken
+    over, and the workflow is then driven here unless ``--controller`` was ``asked`` (it is
+    handed over again). Returns the exit code, or None when the workflow is to be driven
+    here (``lock`` is then still held)."""
     from hypercli.controller import client
     link = client.link_of(state.workflow(wid))
     if link is not None:  # resumed: a controller has it
@@ -380,6 +382,9 @@ def _on_controller(state, wid: str, ctl: dict | None, lock, con, trust_new_hosts
         except client.Unreachable as e:
             con.print(text(("note:", "yellow"), f" {e}"), soft_wrap=True)
         client.takeover(state, wid, log=lambda line: con.print(text(line), soft_wrap=True))
+        if not asked:
+            con.print(f"driving {wid} here; `hyper run --controller` hands it back")
+            ctl = None
     if ctl is None:
         return None
     try:
