@@ -19,27 +19,34 @@ pytestmark = pytest.mark.slow
 
 PACKAGES = sysconfig.get_paths()["purelib"]
 
-#: each start is counted on its host (private /root), each task takes a few seconds
-TASKS = {"work": {
-    "parameters": {"i": list(range(9))},
-    "retries": 2,
-    "command": "echo {{i}} >> /root/starts\n"
-               "sleep 3\n"
-               "echo '{\"i\": {{i}}}' >> \"$HYPER_METRICS\"",
-}}
+#: each start is counted on its host (private /root); tasks from {gate} on wait, once
+#: started, for the test to open the gate (/root/go on their host): the faults come while
+#: they run, however loaded the machine is
+COMMAND = ("echo {{i}} >> /root/starts\n"
+           "echo hello {{i}}\n"
+           "if [ {{i}} -ge %d ]; then while [ ! -e /root/go ]; do sleep 0.2; done; fi\n"
+           "sleep 1\n"
+           "echo '{\"i\": {{i}}}' >> \"$HYPER_METRICS\"")
 
 
-def controller_recipe(tmp_path, pool, controller, workers, name: str = "far"):
+def open_gate(hosts) -> None:
+    for h in hosts:
+        h.run("touch /root/go", check=True)
+
+
+def controller_recipe(tmp_path, pool, controller, workers, name: str = "far", gate: int = 3):
     """A recipe of the ssh cluster ``workers`` driven by the host ``controller``, whose
     Python runs with this checkout's packages (the hosts' /usr/bin/python3 is the same 3.11;
-    this Python's own binary lives under /root, which each host has its own of)."""
+    this Python's own binary lives under /root, which each host has its own of); 9 tasks,
+    those from ``gate`` on waiting for :func:`open_gate`."""
     controller.run(f"printf '#!/bin/sh\\nPYTHONPATH=\"$PYTHONPATH:{PACKAGES}\" exec "
                    f"/usr/bin/python3 \"$@\"\\n' > /root/py3 && chmod +x /root/py3", check=True)
     recipe = {"name": name, "workdir": "none",
               "cluster": {"provider": "ssh", "hosts": [h.address() for h in workers],
                           "identity_file": str(pool.client_key),
                           "controller": controller.address(), "controller_python": "/root/py3"},
-              "experiments": TASKS}
+              "experiments": {"work": {"parameters": {"i": list(range(9))}, "retries": 2,
+                                       "command": COMMAND % gate}}}
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     return path
@@ -83,7 +90,7 @@ def test_workflow_goes_on_without_this_machine_and_a_lost_worker(ssh_hosts, tmp_
     controller is gone."""
     hosts = ssh_hosts.start(4, share=(ROOT, PACKAGES))
     controller, workers = hosts[0], hosts[1:]
-    path = controller_recipe(tmp_path, ssh_hosts, controller, workers)
+    path = controller_recipe(tmp_path, ssh_hosts, controller, workers, gate=0)
     p = subprocess.Popen([*hyper_cmd(), "run", str(path), "--controller", "--trust-new-hosts"],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -93,16 +100,17 @@ def test_workflow_goes_on_without_this_machine_and_a_lost_worker(ssh_hosts, tmp_
         p.send_signal(signal.SIGKILL)
         p.communicate()
     wid = line.split()[0]
-    victim = "far-1"  # the node of workers[1]
-    wait_for(lambda: any(r["status"] == "running" and victim in r["nodes"]
-                         for r in ps(hyper, wid)), timeout=300, interval=0.5,
-             what=f"a task running on {victim}")
     name = f"root@{controller.ip}:22"
     r = hyper("status", timeout=60)
     assert f"controller {name}  up  drives {wid}" in r.stdout, r.stdout + r.stderr
     r = hyper("down", "--controller", name, timeout=60)  # it drives a workflow: refused
     assert r.returncode == 2 and f"drives {wid}" in r.stderr, r.stdout + r.stderr
-    workers[1].kill()
+    victim = wait_for(lambda: next((r["nodes"][0] for r in ps(hyper, wid)
+                                    if r["status"] == "running"), None),
+                      timeout=300, interval=0.2, what="a task running")
+    dead = workers[int(victim.rsplit("-", 1)[1])]  # node far-i is workers[i]
+    dead.kill()
+    open_gate(w for w in workers if w is not dead)
     r = hyper("attach", wid, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     there = attempts_there(controller, wid)
@@ -122,6 +130,8 @@ def test_workflow_goes_on_without_this_machine_and_a_lost_worker(ssh_hosts, tmp_
     rows = json.loads(r.stdout)
     assert sorted(row["metrics"]["i"] for row in rows) == list(range(9))
     assert {row["status"] for row in rows} == {"succeeded"}
+    r = hyper("logs", f"{wid}/work-0004", timeout=60)  # the log copies came too
+    assert r.returncode == 0 and "hello 4" in r.stdout, r.stdout + r.stderr
 
 
 def test_controller_killed_is_taken_over_from_the_backups(ssh_hosts, tmp_path, hyper,
@@ -139,6 +149,7 @@ def test_controller_killed_is_taken_over_from_the_backups(ssh_hosts, tmp_path, h
     wait_for(lambda: sum(row["status"] == "succeeded" for row in ps(hyper, wid)) >= 2,
              timeout=300, interval=0.5, what="two tasks done on the controller")
     controller.kill()
+    open_gate(workers)
     r = hyper("ps", wid, timeout=60)  # the next command sees it
     assert "does not answer" in r.stderr, r.stdout + r.stderr
     r = hyper("attach", wid, timeout=600)
@@ -166,6 +177,7 @@ def test_a_controller_cut_off_and_back_stops_driving_what_was_taken_over(ssh_hos
     wait_for(lambda: sum(row["status"] == "succeeded" for row in ps(hyper, wid)) >= 2,
              timeout=300, interval=0.5, what="two tasks done on the controller")
     controller.cut()
+    open_gate(workers)
     p = subprocess.Popen([*hyper_cmd(), "attach", wid], stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True)
     try:
@@ -186,3 +198,47 @@ def test_a_controller_cut_off_and_back_stops_driving_what_was_taken_over(ssh_hos
     rows = ps(hyper, wid)
     assert [row["status"] for row in rows] == ["succeeded"] * 9
     assert sorted(starts(workers), key=int) == [str(i) for i in range(9)]  # none twice
+
+
+def test_run_again_takes_over_from_a_dead_controller(ssh_hosts, tmp_path, hyper, hyper_home):
+    """The controller's host killed mid-run: `hyper run RECIPE` again takes the workflow
+    over from the backups and drives it here to its end; none started twice."""
+    hosts = ssh_hosts.start(4, share=(ROOT, PACKAGES))
+    controller, workers = hosts[0], hosts[1:]
+    path = controller_recipe(tmp_path, ssh_hosts, controller, workers)
+    r = hyper("run", path, "-d", "--trust-new-hosts", timeout=300)  # controller: in the recipe
+    assert r.returncode == 0, r.stdout + r.stderr
+    wid = next(line.split()[0] for line in r.stdout.splitlines()
+               if "is driven by the controller" in line)
+    wait_for(lambda: sum(row["status"] == "succeeded" for row in ps(hyper, wid)) >= 1,
+             timeout=300, interval=0.5, what="a task done on the controller")
+    controller.kill()
+    open_gate(workers)
+    r = hyper("run", path, "--on-interrupt", "cancel", timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"driving {wid} here" in r.stdout, r.stdout
+    rows = ps(hyper, wid)
+    assert [row["status"] for row in rows] == ["succeeded"] * 9
+    assert sorted(starts(workers), key=int) == [str(i) for i in range(9)]  # none twice
+
+
+def test_cancel_is_done_by_the_controller(ssh_hosts, tmp_path, hyper, hyper_home):
+    """`hyper cancel` of a workflow a controller drives cancels it there: its running tasks
+    stop on their nodes, and the records copied here say so."""
+    hosts = ssh_hosts.start(3, share=(ROOT, PACKAGES))
+    controller, workers = hosts[0], hosts[1:]
+    path = controller_recipe(tmp_path, ssh_hosts, controller, workers, gate=0)
+    r = hyper("run", path, "-d", "--trust-new-hosts", timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    wid = next(line.split()[0] for line in r.stdout.splitlines()
+               if "is driven by the controller" in line)
+    wait_for(lambda: any(row["status"] == "running" for row in ps(hyper, wid)),
+             timeout=300, interval=0.5, what="a task running")
+    r = hyper("cancel", wid, timeout=120)
+    assert r.returncode == 0 and f"cancelled {wid}" in r.stdout, r.stdout + r.stderr
+    r = hyper("ps", "--json", timeout=60)
+    assert [w["status"] for w in json.loads(r.stdout) if w["workflow"] == wid] == ["cancelled"]
+    statuses = {row["status"] for row in ps(hyper, wid)}
+    assert "cancelled" in statuses and statuses <= {"cancelled", "succeeded"}, statuses
+    for h in workers:  # nothing of it runs on the nodes
+        assert "sleep 0.2" not in h.run("ps -eo args").stdout

@@ -68,7 +68,8 @@ def test_a_replica_keeps_one_holder_until_its_lease_expires_or_is_handed_on(tmp_
         got = rep(op="read", workflow="far-1")
         assert (got["holder"], got["seq"], got["blob"]) == ("A", 1, "a1")
         assert rep(**w, holder="A", ttl=0.2, seq=2, blob=None) == {"ok": True}  # renewed
-        assert rep(op="read", workflow="far-1")["blob"] == "a1"  # a renewal keeps the blob
+        got = rep(op="read", workflow="far-1")
+        assert (got["blob"], got["seq"]) == ("a1", 1)  # a renewal keeps the blob and its seq
         time.sleep(0.3)  # A's lease expired by the replica's clock
         assert rep(**w, holder="B", ttl=None, seq=3, blob="b3") == {"ok": True}
         assert rep(**w, holder="A", ttl=30, seq=4, blob="a4")["holder"] == "B"  # fenced

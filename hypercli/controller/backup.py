@@ -7,12 +7,12 @@ controller. The cluster's nodes are the one place that outlives either and that 
 already reaches with pinned host keys; a backup held nowhere but on nodes that are all gone
 would be useless anyway (there is nothing left to drive). So each node of the replica set
 (the cluster's nodes when the workflow was handed over) keeps ``<root>/controller/<workflow>
-.json``, and a write counts when a majority of the set took it (the lease over a quorum of
+.<token>.json``, and a write counts when a majority of the set took it (the lease over a quorum of
 replicas, as in Chubby, Burrows, OSDI 2006, and Gray & Cheriton's leases, SOSP 1989: two
 majorities always share a replica, so two holders never both succeed).
 
 Each record: ``{"holder", "ttl" (s, or null: until handed over), "renewed_at" (the node's
-clock), "seq", "blob"}`` where ``blob`` is base64 of the gzipped JSON of
+clock), "seq" (the blob's number: a renewal changes neither), "blob"}`` where ``blob`` is base64 of the gzipped JSON of
 :meth:`hypercli.state.State.export_workflow`. A node takes a write only when no other holder
 has a lease there that is still live by its own clock, or when the writer names that holder
 as the one it takes over from (``handoff``: the user's machine giving the workflow back to a
@@ -30,6 +30,7 @@ import shlex
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 from hypercli.errors import HyperError, InfraError
 
@@ -75,9 +76,10 @@ for line in sys.stdin:
             left = None if have.get("ttl") is None else have["ttl"] - (now - have.get("renewed_at", 0))
             print(json.dumps({"ok": False, "holder": have.get("holder"), "left": left}), flush=True)
             continue
+        new = q.get("blob") is not None  # else a renewal: the blob and its seq stay
         rec = {"holder": q["holder"], "ttl": q.get("ttl"), "renewed_at": now,
-               "seq": q.get("seq", 0), "blob": q["blob"] if q.get("blob") is not None
-               else (have or {}).get("blob")}
+               "seq": q.get("seq", 0) if new else (have or {}).get("seq", 0),
+               "blob": q["blob"] if new else (have or {}).get("blob")}
         tmp = path + ".tmp"
         fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "wb") as f:
@@ -167,16 +169,19 @@ class Replicas:
     Args:
         provider: the cluster's SSH provider (its pinned, cached connections).
         nodes: the replica set, ``nodes`` rows (name, cluster, address, info).
-        workflow: the workflow id.
+        workflow: the workflow row (its id, and its token, which tells it from another state
+            file's workflow of the same id on the same hosts).
         holder: this driver's lease holder id.
         ttl: s the lease lasts unless renewed; None: until handed over.
         seq: the sequence number of the newest backup so far (writes count on from it).
     """
 
-    def __init__(self, provider, nodes: list[dict], workflow: str, holder: str, *,
+    def __init__(self, provider, nodes: list[dict], workflow: dict, holder: str, *,
                  ttl: float | None = LEASE_TTL, seq: int = 0):
         self.replicas = [_Replica(provider, n) for n in nodes]
-        self.workflow, self.holder, self.ttl, self.seq = workflow, holder, ttl, seq
+        self.workflow, self.holder, self.ttl, self.seq = workflow["id"], holder, ttl, seq
+        token = (workflow.get("spec") or {}).get("token")
+        self.name = f"{workflow['id']}.{token}" if token else workflow["id"]
         self.quorum = len(nodes) // 2 + 1
         self.blob: str | None = None
         self.lock = threading.Lock()
@@ -191,21 +196,26 @@ class Replicas:
                 return e
         return list(self.pool.map(one, self.replicas))
 
-    def write(self, blob: str | None = None, handoff: str | None = None) -> None:
-        """Write ``blob`` (None: the last one again, to renew the lease) with this holder's
-        lease, and return once a majority took it.
+    def write(self, blob: str | Callable[[], str] | None = None,
+              handoff: str | None = None) -> None:
+        """Write ``blob`` (a function: called under this object's lock, so that backups
+        are made and written in one order; None: renew the lease, the blob kept as it is)
+        with this holder's lease, and return once a majority took it.
 
         Raises:
             LeaseLost: a replica has another holder's live lease.
             NoQuorum: fewer than a majority took it (replicas unreachable).
         """
         with self.lock:
+            if callable(blob):
+                blob = blob()
             if blob is not None:
                 self.blob = blob
-            self.seq += 1
-            answers = self._all({"op": "write", "workflow": self.workflow,
+            if blob is not None:
+                self.seq += 1  # the blob's number; a renewal keeps it
+            answers = self._all({"op": "write", "workflow": self.name,
                                  "holder": self.holder, "ttl": self.ttl, "seq": self.seq,
-                                 "blob": self.blob, "handoff": handoff})
+                                 "blob": blob, "handoff": handoff})
         refused = [a for a in answers if isinstance(a, dict) and a.get("ok") is False]
         if refused:
             raise LeaseLost(f"workflow {self.workflow} is driven by {refused[0]['holder']} "
@@ -223,7 +233,7 @@ class Replicas:
         Raises:
             NoQuorum: fewer than a majority answered (a newer backup may be on the others).
         """
-        answers = self._all({"op": "read", "workflow": self.workflow})
+        answers = self._all({"op": "read", "workflow": self.name})
         got = [{**a, "node": r.node["name"]} for r, a in zip(self.replicas, answers)
                if isinstance(a, dict) and "found" in a]
         if len(got) < self.quorum:

@@ -399,16 +399,17 @@ def takeover(state: S.State, wid: str, *, wait: float | None = None,
     wait = LEASE_TTL * 3 if wait is None else wait
     nodes = [n for n in state.nodes(wf["cluster"]) if n["name"] in link["replicas"]]
     holder = f"here {socket.gethostname()} {secrets.token_hex(4)}"
-    reps = Replicas(provider_of(state, wf["cluster"]), nodes, wid, holder, ttl=None)
+    reps = Replicas(provider_of(state, wf["cluster"]), nodes, wf, holder, ttl=None)
     end = time.monotonic() + wait
     try:
         while True:
             found = [g for g in reps.read() if g["found"]]
-            if not found:
+            kept = [g for g in found if g.get("blob")]
+            if not kept:
                 raise InfraError(f"no backup of {wid} is on its nodes",
                                  f"`hyper run {wf['recipe_path'] or wf['name']}` runs it here "
                                  "from its records as copied last")
-            newest = max(found, key=lambda g: g["seq"])
+            newest = max(kept, key=lambda g: g["seq"])
             live = [g for g in found if g["holder"] != holder and
                     (g["left"] is None or g["left"] > 0)]
             if live:

@@ -40,26 +40,38 @@ from hypercli.errors import HyperError, UsageError
 IDLE_EXIT = 30.0  #: s with nothing to drive before the service exits
 LOOK_EVERY = 0.5  #: s between looks for workflows to drive
 RENEW_EVERY = LEASE_TTL / 4  #: s between lease renewals of a workflow being driven
+#: s at most between a change that launches nothing and its backup (several go in one)
+FLUSH_EVERY = 0.2
 
 log = logging.getLogger("hypercli.controller")
 
 
 class BackedState(S.State):
-    """A state file whose every committed write transaction is followed, before the caller
-    goes on, by ``after_commit()`` (the backup). An exception from it reaches the writer
-    (the scheduler stops)."""
+    """A state file whose every committed write transaction is followed by
+    ``after_commit(must)``: ``must`` is True when the transaction recorded attempts about to
+    be launched (and for the first one), and the backup must then be written before the
+    caller goes on; other changes may be written a moment later, several at once. An
+    exception from it reaches the writer (the scheduler stops)."""
 
     def __init__(self, after_commit, path=None):
+        self.ready = False  # opening the file (migrations) is not a change to back up
         super().__init__(path)
         self.after_commit = after_commit
+        self.must = True  # the first change: nothing of this drive is backed up yet
+        self.ready = True
+
+    def start_attempts(self, rows: list[tuple]) -> None:
+        super().start_attempts(rows)
+        self.must = True  # write-ahead: backed up before the launches are sent
 
     @contextlib.contextmanager
     def tx(self):
         outer = not self.db.in_transaction
         with super().tx() as db:
             yield db
-        if outer:
-            self.after_commit(self)
+        if outer and self.ready:
+            must, self.must = self.must, False
+            self.after_commit(must)
 
 
 def lease_of(wf: dict) -> dict:
@@ -78,7 +90,7 @@ def _set_spec(state: S.State, wid: str, **lease) -> None:
 def _replicas(state: S.State, wf: dict, provider) -> Replicas:
     lease = lease_of(wf)
     nodes = [n for n in state.nodes(wf["cluster"]) if n["name"] in lease.get("replicas", [])]
-    return Replicas(provider, nodes, wf["id"], lease["holder"], seq=lease.get("seq", 0))
+    return Replicas(provider, nodes, wf, lease["holder"], seq=lease.get("seq", 0))
 
 
 # -- submit --------------------------------------------------------------------------------
@@ -300,16 +312,44 @@ class _Drive(threading.Thread):
             wf = plain.workflow(self.wid)
             provider = provider_of(plain, wf["cluster"])
             self.replicas = _replicas(plain, wf, provider)
+            dirty = threading.Event()
 
-            def backup(st: S.State) -> None:
-                if self.lost:
-                    raise LeaseLost(self.lost)
+            def write(st: S.State) -> None:
                 try:
-                    self.replicas.write(pack(st.export_workflow(self.wid)))
+                    self.replicas.write(lambda: pack(st.export_workflow(self.wid)))
                 except LeaseLost as e:
                     self._lost(str(e))
                     raise
+
+            def backup(must: bool) -> None:
+                if self.lost:
+                    raise LeaseLost(self.lost)
+                if must:
+                    dirty.clear()  # this write takes every change so far
+                    write(state)
+                else:
+                    dirty.set()
+
+            def flush() -> None:  # the other changes, a batch at a time, on a connection
+                own = S.State()  # of its own
+                try:
+                    while not self.stopping or dirty.is_set():
+                        if not dirty.wait(FLUSH_EVERY):
+                            continue
+                        dirty.clear()
+                        try:
+                            write(own)
+                        except HyperError as e:
+                            log.warning("%s: backup not written: %s", self.wid, e)
+                            if self.lost:
+                                return
+                            dirty.set()
+                            time.sleep(FLUSH_EVERY)
+                finally:
+                    own.close()
             state = BackedState(backup)
+            flusher = threading.Thread(target=flush, name=f"backup-{self.wid}", daemon=True)
+            flusher.start()
             try:
                 nodes = state.nodes(wf["cluster"], status="up")
                 self.scheduler = Scheduler(state, self.wid, provider, nodes)
@@ -319,6 +359,13 @@ class _Drive(threading.Thread):
                 summary = self.scheduler.run()
                 log.info("%s: %s", self.wid, summary.counts)
             finally:
+                self.stopping = True  # the flusher writes what is left, then ends
+                flusher.join(timeout=60)
+                if dirty.is_set() and not self.lost:  # changed after the flusher ended
+                    try:
+                        write(state)
+                    except HyperError as e:
+                        log.warning("%s: last backup not written: %s", self.wid, e)
                 state.close()
         except LeaseLost as e:
             self._lost(str(e))
