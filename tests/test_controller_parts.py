@@ -110,3 +110,60 @@ def test_a_workflows_records_move_between_state_files(tmp_path, write_recipe, mo
     assert here.counts(wid) == {"a": {"succeeded": 2, "pending": 1}}
     assert here.workflow(wid)["storage"] == "file:///elsewhere"
     assert len(here.events(wid)) == len(there.events(wid))
+
+
+def test_records_from_a_backup_change_progress_only(tmp_path, write_recipe, monkeypatch):
+    """A backup lies on nodes where tasks run: what it says of the plan (commands, cluster,
+    storage) and attempts of other workflows or nodes are not taken, only progress."""
+    from hypercli.controller.client import _as_planned
+    from hypercli.plan import build_plan
+    from hypercli.recipe import load_recipe
+    from hypercli.state import State
+    monkeypatch.setenv("HYPER_HOME", str(tmp_path / "home"))
+    recipe = load_recipe(str(write_recipe(
+        "name: far\nexperiments:\n  a:\n    parameters: {i: [1, 2]}\n    command: echo {{i}}\n")))
+    state = State()
+    state.put_cluster("far", "ssh", {"options": {}})
+    state.put_node("far", "far-0", slots=2, address={"host": "h"})
+    wid = state.create_workflow(build_plan(recipe), cluster="far", recipe_path=None,
+                                storage="file:///s", workdir="")
+    forged = state.export_workflow(wid)
+    forged["workflow"].update(cluster="other", storage="file:///evil", status="succeeded")
+    forged["tasks"][0].update(command="rm -rf /", status="succeeded", metrics='{"x": 1}')
+    ok = {"id": f"{wid}.a-0000.1", "workflow": wid, "task": "a-0000", "number": 1,
+          "node": "far-0", "status": "succeeded", "created_at": 1.0}
+    forged["attempts"] = [ok, {**ok, "id": "other-1.a-0000.1", "workflow": "other-1"},
+                          {**ok, "id": f"{wid}.a-0001.1", "node": "elsewhere"}]
+    state.import_workflow(_as_planned(state, wid, forged), nodes=False)
+    wf = state.workflow(wid)
+    assert (wf["cluster"], wf["storage"], wf["status"]) == ("far", "file:///s", "succeeded")
+    t = state.task(wid, "a-0000")
+    assert (t["command"], t["status"], t["metrics"]) == ("echo 1", "succeeded", {"x": 1})
+    assert [a["id"] for a in state.attempts(wid)] == [f"{wid}.a-0000.1"]
+
+
+def test_intents_newer_than_the_blob_become_launching_attempts(tmp_path):
+    """An attempt backed up as an intent only (its launch may have been sent, the whole
+    records not written yet) is taken over as launching; older intents are in the blob."""
+    from hypercli.controller.backup import with_intents
+    rep = _Replica(tmp_path / "backups")
+    try:
+        w = dict(workflow="far-1", holder="A", ttl=30)
+        blob = {"tasks": [{"id": "a-0000", "status": "pending", "attempts": 0},
+                          {"id": "a-0001", "status": "pending", "attempts": 0}],
+                "attempts": []}
+        assert rep(op="intent", seq=1, rows=[["far-1.a-0000.1", "far-1", "a-0000", 1, "n0"]],
+                   **w) == {"ok": True}
+        assert rep(op="write", seq=2, blob="b2", **w) == {"ok": True}  # has intent 1
+        assert rep(op="intent", seq=3, rows=[["far-1.a-0001.1", "far-1", "a-0001", 1, "n1",
+                                              0, {"cpus": 1}]], **w) == {"ok": True}
+        got = rep(op="read", workflow="far-1")
+        assert [i["seq"] for i in got["intents"]] == [3]
+    finally:
+        rep.close()
+    out = with_intents(blob, got["seq"], [got])
+    [a] = out["attempts"]
+    assert (a["id"], a["status"], a["node"], json.loads(a["claim"])) == (
+        "far-1.a-0001.1", "launching", "n1", {"cpus": 1})
+    assert [(t["status"], t["attempts"]) for t in out["tasks"]] == [("pending", 0),
+                                                                     ("running", 1)]

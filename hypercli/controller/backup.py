@@ -12,11 +12,16 @@ replicas, as in Chubby, Burrows, OSDI 2006, and Gray & Cheriton's leases, SOSP 1
 majorities always share a replica, so two holders never both succeed).
 
 Each record: ``{"holder", "ttl" (s, or null: until handed over), "renewed_at" (the node's
-clock), "seq" (the blob's number: a renewal changes neither), "blob"}`` where ``blob`` is base64 of the gzipped JSON of
+clock), "seq" (the blob's number: a renewal changes neither), "blob", "intents"}`` where ``blob`` is base64 of the gzipped JSON of
 :meth:`hypercli.state.State.export_workflow`. A node takes a write only when no other holder
 has a lease there that is still live by its own clock, or when the writer names that holder
 as the one it takes over from (``handoff``: the user's machine giving the workflow back to a
-controller). Expiry is judged by each node's own clock, so no two machines' clocks are
+controller). Attempts about to be launched are written first as an *intent* (their rows only, a few hundred
+bytes, before the launch is sent: write-ahead), the whole records a moment later with other
+changes (``intents`` older than a blob are dropped with it: the blob has them). Whoever takes
+the workflow over adds the intents newer than the newest blob as attempts still launching;
+the agent's launch is idempotent per attempt id, so one the node did get is re-attached.
+Expiry is judged by each node's own clock, so no two machines' clocks are
 compared. Each replica is served by one small Python process on one SSH channel that stays
 open (``python3 -I -S -c``; the node needs nothing but its python3, as for the agent).
 """
@@ -69,17 +74,22 @@ for line in sys.stdin:
                 continue
             left = None if have.get("ttl") is None else have["ttl"] - (now - have.get("renewed_at", 0))
             print(json.dumps({"found": True, "holder": have.get("holder"), "left": left,
-                              "seq": have.get("seq", 0), "blob": have.get("blob")}), flush=True)
+                              "seq": have.get("seq", 0), "blob": have.get("blob"),
+                              "intents": have.get("intents", [])}), flush=True)
             continue
         if (have is not None and have.get("holder") != q["holder"] and live(have, now)
                 and q.get("handoff") != have.get("holder")):
             left = None if have.get("ttl") is None else have["ttl"] - (now - have.get("renewed_at", 0))
             print(json.dumps({"ok": False, "holder": have.get("holder"), "left": left}), flush=True)
             continue
-        new = q.get("blob") is not None  # else a renewal: the blob and its seq stay
+        new = q.get("blob") is not None  # else a renewal or an intent: the blob stays
         rec = {"holder": q["holder"], "ttl": q.get("ttl"), "renewed_at": now,
                "seq": q.get("seq", 0) if new else (have or {}).get("seq", 0),
-               "blob": q["blob"] if new else (have or {}).get("blob")}
+               "blob": q["blob"] if new else (have or {}).get("blob"),
+               "intents": [i for i in (have or {}).get("intents", [])
+                           if not new or i["seq"] > q.get("seq", 0)]}
+        if q["op"] == "intent":
+            rec["intents"].append({"seq": q["seq"], "rows": q["rows"]})
         tmp = path + ".tmp"
         fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "wb") as f:
@@ -105,6 +115,33 @@ def pack(export: dict) -> str:
     """base64 of the gzipped JSON of a workflow export (:meth:`State.export_workflow`)."""
     raw = json.dumps(export, separators=(",", ":"), default=str).encode()
     return base64.b64encode(gzip.compress(raw, 3)).decode()
+
+
+def with_intents(export: dict, seq: int, answers: list[dict]) -> dict:
+    """``export`` (the blob of number ``seq``) with the attempts of newer intents in
+    ``answers`` (:meth:`Replicas.read`) that it lacks added as ``launching``, their tasks
+    running."""
+    have = {a["id"] for a in export.get("attempts") or []}
+    tasks = {t["id"]: t for t in export.get("tasks") or []}
+    now = time.time()
+    for got in answers:
+        for intent in got.get("intents") or []:
+            if intent.get("seq", 0) <= seq:
+                continue
+            for row in intent.get("rows") or []:
+                aid, wid, task, number, node = row[:5]
+                if aid in have or task not in tasks:
+                    continue
+                have.add(aid)
+                claim = row[6] if len(row) > 6 else None
+                export["attempts"].append({
+                    "id": aid, "workflow": wid, "task": task, "number": number, "node": node,
+                    "rank": row[5] if len(row) > 5 else 0, "status": "launching",
+                    "claim": json.dumps(claim) if claim is not None else None,
+                    "created_at": now})
+                t = tasks[task]
+                t["status"], t["attempts"] = "running", max(t.get("attempts") or 0, number)
+    return export
 
 
 def unpack(blob: str) -> dict:
@@ -216,6 +253,9 @@ class Replicas:
             answers = self._all({"op": "write", "workflow": self.name,
                                  "holder": self.holder, "ttl": self.ttl, "seq": self.seq,
                                  "blob": blob, "handoff": handoff})
+        self._check(answers)
+
+    def _check(self, answers: list) -> None:
         refused = [a for a in answers if isinstance(a, dict) and a.get("ok") is False]
         if refused:
             raise LeaseLost(f"workflow {self.workflow} is driven by {refused[0]['holder']} "
@@ -226,9 +266,19 @@ class Replicas:
             raise NoQuorum(f"backup of {self.workflow} reached {ok} of "
                            f"{len(self.replicas)} nodes, {self.quorum} needed: {errors}")
 
+    def intend(self, rows: list[tuple]) -> None:
+        """Write attempts about to be launched (``State.start_attempts`` rows) with this
+        holder's lease, and return once a majority took them. Raises as :meth:`write`."""
+        with self.lock:
+            self.seq += 1
+            answers = self._all({"op": "intent", "workflow": self.name, "holder": self.holder,
+                                 "ttl": self.ttl, "seq": self.seq, "rows": rows})
+        self._check(answers)
+
     def read(self) -> list[dict]:
         """What each replica that answered holds: ``{"node", "found", "holder", "left" (s
-        of lease left by that node's clock, None: no expiry), "seq", "blob"}``.
+        of lease left by that node's clock, None: no expiry), "seq", "blob", "intents":
+        [{"seq", "rows"}]}``.
 
         Raises:
             NoQuorum: fewer than a majority answered (a newer backup may be on the others).

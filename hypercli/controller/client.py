@@ -232,6 +232,30 @@ def handover(state: S.State, wid: str, spec: dict, *, trust_new: bool = False,
     return out
 
 
+#: what of a task's row is taken from a controller's records or a backup (the rest, the plan,
+#: is this machine's own)
+TASK_PROGRESS = ("status", "attempts", "metrics", "ended_at", "wait")
+
+
+def _as_planned(state: S.State, wid: str, export: dict) -> dict:
+    """A controller's records (or a backup, which any task on a node could have written)
+    reduced to the progress of the workflow planned here: the workflow row, experiments and
+    tasks' plans (commands, parameters, environment, cluster, storage) stay this machine's;
+    only statuses, metrics and the attempts of its tasks on its cluster's nodes come in."""
+    mine = state.export_workflow(wid)
+    theirs = export.get("workflow") or {}
+    wf = {**mine["workflow"], **{k: theirs[k] for k in ("status", "ended_at") if k in theirs}}
+    got = {t.get("id"): t for t in export.get("tasks") or [] if t.get("workflow") == wid}
+    tasks = [{**t, **{k: got[t["id"]][k] for k in TASK_PROGRESS if k in got.get(t["id"], {})}}
+             for t in mine["tasks"]]
+    ids, nodes = {t["id"] for t in tasks}, {n["name"] for n in mine["nodes"]}
+    attempts = [a for a in export.get("attempts") or []
+                if a.get("workflow") == wid and a.get("task") in ids and a.get("node") in nodes
+                and str(a.get("id", "")).startswith(f"{wid}.")]
+    events = [e for e in export.get("events") or [] if e.get("workflow") == wid]
+    return {**mine, "workflow": wf, "tasks": tasks, "attempts": attempts, "events": events}
+
+
 # -- look at it there ------------------------------------------------------------------------
 def _spec(state: S.State, name: str) -> dict:
     row = next((c for c in state.controllers() if c["name"] == name), None)
@@ -265,9 +289,8 @@ def refresh(state: S.State, wid: str, ctl: Controller | None = None) -> dict | N
         spec = dict(wf.get("spec") or {})
         if ended:
             spec["controller"] = {**link, "done": True}
-        state.import_workflow(out["export"], nodes=False, driver_pid=None, detached=0,
-                              storage=wf["storage"], workdir=wf["workdir"],
-                              spec=json.dumps(spec))
+        state.import_workflow(_as_planned(state, wid, out["export"]), nodes=False,
+                              driver_pid=None, detached=0, spec=json.dumps(spec))
     finally:
         if own:
             ctl.close()
@@ -391,7 +414,8 @@ def takeover(state: S.State, wid: str, *, wait: float | None = None,
             alive, only not reachable from here).
     """
     from hypercli.cluster import provider_of
-    from hypercli.controller.backup import LEASE_TTL, LeaseLost, Replicas, unpack
+    from hypercli.controller.backup import (LEASE_TTL, LeaseLost, Replicas, pack, unpack,
+                                            with_intents)
     wf = state.workflow(wid)
     link = link_of(wf)
     if link is None:
@@ -422,19 +446,24 @@ def takeover(state: S.State, wid: str, *, wait: float | None = None,
                 log(f"waiting {left:.0f} s for the controller's lease on {wid} to expire")
                 time.sleep(min(left + 0.5, 5.0))
                 continue
-            reps.seq = newest["seq"]
             try:
-                reps.write(newest["blob"])
+                export = with_intents(unpack(newest["blob"]), newest["seq"], found)
+            except ValueError as e:
+                raise InfraError(f"the backup of {wid} on {newest['node']} cannot be read: "
+                                 f"{e}") from None
+            reps.seq = max([newest["seq"]] + [i.get("seq", 0) for g in found
+                                              for i in g.get("intents") or []])
+            try:
+                reps.write(pack(export))  # the intents in it: none is lost if this dies
             except LeaseLost:
                 continue  # renewed meanwhile: look again
             break
     finally:
         reps.close()
-    export = unpack(newest["blob"])
     spec = dict(wf.get("spec") or {})
     spec["controller"] = {**link, "taken": holder, "seq": reps.seq}
-    state.import_workflow(export, nodes=False, driver_pid=None, detached=0,
-                          storage=wf["storage"], workdir=wf["workdir"], spec=json.dumps(spec))
+    state.import_workflow(_as_planned(state, wid, export), nodes=False, driver_pid=None,
+                          detached=0, spec=json.dumps(spec))
     state.event("workflow", f"taken over from the controller {link['name']} (backup "
                 f"{newest['seq']} from {newest['node']})", workflow=wid)
     log(f"took {wid} over from the controller {link['name']} (its backup {newest['seq']})")

@@ -48,9 +48,10 @@ log = logging.getLogger("hypercli.controller")
 
 class BackedState(S.State):
     """A state file whose every committed write transaction is followed by
-    ``after_commit(must)``: ``must`` is True when the transaction recorded attempts about to
-    be launched (and for the first one), and the backup must then be written before the
-    caller goes on; other changes may be written a moment later, several at once. An
+    ``after_commit(must, rows)``: ``rows`` are the attempts the transaction recorded as
+    about to be launched (``start_attempts`` rows), which must be backed up before the
+    caller goes on (write-ahead); ``must`` is True for the first transaction, whose whole
+    records must be; other changes may be written a moment later, several at once. An
     exception from it reaches the writer (the scheduler stops)."""
 
     def __init__(self, after_commit, path=None):
@@ -58,11 +59,12 @@ class BackedState(S.State):
         super().__init__(path)
         self.after_commit = after_commit
         self.must = True  # the first change: nothing of this drive is backed up yet
+        self.rows: list = []
         self.ready = True
 
     def start_attempts(self, rows: list[tuple]) -> None:
         super().start_attempts(rows)
-        self.must = True  # write-ahead: backed up before the launches are sent
+        self.rows += [list(r) for r in rows]
 
     @contextlib.contextmanager
     def tx(self):
@@ -71,7 +73,8 @@ class BackedState(S.State):
             yield db
         if outer and self.ready:
             must, self.must = self.must, False
-            self.after_commit(must)
+            rows, self.rows = self.rows, []
+            self.after_commit(must, rows)
 
 
 def lease_of(wf: dict) -> dict:
@@ -321,14 +324,20 @@ class _Drive(threading.Thread):
                     self._lost(str(e))
                     raise
 
-            def backup(must: bool) -> None:
+            def backup(must: bool, rows: list) -> None:
                 if self.lost:
                     raise LeaseLost(self.lost)
                 if must:
                     dirty.clear()  # this write takes every change so far
                     write(state)
-                else:
-                    dirty.set()
+                    return
+                if rows:
+                    try:
+                        self.replicas.intend(rows)
+                    except LeaseLost as e:
+                        self._lost(str(e))
+                        raise
+                dirty.set()
 
             def flush() -> None:  # the other changes, a batch at a time, on a connection
                 own = S.State()  # of its own
