@@ -80,7 +80,7 @@ def test_a_replica_keeps_one_holder_until_its_lease_expires_or_is_handed_on(tmp_
     finally:
         rep.close()
     assert sorted(p.name for p in (tmp_path / "backups").iterdir()) == [
-        "far-1.json", "far-1.json.lock", "far-2.json.lock"]
+        "far-1.blob", "far-1.intents", "far-1.json", "far-1.lock", "far-2.lock"]
 
 
 def test_a_workflows_records_move_between_state_files(tmp_path, write_recipe, monkeypatch):
@@ -152,9 +152,12 @@ def test_intents_newer_than_the_blob_become_launching_attempts(tmp_path):
         blob = {"tasks": [{"id": "a-0000", "status": "pending", "attempts": 0},
                           {"id": "a-0001", "status": "pending", "attempts": 0}],
                 "attempts": []}
-        assert rep(op="intent", seq=1, rows=[["far-1.a-0000.1", "far-1", "a-0000", 1, "n0"]],
-                   **w) == {"ok": True}
-        assert rep(op="write", seq=2, blob="b2", **w) == {"ok": True}  # has intent 1
+        intent1 = dict(op="intent", seq=2, rows=[["far-1.a-0000.1", "far-1", "a-0000", 1,
+                                                  "n0"]], **w)
+        assert "error" in rep(**intent1)  # no record of A's yet: not taken
+        assert rep(op="write", seq=1, blob="b1", **w) == {"ok": True}
+        assert rep(**intent1) == {"ok": True}
+        assert rep(op="write", seq=2, blob="b2", **w) == {"ok": True}  # has intent 2
         assert rep(op="intent", seq=3, rows=[["far-1.a-0001.1", "far-1", "a-0001", 1, "n1",
                                               0, {"cpus": 1}]], **w) == {"ok": True}
         got = rep(op="read", workflow="far-1")

@@ -7,22 +7,22 @@ controller. The cluster's nodes are the one place that outlives either and that 
 already reaches with pinned host keys; a backup held nowhere but on nodes that are all gone
 would be useless anyway (there is nothing left to drive). So each node of the replica set
 (the cluster's nodes when the workflow was handed over) keeps ``<root>/controller/<workflow>
-.<token>.json``, and a write counts when a majority of the set took it (the lease over a quorum of
+.<token>.*``, and a write counts when a majority of the set took it (the lease over a quorum of
 replicas, as in Chubby, Burrows, OSDI 2006, and Gray & Cheriton's leases, SOSP 1989: two
 majorities always share a replica, so two holders never both succeed).
 
-Each record: ``{"holder", "ttl" (s, or null: until handed over), "renewed_at" (the node's
-clock), "seq" (the blob's number: a renewal changes neither), "blob", "intents"}`` where ``blob`` is base64 of the gzipped JSON of
-:meth:`hypercli.state.State.export_workflow`. A node takes a write only when no other holder
-has a lease there that is still live by its own clock, or when the writer names that holder
-as the one it takes over from (``handoff``: the user's machine giving the workflow back to a
-controller). Attempts about to be launched are written first as an *intent* (their rows only, a few hundred
-bytes, before the launch is sent: write-ahead), the whole records a moment later with other
-changes (``intents`` older than a blob are dropped with it: the blob has them). Whoever takes
-the workflow over adds the intents newer than the newest blob as attempts still launching;
-the agent's launch is idempotent per attempt id, so one the node did get is re-attached.
-Expiry is judged by each node's own clock, so no two machines' clocks are
-compared. Each replica is served by one small Python process on one SSH channel that stays
+Each record is three files: ``.json`` ``{"holder", "ttl" (s, or null: until handed over),
+"renewed_at" (the node's clock), "seq" (the blob's number; a renewal changes neither)}``,
+``.blob`` (base64 of the gzipped JSON of :meth:`hypercli.state.State.export_workflow`) and
+``.intents`` (JSON lines). A node takes a write only when no other holder has a lease there
+that is still live by its own clock (so no two machines' clocks are compared), or when the
+writer names that holder as the one it takes over from (``handoff``: the user's machine
+giving the workflow back to a controller). Attempts about to be launched are written first
+as an *intent* (their rows only, appended, before the launch is sent: write-ahead), the whole
+records a moment later with other changes (the intents a blob has are dropped with it).
+Whoever takes the workflow over adds the intents newer than the newest blob as attempts
+still launching; the agent's launch is idempotent per attempt id, so one the node did get is
+re-attached. Each replica is served by one small Python process on one SSH channel that stays
 open (``python3 -I -S -c``; the node needs nothing but its python3, as for the agent).
 """
 
@@ -54,50 +54,77 @@ def load(p):
             return json.loads(f.read())
     except (OSError, ValueError):
         return None
-def live(r, now):
-    return r.get("ttl") is None or now - r.get("renewed_at", 0) < r["ttl"]
+def put(p, data):
+    tmp = p + ".tmp"
+    fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, p)
+def intents(p):
+    try:
+        with open(p, "rb") as f:
+            return [json.loads(x) for x in f.read().splitlines() if x.strip()]
+    except (OSError, ValueError):
+        return []
+def left(r, now):
+    return None if r.get("ttl") is None else r["ttl"] - (now - r.get("renewed_at", 0))
+def answer(x):
+    sys.stdout.write(json.dumps(x) + "\n")
+    sys.stdout.flush()
 for line in sys.stdin:
     q = json.loads(line)
     wid = q.get("workflow", "")
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}", wid):
-        print(json.dumps({"error": "bad workflow id"}), flush=True)
+        answer({"error": "bad workflow id"})
         continue
-    path = os.path.join(top, wid + ".json")
-    lock = os.open(path + ".lock", os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW, 0o600)
+    base = os.path.join(top, wid)
+    meta_p, blob_p, int_p = base + ".json", base + ".blob", base + ".intents"
+    lock = os.open(base + ".lock", os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW, 0o600)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX)
         now = time.time()
-        have = load(path)
+        have = load(meta_p)
         if q["op"] == "read":
             if have is None:
-                print(json.dumps({"found": False}), flush=True)
+                answer({"found": False})
                 continue
-            left = None if have.get("ttl") is None else have["ttl"] - (now - have.get("renewed_at", 0))
-            print(json.dumps({"found": True, "holder": have.get("holder"), "left": left,
-                              "seq": have.get("seq", 0), "blob": have.get("blob"),
-                              "intents": have.get("intents", [])}), flush=True)
+            try:
+                with open(blob_p, "rb") as f:
+                    blob = f.read().decode()
+            except OSError:
+                blob = None
+            answer({"found": True, "holder": have.get("holder"), "left": left(have, now),
+                    "seq": have.get("seq", 0), "blob": blob, "intents": intents(int_p)})
             continue
-        if (have is not None and have.get("holder") != q["holder"] and live(have, now)
+        if (have is not None and have.get("holder") != q["holder"]
+                and (left(have, now) is None or left(have, now) > 0)
                 and q.get("handoff") != have.get("holder")):
-            left = None if have.get("ttl") is None else have["ttl"] - (now - have.get("renewed_at", 0))
-            print(json.dumps({"ok": False, "holder": have.get("holder"), "left": left}), flush=True)
+            answer({"ok": False, "holder": have.get("holder"), "left": left(have, now)})
             continue
-        new = q.get("blob") is not None  # else a renewal or an intent: the blob stays
-        rec = {"holder": q["holder"], "ttl": q.get("ttl"), "renewed_at": now,
-               "seq": q.get("seq", 0) if new else (have or {}).get("seq", 0),
-               "blob": q["blob"] if new else (have or {}).get("blob"),
-               "intents": [i for i in (have or {}).get("intents", [])
-                           if not new or i["seq"] > q.get("seq", 0)]}
         if q["op"] == "intent":
-            rec["intents"].append({"seq": q["seq"], "rows": q["rows"]})
-        tmp = path + ".tmp"
-        fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(json.dumps(rec).encode())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        print(json.dumps({"ok": True}), flush=True)
+            if have is None or have.get("holder") != q["holder"]:
+                answer({"error": "no record of this holder yet"})  # counted as not taken
+                continue
+            fd = os.open(int_p, os.O_CREAT | os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+            try:
+                os.write(fd, json.dumps({"seq": q["seq"], "rows": q["rows"]}).encode() + b"\n")
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            answer({"ok": True})
+            continue
+        new = q.get("blob") is not None  # else a renewal: the blob and its seq stay
+        if new:
+            put(blob_p, q["blob"].encode())
+        put(meta_p, json.dumps({"holder": q["holder"], "ttl": q.get("ttl"), "renewed_at": now,
+                                "seq": q.get("seq", 0) if new else (have or {}).get("seq", 0)}
+                               ).encode())
+        if new:  # the intents the blob has are dropped with it
+            put(int_p, b"".join(json.dumps(i).encode() + b"\n" for i in intents(int_p)
+                                if i.get("seq", 0) > q.get("seq", 0)))
+        answer({"ok": True})
     finally:
         os.close(lock)
 '''
@@ -228,9 +255,12 @@ class Replicas:
         """Answers (dict) or errors (InfraError) of every replica, in replica order."""
         def one(r):
             try:
-                return r.call(request)
+                got = r.call(request)
             except InfraError as e:
                 return e
+            if "error" in got:
+                return InfraError(f"replica {r.node['name']}: {got['error']}")
+            return got
         return list(self.pool.map(one, self.replicas))
 
     def write(self, blob: str | Callable[[], str] | None = None,

@@ -41,7 +41,7 @@ IDLE_EXIT = 30.0  #: s with nothing to drive before the service exits
 LOOK_EVERY = 0.5  #: s between looks for workflows to drive
 RENEW_EVERY = LEASE_TTL / 4  #: s between lease renewals of a workflow being driven
 #: s at most between a change that launches nothing and its backup (several go in one)
-FLUSH_EVERY = 0.2
+FLUSH_EVERY = 1.0
 
 log = logging.getLogger("hypercli.controller")
 
