@@ -846,10 +846,6 @@ class State:
         return [_row(r, "spec") for r in
                 self.db.execute("SELECT * FROM controllers ORDER BY created_at")]
 
-    def forget_controller(self, name: str) -> None:
-        with self.tx() as db:
-            db.execute("DELETE FROM controllers WHERE name=?", (name,))
-
     # -- a workflow's records, moved between state files (hypercli.controller) ----------
     def export_workflow(self, wid: str) -> dict:
         """Every record of workflow ``wid`` as stored (JSON columns left as their text):

@@ -88,11 +88,8 @@ class Controller:
         from hypercli.ssh.conn import Connection, Target
         from hypercli.ssh.hostkeys import KnownHosts
         self.spec = spec
-        known = KnownHosts(path=S.home() / "known_hosts" / "@controllers") \
-            if (S.home() / "known_hosts").is_dir() else None
-        if known is None:
-            (S.home() / "known_hosts").mkdir(mode=0o700, exist_ok=True)
-            known = KnownHosts(path=S.home() / "known_hosts" / "@controllers")
+        (S.home() / "known_hosts").mkdir(mode=0o700, exist_ok=True)
+        known = KnownHosts(path=S.home() / "known_hosts" / "@controllers")
         self.conn = Connection(f"controller {spec['name']}",
                                Target(spec["host"], spec["port"], spec["user"],
                                       spec["identity_file"]), known, trust_new=trust_new)

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from hypercli import state as S
 from hypercli.controller.backup import LEASE_TTL, LeaseLost, Replicas, pack
-from hypercli.errors import HyperError, UsageError
+from hypercli.errors import HyperError
 
 IDLE_EXIT = 30.0  #: s with nothing to drive before the service exits
 LOOK_EVERY = 0.5  #: s between looks for workflows to drive
