@@ -19,6 +19,20 @@ def _note(line: str) -> None:
     console(stderr=True).print(text(("note:", "yellow"), f" {line}"), soft_wrap=True)
 
 
+def _from_controller(state, wid: str | None = None) -> None:
+    """Copy here the records of the workflow ``wid`` (None: of every workflow) that a
+    controller drives (hypercli.controller.client); nothing to do, and nothing imported, for
+    the others."""
+    wfs = [state.workflow(wid)] if wid else state.workflows()
+    if not any((w.get("spec") or {}).get("controller") for w in wfs):
+        return
+    from hypercli.controller.client import refresh_all, refreshed
+    if wid:
+        refreshed(state, wid, _note)
+    else:
+        refresh_all(state, _note)
+
+
 # -- workflows and tasks ------------------------------------------------------------------
 @click.command()
 @click.argument("workflow", required=False)
@@ -31,15 +45,10 @@ def ps(workflow, as_json):
     and shows each running task's CPU (100% is one core) and GPUs from its newest
     utilisation sample.
     """
-    from hypercli.controller.client import refresh_all, refreshed
     from hypercli.workflows import observe, task_times, undriven
     state = open_state()
-    err = console(stderr=True)
-
-    def note(line: str) -> None:
-        err.print(text(("note:", "yellow"), f" {line}"), soft_wrap=True)
     if workflow is None:
-        refresh_all(state, note)  # workflows a controller drives: its records copied here
+        _from_controller(state)  # workflows a controller drives: its records copied here
         rows = [{"workflow": w["id"], "status": w["status"], "cluster": w["cluster"],
                  "counts": state.counts(w["id"]), "created_at": w["created_at"]}
                 for w in state.workflows()]
@@ -62,7 +71,7 @@ def ps(workflow, as_json):
             click.echo("no workflows yet; `hyper run RECIPE` starts one")
         return
     from hypercli.envvars import shown_env
-    refreshed(state, state.workflow(workflow)["id"], note)
+    _from_controller(state, state.workflow(workflow)["id"])
     wf_row = state.workflow(workflow)
     wid = wf_row["id"]
     since = undriven(state, wid)
@@ -143,10 +152,9 @@ def ps(workflow, as_json):
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list, one object per task.")
 def results(workflow, sort, ascending, show_all, as_json):
     """Parameters and metrics of WORKFLOW's tasks, best first."""
-    from hypercli.controller.client import refreshed
     from hypercli.workflows import results as results_
     state = open_state()
-    refreshed(state, state.workflow(workflow)["id"], _note)
+    _from_controller(state, state.workflow(workflow)["id"])
     wid, metric, rows = results_(state, workflow, sort, ascending)
     if as_json:
         print_json([{k: r[k] for k in ("task", "experiment", "status", "params", "metrics")}
@@ -198,9 +206,8 @@ def outputs(workflow, args, merge, jobs):
         raise UsageError("give DIR, or EXPERIMENT and DIR",
                          "hyper outputs WORKFLOW [EXPERIMENT] DIR")
     experiment, dest = (None, args[0]) if len(args) == 1 else args
-    from hypercli.controller.client import refreshed
     state = open_state()
-    refreshed(state, state.workflow(workflow)["id"], _note)
+    _from_controller(state, state.workflow(workflow)["id"])
     wid, r = gather(state, workflow, dest, experiment=experiment, merge=merge, jobs=jobs)
     click.echo(f"{wid}: {plural(len(r.pulled), 'task output')} pulled ({r.bytes / 1e6:.1f} MB), "
                f"{len(r.kept)} already there, into {dest}")
@@ -220,12 +227,11 @@ def outputs(workflow, args, merge, jobs):
 def logs(task, follow, attempt, rank):
     """Print the output of TASK (search-0007, or WORKFLOW/search-0007 when several
     workflows have that task)."""
-    from hypercli.controller.client import refreshed
     from hypercli.workflows import log_chunks, pick_attempt, resolve_task
     state = open_state()
     err_con = console(stderr=True)
     try:  # a workflow a controller drives: its records first
-        refreshed(state, resolve_task(state, task)[0], _note)
+        _from_controller(state, resolve_task(state, task)[0])
     except HyperError:
         pass  # an unknown task is said by pick_attempt below
     a = pick_attempt(state, task, attempt, rank,
@@ -246,9 +252,12 @@ def logs(task, follow, attempt, rank):
 @click.argument("target")
 def cancel(target):
     """Cancel a workflow (id or recipe name) or one task (WORKFLOW/TASK)."""
-    from hypercli.controller.client import cancel as on_controller
     from hypercli.workflows import cancel as cancel_
     state = open_state()
-    done = on_controller(state, target)  # a workflow a controller drives is cancelled there
+    wf = state.workflow(target.rsplit("/", 1)[0] if "/" in target else target)
+    done = None
+    if (wf.get("spec") or {}).get("controller"):  # a controller drives it: cancelled there
+        from hypercli.controller.client import cancel as on_controller
+        done = on_controller(state, target)
     what, n = done if done is not None else cancel_(state, target)
     click.echo(f"cancelled {what} ({plural(n, 'task')})")
