@@ -1,7 +1,8 @@
 """The state file: one SQLite database under ``$HYPER_HOME`` holding everything hypercli knows.
 
 Tables: clusters, nodes, workflows, experiments, tasks, attempts, events, samples
-(utilisation), ledger (cost: each cloud instance's offer, price and lifetime), and ``schema_migrations`` (numbered migrations, each applied once, in order). This is the only
+(utilisation), ledger (cost: each cloud instance's offer, price and lifetime),
+controllers, and ``schema_migrations`` (numbered migrations, each applied once, in order). This is the only
 module that writes SQL. JSON columns hold structured values (never pickle).
 
 Concurrency: WAL journal, so ``hyper ps`` reads while ``hyper run`` writes; a 10 s busy
@@ -175,7 +176,7 @@ def m009_ledger(db: sqlite3.Connection) -> None:
 
 
 @migration
-def m_pools(db: sqlite3.Connection) -> None:
+def m010_pools(db: sqlite3.Connection) -> None:
     """``pools``: a cloud cluster's node pools (:mod:`hypercli.offers.pools`), one row per
     (cluster, pool): the resource ``shape`` it holds and the ``offer`` it launches on (JSON),
     its ``experiments`` (JSON list), ``cap`` (most nodes), ``target`` (nodes it wants now),
@@ -192,6 +193,15 @@ def m_pools(db: sqlite3.Connection) -> None:
     ALTER TABLE nodes ADD COLUMN pool TEXT;
     ALTER TABLE ledger ADD COLUMN pool TEXT
     """)
+
+
+@migration
+def m011_controllers(db: sqlite3.Connection) -> None:
+    """``controllers``: hosts that drive workflows while this machine is away
+    (:mod:`hypercli.controller`): ``name`` (its ``user@host:port``), ``spec`` (JSON: target,
+    identity_file, python), ``status`` (``up`` | ``down``), times in unix s."""
+    db.execute("CREATE TABLE controllers (name TEXT PRIMARY KEY, spec TEXT NOT NULL, "
+               "status TEXT NOT NULL, created_at REAL NOT NULL, updated_at REAL NOT NULL)")
 
 
 def _script(db: sqlite3.Connection, sql: str) -> None:
@@ -811,7 +821,7 @@ class State:
             q, args = q + " AND cluster=?", args + [cluster]
         return [dict(r) for r in self.db.execute(q + " ORDER BY launched_at, id", args)]
 
-    # -- node pools (migration m_pools) ---------------------------------------------------
+    # -- node pools (migration m010_pools) ---------------------------------------------------
     def put_pool(self, cluster: str, name: str, *, shape: dict, offer: dict,
                  experiments: list[str], cap: int, idle_s: float) -> None:
         """Record a pool of a cluster (its target and status are kept when it exists)."""
@@ -882,6 +892,78 @@ class State:
                 "w.id=t.workflow WHERE t.experiment=? GROUP BY t.workflow HAVING COUNT(*)=1 "
                 "ORDER BY w.created_at DESC", (ref,)).fetchall()
         return [{"workflow": r[0], "task": r[1], "status": r[2]} for r in rows]
+
+    # -- controllers (hypercli.controller) ----------------------------------------------
+    def put_controller(self, name: str, spec: dict, status: str = "up") -> None:
+        """Record a controller (migration ``m011_controllers``) or update its spec/status."""
+        now = time.time()
+        with self.tx() as db:
+            db.execute("INSERT INTO controllers VALUES (?,?,?,?,?) ON CONFLICT(name) DO UPDATE "
+                       "SET spec=excluded.spec, status=excluded.status, "
+                       "updated_at=excluded.updated_at", (name, _dumps(spec), status, now, now))
+
+    def controllers(self) -> list[dict]:
+        """Every controller row, oldest first (``spec`` decoded)."""
+        return [_row(r, "spec") for r in
+                self.db.execute("SELECT * FROM controllers ORDER BY created_at")]
+
+    # -- a workflow's records, moved between state files (hypercli.controller) ----------
+    def export_workflow(self, wid: str) -> dict:
+        """Every record of workflow ``wid`` as stored (JSON columns left as their text):
+        ``{"workflow": row, "experiments", "tasks", "attempts", "events": [rows],
+        "cluster": row or None, "nodes": [rows of its cluster]}``, read in one transaction
+        so the parts agree. Raises UsageError: unknown workflow."""
+        self.workflow(wid)
+        own = not self.db.in_transaction
+        if own:
+            self.db.execute("BEGIN")  # one read snapshot
+        try:
+            def rows(q: str, *a) -> list[dict]:
+                return [dict(r) for r in self.db.execute(q, a)]
+            wf = rows("SELECT * FROM workflows WHERE id=?", wid)[0]
+            out = {"workflow": wf,
+                   "experiments": rows("SELECT * FROM experiments WHERE workflow=?", wid),
+                   "tasks": rows("SELECT * FROM tasks WHERE workflow=? ORDER BY rowid", wid),
+                   "attempts": rows("SELECT * FROM attempts WHERE workflow=?", wid),
+                   "events": [{k: v for k, v in e.items() if k != "id"} for e in
+                              rows("SELECT * FROM events WHERE workflow=? ORDER BY id", wid)],
+                   "cluster": (rows("SELECT * FROM clusters WHERE name=?", wf["cluster"])
+                               or [None])[0],
+                   "nodes": rows("SELECT * FROM nodes WHERE cluster=?", wf["cluster"])}
+        finally:
+            if own:
+                self.db.execute("COMMIT")
+        return out
+
+    def import_workflow(self, data: dict, *, nodes: bool = True, **workflow) -> str:
+        """Replace workflow ``data["workflow"]["id"]``'s records here by those of
+        :meth:`export_workflow` ``data`` (from another state file), in one transaction;
+        with ``nodes``, also its cluster's row and node rows. ``workflow``: columns of the
+        workflow row to set instead of the exported values (``driver_pid=None``). Columns
+        this file lacks are left out (another hypercli's newer schema). Returns the id."""
+        wid = data["workflow"]["id"]
+        wf = {**data["workflow"], **workflow}
+        with self.tx() as db:
+            have = {t: {r[1] for r in db.execute(f"PRAGMA table_info({t})")} for t in
+                    ("workflows", "experiments", "tasks", "attempts", "events", "clusters",
+                     "nodes")}
+
+            def put(table: str, rows: list[dict], key: str | None = None) -> None:
+                for r in rows:
+                    cols = [c for c in r if c in have[table]]
+                    upsert = (f" ON CONFLICT({key}) DO UPDATE SET " + ", ".join(
+                        f"{c}=excluded.{c}" for c in cols if c != key)) if key else ""
+                    db.execute(f"INSERT INTO {table} ({', '.join(cols)}) VALUES "
+                               f"({', '.join('?' * len(cols))}){upsert}", [r[c] for c in cols])
+            if nodes and data.get("cluster"):
+                put("clusters", [data["cluster"]], "name")
+                put("nodes", data.get("nodes") or [], "name")
+            for table in ("events", "attempts", "tasks", "experiments"):
+                db.execute(f"DELETE FROM {table} WHERE workflow=?", (wid,))
+            put("workflows", [wf], "id")
+            for table in ("experiments", "tasks", "attempts", "events"):
+                put(table, data.get(table) or [])
+        return wid
 
     # -- utilisation samples (hypercli.usage) ------------------------------------------------
     def add_samples(self, rows: Iterable[dict]) -> int:

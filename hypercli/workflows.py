@@ -180,6 +180,9 @@ def undriven(state: S.State, wid: str) -> float | None:
     wf = state.workflow(wid)
     if wf["status"] not in ("running", "cancelling"):
         return None
+    ctl = (wf.get("spec") or {}).get("controller") or {}
+    if ctl and not ctl.get("done") and not ctl.get("taken"):
+        return None  # a controller drives it (hypercli.controller.client)
     if wf.get("driver_pid") and _pid_alive(wf["driver_pid"]):
         return None
     if wf.get("detached"):

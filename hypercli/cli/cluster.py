@@ -115,10 +115,14 @@ def _node_facts(info: dict, provider: str) -> str:
 
 
 @click.command()
-@click.argument("cluster")
+@click.argument("cluster", required=False)
 @click.option("-y", "--yes", is_flag=True,
-              help="Cancel the cluster's running workflows without asking.")
-def down(cluster, yes):
+              help="Cancel the cluster's running workflows without asking (with "
+                   "--controller: remove it even while it drives a workflow).")
+@click.option("--controller", metavar="USER@HOST",
+              help="Remove this controller instead: stop it and delete what hypercli made "
+                   "there (its tasks go on; `hyper attach` takes its workflows over).")
+def down(cluster, yes, controller):
     """Take CLUSTER down: cancel its tasks and remove its nodes.
 
     With workflows still running on it, asks first on a terminal; elsewhere refuses unless
@@ -128,6 +132,18 @@ def down(cluster, yes):
     from hypercli.cluster import work_on
     from hypercli.errors import UsageError
     state = open_state()
+    if controller is not None:
+        from hypercli.controller.client import down as remove
+        from hypercli.ssh.conn import Target
+        name = str(Target.parse(controller))
+        left = remove(state, name, yes=yes)
+        for wid in left:
+            click.echo(f"left {wid} running on its nodes (`hyper attach {wid}` takes it over)")
+        click.echo(f"controller {name} removed")
+        return
+    if cluster is None:
+        raise UsageError("give a CLUSTER (or --controller USER@HOST)", "`hyper status` lists "
+                         "them")
     if state.cluster(cluster) is not None and state.cluster(cluster)["status"] == "up":
         work = work_on(state, cluster)
         if work and not yes:
@@ -206,6 +222,8 @@ def status(cluster, show_all, as_json):
         return
     if not out and not hidden:
         click.echo("no clusters; `hyper up RECIPE` or `hyper run RECIPE` creates one")
+    if cluster is None:
+        _controllers(state)
     for c in out:
         up_nodes = sum(n["status"] == "up" for n in c["nodes"])
         click.echo(f"{c['cluster']}  {c['provider']}  {c['status']}  "
@@ -231,6 +249,17 @@ def status(cluster, show_all, as_json):
         click.echo(f"{plural(hidden, 'cluster that is down', 'clusters that are down')} not "
                    f"shown (--all shows {'it' if hidden == 1 else 'them'}; `hyper forget "
                    "CLUSTER` removes one from the state file)")
+
+
+def _controllers(state) -> None:
+    """The controllers known here (hypercli.controller), each asked what it drives."""
+    from hypercli.controller.client import controller_rows
+    for c in controller_rows(state):
+        if c["status"] == "down":
+            continue
+        drives = ", ".join(c["workflows"]) or "nothing"
+        click.echo(f"controller {c['controller']}  {c['status']}  "
+                   + (f"drives {drives}" if c["status"] == "up" else c["error"] or ""))
 
 
 @click.command()

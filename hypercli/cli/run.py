@@ -10,7 +10,7 @@ import time
 import click
 
 from hypercli.cli.common import console, open_state, plural, print_json, text
-from hypercli.errors import HyperError
+from hypercli.errors import HyperError, UsageError
 
 
 def env_options(f):
@@ -190,8 +190,12 @@ def _ask_leave_or_cancel() -> str:
               help="Hand the workflow to the background driver and return at once.")
 @click.option("--wait", is_flag=True,
               help="As --detach, then wait for the end and exit with its result (for CI).")
+@click.option("--controller", "use_controller", is_flag=True,
+              help="Hand the workflow to the cluster's controller (cluster.controller), which "
+                   "drives it while this machine is away.")
 @env_options
-def run(recipe, new, on_interrupt, trust_new_hosts, cluster, detach, wait, env, env_files):
+def run(recipe, new, on_interrupt, trust_new_hosts, cluster, detach, wait, use_controller, env,
+        env_files):
     """Run RECIPE's workflow to its end (resuming an unfinished one), with live progress.
 
     A recipe's secrets: are read from this shell's environment (or --env-file) each time,
@@ -200,10 +204,15 @@ def run(recipe, new, on_interrupt, trust_new_hosts, cluster, detach, wait, env, 
     Ctrl-C asks whether to leave the tasks running (the background driver goes on
     scheduling them; `hyper attach` shows them again) or to cancel them.
     """
-    from hypercli.workflows import Driven, drive, prepare_run
+    from hypercli.controller.client import link_of, spec_of
+    from hypercli.workflows import Driven, drive, load_with_defaults, prepare_run
     state = open_state()
     con = console()
     err = console(stderr=True)
+    ctl = spec_of(load_with_defaults(recipe, offer=False).cluster)
+    if use_controller and ctl is None:
+        raise UsageError("--controller needs a controller in the recipe's cluster",
+                         "cluster: {provider: ssh, controller: user@host, ...}")
     try:
         wid, resumed, provider, nodes, lock = prepare_run(
             state, recipe, new=new, trust_new_hosts=trust_new_hosts, cluster=cluster,
@@ -217,6 +226,11 @@ def run(recipe, new, on_interrupt, trust_new_hosts, cluster, detach, wait, env, 
         con.print(text(f"{e.workflow} is run by the background driver (pid {e.pid}): "
                        "attaching"))
         sys.exit(_attach(state, e.workflow))
+    if ctl is not None or link_of(state.workflow(wid)) is not None:
+        code = _on_controller(state, wid, ctl, lock, con, trust_new_hosts, detach and not wait,
+                              use_controller)
+        if code is not None:
+            sys.exit(code)
     if detach or wait:
         from hypercli.driver import detach as detach_
         lock.release()
@@ -359,10 +373,76 @@ def _attach(state, wid: str, interval: float = 0.5) -> int:
     return 0 if status == "succeeded" else 1
 
 
+def _on_controller(state, wid: str, ctl: dict | None, lock, con, trust_new_hosts: bool,
+                   detach: bool, asked: bool) -> int | None:
+    """``hyper run`` of a workflow a controller drives or is to drive: hand it over (``ctl``:
+    the recipe's controller), or follow it there. A controller that does not answer is taken
+    over, and the workflow is then driven here unless ``--controller`` was ``asked`` (it is
+    handed over again). Returns the exit code, or None when the workflow is to be driven
+    here (``lock`` is then still held)."""
+    from hypercli.controller import client
+    link = client.link_of(state.workflow(wid))
+    if link is not None:  # resumed: a controller has it
+        try:
+            r = client.refresh(state, wid)
+            if r is not None and not r["lost"]:
+                lock.release()
+                return _follow_controller(state, wid, con, detach)
+        except client.Unreachable as e:
+            con.print(text(("note:", "yellow"), f" {e}"), soft_wrap=True)
+        client.takeover(state, wid, log=lambda line: con.print(text(line), soft_wrap=True))
+        if not asked:
+            con.print(f"driving {wid} here; `hyper run --controller` hands it back")
+            ctl = None
+    if ctl is None:
+        return None
+    try:
+        client.handover(state, wid, ctl, trust_new=trust_new_hosts,
+                        log=lambda line: con.print(text(line), soft_wrap=True))
+    finally:
+        lock.release()
+    return _follow_controller(state, wid, con, detach)
+
+
+def _follow_controller(state, wid: str, con, detach: bool) -> int:
+    """Say who drives ``wid``; unless ``detach``, follow its progress there until it ends
+    (Ctrl-C stops watching only). Returns the exit code."""
+    from hypercli.controller.client import follow, link_of
+    name = link_of(state.workflow(wid))["name"]
+    con.print(f"{wid} is driven by the controller {name}; `hyper attach {wid}` follows it, "
+              f"`hyper cancel {wid}` stops it")
+    if detach:
+        return 0
+    view = _View(state, wid)
+    try:
+        status = follow(state, wid, on_change=lambda: con.print(text(_line(view))))
+    except KeyboardInterrupt:
+        con.print(f"stopped watching; {wid} goes on on the controller (`hyper attach {wid}`)")
+        return 130
+    con.print(f"workflow {wid}: {status}")
+    return 0 if status == "succeeded" else 1
+
+
 @click.command()
 @click.argument("workflow")
 def attach(workflow):
-    """Show the live progress of WORKFLOW (run in the background or by another `hyper run`)
-    until it ends; exit 0 when every task succeeded. Ctrl-C stops watching only."""
+    """Show the live progress of WORKFLOW (run in the background, by another `hyper run` or
+    by a controller) until it ends; exit 0 when every task succeeded. Ctrl-C stops watching
+    only. A controller that does not answer is taken over: its backup is read from the
+    cluster's nodes and the workflow is driven here by the background driver."""
+    from hypercli.controller import client
     state = open_state()
-    sys.exit(_attach(state, state.workflow(workflow)["id"]))
+    wid = state.workflow(workflow)["id"]
+    con = console()
+    if client.link_of(state.workflow(wid)) is not None:
+        try:
+            r = client.refresh(state, wid)
+            if r is not None and not r["lost"]:
+                sys.exit(_follow_controller(state, wid, con, False))
+        except client.Unreachable as e:
+            con.print(text(("note:", "yellow"), f" {e}"), soft_wrap=True)
+        if client.link_of(state.workflow(wid)) is not None:
+            from hypercli.driver import detach
+            client.takeover(state, wid, log=lambda line: con.print(text(line), soft_wrap=True))
+            detach(state, wid)
+    sys.exit(_attach(state, wid))

@@ -9,8 +9,28 @@ import time
 
 import click
 
+from hypercli.errors import HyperError
+
 from hypercli.cli.common import (ago, console, duration, fmt, open_state, plural, print_json,
                                   text, when)
+
+
+def _note(line: str) -> None:
+    console(stderr=True).print(text(("note:", "yellow"), f" {line}"), soft_wrap=True)
+
+
+def _from_controller(state, wid: str | None = None) -> None:
+    """Copy here the records of the workflow ``wid`` (None: of every workflow) that a
+    controller drives (hypercli.controller.client); nothing to do, and nothing imported, for
+    the others."""
+    wfs = [state.workflow(wid)] if wid else state.workflows()
+    if not any((w.get("spec") or {}).get("controller") for w in wfs):
+        return
+    from hypercli.controller.client import refresh_all, refreshed
+    if wid:
+        refreshed(state, wid, _note)
+    else:
+        refresh_all(state, _note)
 
 
 # -- workflows and tasks ------------------------------------------------------------------
@@ -28,6 +48,7 @@ def ps(workflow, as_json):
     from hypercli.workflows import observe, task_times, undriven
     state = open_state()
     if workflow is None:
+        _from_controller(state)  # workflows a controller drives: its records copied here
         rows = [{"workflow": w["id"], "status": w["status"], "cluster": w["cluster"],
                  "counts": state.counts(w["id"]), "created_at": w["created_at"]}
                 for w in state.workflows()]
@@ -50,6 +71,7 @@ def ps(workflow, as_json):
             click.echo("no workflows yet; `hyper run RECIPE` starts one")
         return
     from hypercli.envvars import shown_env
+    _from_controller(state, state.workflow(workflow)["id"])
     wf_row = state.workflow(workflow)
     wid = wf_row["id"]
     since = undriven(state, wid)
@@ -131,7 +153,9 @@ def ps(workflow, as_json):
 def results(workflow, sort, ascending, show_all, as_json):
     """Parameters and metrics of WORKFLOW's tasks, best first."""
     from hypercli.workflows import results as results_
-    wid, metric, rows = results_(open_state(), workflow, sort, ascending)
+    state = open_state()
+    _from_controller(state, state.workflow(workflow)["id"])
+    wid, metric, rows = results_(state, workflow, sort, ascending)
     if as_json:
         print_json([{k: r[k] for k in ("task", "experiment", "status", "params", "metrics")}
                      for r in rows])
@@ -182,7 +206,9 @@ def outputs(workflow, args, merge, jobs):
         raise UsageError("give DIR, or EXPERIMENT and DIR",
                          "hyper outputs WORKFLOW [EXPERIMENT] DIR")
     experiment, dest = (None, args[0]) if len(args) == 1 else args
-    wid, r = gather(open_state(), workflow, dest, experiment=experiment, merge=merge, jobs=jobs)
+    state = open_state()
+    _from_controller(state, state.workflow(workflow)["id"])
+    wid, r = gather(state, workflow, dest, experiment=experiment, merge=merge, jobs=jobs)
     click.echo(f"{wid}: {plural(len(r.pulled), 'task output')} pulled ({r.bytes / 1e6:.1f} MB), "
                f"{len(r.kept)} already there, into {dest}")
     for rel in r.merged:
@@ -202,9 +228,13 @@ def logs(task, follow, attempt, rank):
     """Print the output of TASK (search-0007, or WORKFLOW/search-0007 when several
     workflows have that task): its stdout and stderr lines in the order they came, each on
     its own stream."""
-    from hypercli.workflows import log_chunks, pick_attempt
+    from hypercli.workflows import log_chunks, pick_attempt, resolve_task
     state = open_state()
     err_con = console(stderr=True)
+    try:  # a workflow a controller drives: its records first
+        _from_controller(state, resolve_task(state, task)[0])
+    except HyperError:
+        pass  # an unknown task is said by pick_attempt below
     a = pick_attempt(state, task, attempt, rank,
                      note=lambda line: err_con.print(text(("note:", "dim"), f" {line}"),
                                                      soft_wrap=True))
@@ -224,5 +254,11 @@ def logs(task, follow, attempt, rank):
 def cancel(target):
     """Cancel a workflow (id or recipe name) or one task (WORKFLOW/TASK)."""
     from hypercli.workflows import cancel as cancel_
-    what, n = cancel_(open_state(), target)
+    state = open_state()
+    wf = state.workflow(target.rsplit("/", 1)[0] if "/" in target else target)
+    done = None
+    if (wf.get("spec") or {}).get("controller"):  # a controller drives it: cancelled there
+        from hypercli.controller.client import cancel as on_controller
+        done = on_controller(state, target)
+    what, n = done if done is not None else cancel_(state, target)
     click.echo(f"cancelled {what} ({plural(n, 'task')})")

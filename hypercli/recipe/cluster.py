@@ -50,6 +50,17 @@ def _hosts(ctx: _Ctx, item: _Item, field: str) -> list:
     return out
 
 
+def _controller(ctx: _Ctx, item: _Item, field: str) -> str:
+    """``controller: user@host:port``: the host that drives the workflows of an ssh cluster
+    while this machine is away (hypercli.controller)."""
+    host = _str(ctx, item, field)
+    m = _HOST.fullmatch(host)
+    if not m or not 0 < int(m["port"] or 22) < 65536:
+        ctx.fail(f"controller {_show(host)} is not of the form user@host:port", item.line,
+                 field, "user and port are optional: root@10.0.0.4")
+    return host
+
+
 def _zone(ctx: _Ctx, item: _Item, field: str) -> str | list:
     zones = [z for z, _ in _strings(ctx, item, field, single_ok=True, empty_ok=False)]
     return zones[0] if isinstance(item.node, ScalarNode) else zones
@@ -132,7 +143,9 @@ _CLOUD_KEYS: dict[str, _Check] = {
 _PROVIDER_KEYS: dict[str, dict[str, _Check]] = {
     "local": {},
     "ssh": {"hosts": _hosts, "identity_file": _str, "user": _str,
-            "port": lambda c, i, f: _int(c, i, f, lo=1, hi=65535)},
+            "port": lambda c, i, f: _int(c, i, f, lo=1, hi=65535),
+            # the host that drives its workflows, and the Python there (hypercli.controller)
+            "controller": _controller, "controller_python": _str},
     # iam_role, service_account, identity: an existing storage identity for the nodes
     # instead of one made per cluster (hypercli.recipe.access)
     "aws": {**_CLOUD_KEYS, "iam_role": _str},

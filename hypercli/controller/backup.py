@@ -1,0 +1,330 @@
+"""A controller's backups of the workflows it drives, and the lease that lets one driver only
+drive a workflow: kept on the workflow's own nodes.
+
+Where: an SSH cluster's storage is often ``file://`` on the machine that ran ``hyper run``,
+which is away while the controller drives, and the controller's own disk dies with the
+controller. The cluster's nodes are the one place that outlives either and that every party
+already reaches with pinned host keys; a backup held nowhere but on nodes that are all gone
+would be useless anyway (there is nothing left to drive). So each node of the replica set
+(the cluster's nodes when the workflow was handed over) keeps ``<root>/controller/<workflow>
+.<token>.*``, and a write counts when a majority of the set took it (the lease over a quorum of
+replicas, as in Chubby, Burrows, OSDI 2006, and Gray & Cheriton's leases, SOSP 1989: two
+majorities always share a replica, so two holders never both succeed).
+
+Each record is three files: ``.json`` ``{"holder", "ttl" (s, or null: until handed over),
+"renewed_at" (the node's clock), "seq" (the blob's number; a renewal changes neither)}``,
+``.blob`` (base64 of the gzipped JSON of :meth:`hypercli.state.State.export_workflow`) and
+``.intents`` (JSON lines). A node takes a write only when no other holder has a lease there
+that is still live by its own clock (so no two machines' clocks are compared), or when the
+writer names that holder as the one it takes over from (``handoff``: the user's machine
+giving the workflow back to a controller). Attempts about to be launched are written first
+as an *intent* (their rows only, appended, before the launch is sent: write-ahead), the whole
+records a moment later with other changes (the intents a blob has are dropped with it).
+Whoever takes the workflow over adds the intents newer than the newest blob as attempts
+still launching; the agent's launch is idempotent per attempt id, so one the node did get is
+re-attached. Each replica is served by one small Python process on one SSH channel that stays
+open (``python3 -I -S -c``; the node needs nothing but its python3, as for the agent).
+"""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import json
+import shlex
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+from hypercli.errors import HyperError, InfraError
+
+LEASE_TTL = 20.0  #: s a controller's lease lasts unless renewed (renewed every TTL/4)
+RETRY_AFTER = 5.0  #: s before a replica that failed is tried again (a dead host costs time)
+CALL_TIMEOUT = 15.0  #: s a replica has to answer one request
+
+#: the replica's server (node side): one JSON request per line on stdin, one answer per line
+NODE_SCRIPT = r'''
+import fcntl, json, os, re, sys, time
+top = os.path.expanduser(sys.argv[1])
+os.makedirs(top, mode=0o700, exist_ok=True)
+def load(p):
+    try:
+        with open(p, "rb") as f:
+            return json.loads(f.read())
+    except (OSError, ValueError):
+        return None
+def put(p, data):
+    tmp = p + ".tmp"
+    fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, p)
+def intents(p):
+    try:
+        with open(p, "rb") as f:
+            return [json.loads(x) for x in f.read().splitlines() if x.strip()]
+    except (OSError, ValueError):
+        return []
+def left(r, now):
+    return None if r.get("ttl") is None else r["ttl"] - (now - r.get("renewed_at", 0))
+def answer(x):
+    sys.stdout.write(json.dumps(x) + "\n")
+    sys.stdout.flush()
+for line in sys.stdin:
+    q = json.loads(line)
+    wid = q.get("workflow", "")
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}", wid):
+        answer({"error": "bad workflow id"})
+        continue
+    base = os.path.join(top, wid)
+    meta_p, blob_p, int_p = base + ".json", base + ".blob", base + ".intents"
+    lock = os.open(base + ".lock", os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        now = time.time()
+        have = load(meta_p)
+        if q["op"] == "read":
+            if have is None:
+                answer({"found": False})
+                continue
+            try:
+                with open(blob_p, "rb") as f:
+                    blob = f.read().decode()
+            except OSError:
+                blob = None
+            answer({"found": True, "holder": have.get("holder"), "left": left(have, now),
+                    "seq": have.get("seq", 0), "blob": blob, "intents": intents(int_p)})
+            continue
+        if (have is not None and have.get("holder") != q["holder"]
+                and (left(have, now) is None or left(have, now) > 0)
+                and q.get("handoff") != have.get("holder")):
+            answer({"ok": False, "holder": have.get("holder"), "left": left(have, now)})
+            continue
+        if q["op"] == "intent":
+            if have is None or have.get("holder") != q["holder"]:
+                answer({"error": "no record of this holder yet"})  # counted as not taken
+                continue
+            fd = os.open(int_p, os.O_CREAT | os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+            try:
+                os.write(fd, json.dumps({"seq": q["seq"], "rows": q["rows"]}).encode() + b"\n")
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            answer({"ok": True})
+            continue
+        new = q.get("blob") is not None  # else a renewal: the blob and its seq stay
+        if new:
+            put(blob_p, q["blob"].encode())
+        put(meta_p, json.dumps({"holder": q["holder"], "ttl": q.get("ttl"), "renewed_at": now,
+                                "seq": q.get("seq", 0) if new else (have or {}).get("seq", 0)}
+                               ).encode())
+        if new:  # the intents the blob has are dropped with it
+            put(int_p, b"".join(json.dumps(i).encode() + b"\n" for i in intents(int_p)
+                                if i.get("seq", 0) > q.get("seq", 0)))
+        answer({"ok": True})
+    finally:
+        os.close(lock)
+'''
+
+
+class LeaseLost(InfraError):
+    """Another driver holds the workflow's lease on a replica: this one must stop driving."""
+
+
+class NoQuorum(InfraError):
+    """Fewer than a majority of the replicas answered."""
+
+
+def pack(export: dict) -> str:
+    """base64 of the gzipped JSON of a workflow export (:meth:`State.export_workflow`)."""
+    raw = json.dumps(export, separators=(",", ":"), default=str).encode()
+    return base64.b64encode(gzip.compress(raw, 3)).decode()
+
+
+def with_intents(export: dict, seq: int, answers: list[dict]) -> dict:
+    """``export`` (the blob of number ``seq``) with the attempts of newer intents in
+    ``answers`` (:meth:`Replicas.read`) that it lacks added as ``launching``, their tasks
+    running."""
+    have = {a["id"] for a in export.get("attempts") or []}
+    tasks = {t["id"]: t for t in export.get("tasks") or []}
+    now = time.time()
+    for got in answers:
+        for intent in got.get("intents") or []:
+            if intent.get("seq", 0) <= seq:
+                continue
+            for row in intent.get("rows") or []:
+                aid, wid, task, number, node = row[:5]
+                if aid in have or task not in tasks:
+                    continue
+                have.add(aid)
+                claim = row[6] if len(row) > 6 else None
+                export["attempts"].append({
+                    "id": aid, "workflow": wid, "task": task, "number": number, "node": node,
+                    "rank": row[5] if len(row) > 5 else 0, "status": "launching",
+                    "claim": json.dumps(claim) if claim is not None else None,
+                    "created_at": now})
+                t = tasks[task]
+                t["status"], t["attempts"] = "running", max(t.get("attempts") or 0, number)
+    return export
+
+
+def unpack(blob: str) -> dict:
+    """The export :func:`pack` made. Raises ValueError: not such a blob."""
+    try:
+        return json.loads(gzip.decompress(base64.b64decode(blob)))
+    except (OSError, EOFError, ValueError, TypeError) as e:
+        raise ValueError(f"not a workflow backup: {e}") from None
+
+
+class _Replica:
+    """One node's server channel (opened on first use, again after a failure)."""
+
+    def __init__(self, provider, node: dict):
+        self.provider, self.node = provider, node
+        self.ch = self.f = None
+        self.failed_at = 0.0
+        self.lock = threading.Lock()
+
+    def _open(self) -> None:
+        from hypercli.providers.ssh import _target_of
+        conn = self.provider.connection(self.node["name"], _target_of(self.node),
+                                        self.node["cluster"])
+        root = (self.node.get("info") or {}).get("root") or "~/.hyper"
+        ch = conn.channel()
+        ch.settimeout(CALL_TIMEOUT)
+        ch.exec_command(f"exec python3 -I -S -c {shlex.quote(NODE_SCRIPT)} "
+                        f"{shlex.quote(root + '/controller')}")
+        self.ch, self.f = ch, ch.makefile("rb")
+
+    def close(self) -> None:
+        if self.ch is not None:
+            try:
+                self.ch.close()
+            except Exception:
+                pass
+        self.ch = self.f = None
+
+    def call(self, request: dict) -> dict:
+        """Send one request, return the answer. Raises InfraError (the replica is skipped
+        for RETRY_AFTER s)."""
+        with self.lock:
+            if self.ch is None and time.time() - self.failed_at < RETRY_AFTER:
+                raise InfraError(f"replica {self.node['name']} failed just before")
+            try:
+                if self.ch is None:
+                    self._open()
+                self.ch.sendall(json.dumps(request).encode() + b"\n")
+                line = self.f.readline()
+                if not line:
+                    raise EOFError("the channel closed")
+                return json.loads(line)
+            except (HyperError, OSError, EOFError, ValueError, Exception) as e:
+                self.close()
+                self.failed_at = time.time()
+                raise InfraError(f"replica {self.node['name']}: {e}") from None
+
+
+class Replicas:
+    """The backups of one workflow on its replica set (module docstring).
+
+    Args:
+        provider: the cluster's SSH provider (its pinned, cached connections).
+        nodes: the replica set, ``nodes`` rows (name, cluster, address, info).
+        workflow: the workflow row (its id, and its token, which tells it from another state
+            file's workflow of the same id on the same hosts).
+        holder: this driver's lease holder id.
+        ttl: s the lease lasts unless renewed; None: until handed over.
+        seq: the sequence number of the newest backup so far (writes count on from it).
+    """
+
+    def __init__(self, provider, nodes: list[dict], workflow: dict, holder: str, *,
+                 ttl: float | None = LEASE_TTL, seq: int = 0):
+        self.replicas = [_Replica(provider, n) for n in nodes]
+        self.workflow, self.holder, self.ttl, self.seq = workflow["id"], holder, ttl, seq
+        token = (workflow.get("spec") or {}).get("token")
+        self.name = f"{workflow['id']}.{token}" if token else workflow["id"]
+        self.quorum = len(nodes) // 2 + 1
+        self.blob: str | None = None
+        self.lock = threading.Lock()
+        self.pool = ThreadPoolExecutor(max(1, len(nodes)), thread_name_prefix="backup")
+
+    def _all(self, request: dict) -> list:
+        """Answers (dict) or errors (InfraError) of every replica, in replica order."""
+        def one(r):
+            try:
+                got = r.call(request)
+            except InfraError as e:
+                return e
+            if "error" in got:
+                return InfraError(f"replica {r.node['name']}: {got['error']}")
+            return got
+        return list(self.pool.map(one, self.replicas))
+
+    def write(self, blob: str | Callable[[], str] | None = None,
+              handoff: str | None = None) -> None:
+        """Write ``blob`` (a function: called under this object's lock, so that backups
+        are made and written in one order; None: renew the lease, the blob kept as it is)
+        with this holder's lease, and return once a majority took it.
+
+        Raises:
+            LeaseLost: a replica has another holder's live lease.
+            NoQuorum: fewer than a majority took it (replicas unreachable).
+        """
+        with self.lock:
+            if callable(blob):
+                blob = blob()
+            if blob is not None:
+                self.blob = blob
+            if blob is not None:
+                self.seq += 1  # the blob's number; a renewal keeps it
+            answers = self._all({"op": "write", "workflow": self.name,
+                                 "holder": self.holder, "ttl": self.ttl, "seq": self.seq,
+                                 "blob": blob, "handoff": handoff})
+        self._check(answers)
+
+    def _check(self, answers: list) -> None:
+        refused = [a for a in answers if isinstance(a, dict) and a.get("ok") is False]
+        if refused:
+            raise LeaseLost(f"workflow {self.workflow} is driven by {refused[0]['holder']} "
+                            "now (its lease is on the backups)")
+        ok = sum(isinstance(a, dict) and a.get("ok") is True for a in answers)
+        if ok < self.quorum:
+            errors = "; ".join(str(a) for a in answers if not isinstance(a, dict))
+            raise NoQuorum(f"backup of {self.workflow} reached {ok} of "
+                           f"{len(self.replicas)} nodes, {self.quorum} needed: {errors}")
+
+    def intend(self, rows: list[tuple]) -> None:
+        """Write attempts about to be launched (``State.start_attempts`` rows) with this
+        holder's lease, and return once a majority took them. Raises as :meth:`write`."""
+        with self.lock:
+            self.seq += 1
+            answers = self._all({"op": "intent", "workflow": self.name, "holder": self.holder,
+                                 "ttl": self.ttl, "seq": self.seq, "rows": rows})
+        self._check(answers)
+
+    def read(self) -> list[dict]:
+        """What each replica that answered holds: ``{"node", "found", "holder", "left" (s
+        of lease left by that node's clock, None: no expiry), "seq", "blob", "intents":
+        [{"seq", "rows"}]}``.
+
+        Raises:
+            NoQuorum: fewer than a majority answered (a newer backup may be on the others).
+        """
+        answers = self._all({"op": "read", "workflow": self.name})
+        got = [{**a, "node": r.node["name"]} for r, a in zip(self.replicas, answers)
+               if isinstance(a, dict) and "found" in a]
+        if len(got) < self.quorum:
+            errors = "; ".join(str(a) for a in answers if not isinstance(a, dict))
+            raise NoQuorum(f"the backups of {self.workflow}: {len(got)} of "
+                           f"{len(self.replicas)} nodes answered, {self.quorum} needed"
+                           + (f" ({errors})" if errors else ""),
+                           "bring the cluster's hosts back, then try again")
+        return got
+
+    def close(self) -> None:
+        for r in self.replicas:
+            r.close()
+        self.pool.shutdown(wait=False)

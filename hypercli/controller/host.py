@@ -1,0 +1,445 @@
+"""The controller's side: take a workflow handed over, drive it with the same scheduler as
+``hyper run``, back it up after every change, answer the user's machine.
+
+Runs on the controller host as ``python -m hypercli.controller OP`` with ``HYPER_HOME`` the
+controller's own folder (``~/.hyper/controller``); the user's machine sends each request over
+one SSH connection (:mod:`hypercli.controller.client`). The service (``serve``) is one process
+per controller home, holding an flock on ``locks/controller.lock`` (its pid inside), started
+in a session of its own so the SSH connection that started it may end. It drives every
+workflow of its state file whose lease it holds, each in a thread with a
+:class:`~hypercli.scheduler.Scheduler` over a :class:`BackedState`: every write transaction,
+once committed and *before* the scheduler acts on it (launches are recorded before they are
+sent), is written to the replicas (:mod:`hypercli.controller.backup`), so whoever takes the
+workflow over knows every attempt that may have started. A lease it loses (another driver took
+the workflow) stops that thread at once, leaving the tasks running. It exits after IDLE_EXIT s
+with nothing to drive.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import fcntl
+import io
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+from pathlib import Path
+
+from hypercli import state as S
+from hypercli.controller.backup import LEASE_TTL, LeaseLost, Replicas, pack
+from hypercli.errors import HyperError
+
+IDLE_EXIT = 30.0  #: s with nothing to drive before the service exits
+LOOK_EVERY = 0.5  #: s between looks for workflows to drive
+RENEW_EVERY = LEASE_TTL / 4  #: s between lease renewals of a workflow being driven
+#: s at most between a change that launches nothing and its backup (several go in one)
+FLUSH_EVERY = 1.0
+
+log = logging.getLogger("hypercli.controller")
+
+
+class BackedState(S.State):
+    """A state file whose every committed write transaction is followed by
+    ``after_commit(must, rows)``: ``rows`` are the attempts the transaction recorded as
+    about to be launched (``start_attempts`` rows), which must be backed up before the
+    caller goes on (write-ahead); ``must`` is True for the first transaction, whose whole
+    records must be; other changes may be written a moment later, several at once. An
+    exception from it reaches the writer (the scheduler stops)."""
+
+    def __init__(self, after_commit, path=None):
+        self.ready = False  # opening the file (migrations) is not a change to back up
+        super().__init__(path)
+        self.after_commit = after_commit
+        self.must = True  # the first change: nothing of this drive is backed up yet
+        self.rows: list = []
+        self.ready = True
+
+    def start_attempts(self, rows: list[tuple]) -> None:
+        super().start_attempts(rows)
+        self.rows += [list(r) for r in rows]
+
+    @contextlib.contextmanager
+    def tx(self):
+        outer = not self.db.in_transaction
+        with super().tx() as db:
+            yield db
+        if outer and self.ready:
+            must, self.must = self.must, False
+            rows, self.rows = self.rows, []
+            self.after_commit(must, rows)
+
+
+def lease_of(wf: dict) -> dict:
+    """The controller's lease record in a workflow's spec: ``{"holder", "seq", "replicas":
+    [node names], "lost": why or absent}``; {} for a workflow not driven here."""
+    return (wf.get("spec") or {}).get("lease") or {}
+
+
+def _set_spec(state: S.State, wid: str, **lease) -> None:
+    wf = state.workflow(wid)
+    spec = dict(wf.get("spec") or {})
+    spec["lease"] = {**lease_of(wf), **lease}
+    state.set_workflow(wid, spec=json.dumps(spec))
+
+
+def _replicas(state: S.State, wf: dict, provider) -> Replicas:
+    lease = lease_of(wf)
+    nodes = [n for n in state.nodes(wf["cluster"]) if n["name"] in lease.get("replicas", [])]
+    return Replicas(provider, nodes, wf, lease["holder"], seq=lease.get("seq", 0))
+
+
+# -- submit --------------------------------------------------------------------------------
+def submit(data: dict) -> dict:
+    """Take a workflow handed over by the user's machine. ``data``: ``{"export": the
+    workflow's records (State.export_workflow), "known_hosts": the cluster's pinned keys
+    (text), "key": the cluster's private key (text), "workdir": base64 tar of the workdir
+    or None, "holder": the lease holder id to use, "handoff": the holder it takes over from
+    or None, "seq": the newest backup's sequence number}``. Writes the first backup (the lease)
+    before answering, and starts the service. Returns ``{"workflow", "pid"}``.
+
+    Raises:
+        LeaseLost: another driver holds the workflow's lease.
+        NoQuorum: fewer than a majority of the cluster's nodes took the first backup.
+    """
+    from hypercli.cluster import provider_of
+    export = data["export"]
+    wf, cluster = export["workflow"], export["cluster"]
+    wid, name = wf["id"], cluster["name"]
+    home = S.home()
+    key = S.folder("keys") / name
+    fd = os.open(key, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(data["key"])
+    kh = home / "known_hosts"
+    kh.mkdir(exist_ok=True, mode=0o700)
+    (kh / name).write_text(data["known_hosts"])
+    os.chmod(kh / name, 0o600)
+    spec = json.loads(cluster["spec"] or "{}")
+    if (spec.get("options") or {}).get("identity_file"):
+        spec["options"]["identity_file"] = str(key)
+    cluster["spec"] = json.dumps(spec)
+    for n in export["nodes"]:
+        addr = json.loads(n["address"] or "{}")
+        addr["identity_file"] = str(key)
+        n["address"] = json.dumps(addr)
+    if wf["storage"].startswith("file://"):  # the user's folder is not here: outputs come here
+        wf["storage"] = "file://" + str(S.folder("storage"))
+    work = S.folder("work") / wid
+    if data.get("workdir"):
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+        from hypercli.untar import extract
+        extract(base64.b64decode(data["workdir"]), work)
+        wf["workdir"] = str(work)
+    wspec = json.loads(wf["spec"] or "{}")
+    replicas = [n["name"] for n in export["nodes"] if n["status"] == "up"]
+    wspec["lease"] = {"holder": data["holder"], "seq": data.get("seq", 0),
+                      "replicas": replicas}
+    wf["spec"] = json.dumps(wspec)
+    state = S.State()
+    try:
+        state.import_workflow(export, driver_pid=None, detached=0)
+        wf_row = state.workflow(wid)
+        reps = _replicas(state, wf_row, provider_of(state, name))
+        try:
+            reps.write(pack(state.export_workflow(wid)), handoff=data.get("handoff"))
+        finally:
+            reps.close()
+        _set_spec(state, wid, seq=reps.seq)
+        state.event("workflow", f"taken by the controller (lease {data['holder']})",
+                    workflow=wid)
+    finally:
+        state.close()
+    return {"workflow": wid, "pid": ensure_service()}
+
+
+# -- answers to the user's machine ----------------------------------------------------------
+def service_pid() -> int | None:
+    """The live service's pid (its lock is held), else None."""
+    path = S.home() / "locks" / "controller.lock"
+    if not path.exists():
+        return None
+    fd = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    except OSError:
+        pid = os.pread(fd, 32, 0).decode().strip()
+        return int(pid) if pid.isdigit() else None
+    finally:
+        os.close(fd)
+
+
+def ensure_service() -> int:
+    """The service's pid, started first when none is alive (it exits at once, harmlessly,
+    when another won the race)."""
+    pid = service_pid()
+    if pid:
+        return pid
+    out = open(S.home() / "controller.log", "ab")
+    try:
+        p = subprocess.Popen([sys.executable, "-m", "hypercli.controller", "serve"],
+                             stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                             start_new_session=True, close_fds=True)
+    finally:
+        out.close()
+    for _ in range(100):  # until it holds its lock: the caller may ask for it next
+        if service_pid() or p.poll() is not None:
+            break
+        time.sleep(0.05)
+    return service_pid() or p.pid
+
+
+def export(wid: str) -> dict:
+    """``{"export": the workflow's records, "driven": True while the service is alive and
+    holds its lease, "lost": why its lease was lost, or None}``."""
+    state = S.State()
+    try:
+        wf = state.workflow(wid)
+        lease = lease_of(wf)
+        if wf["status"] in ("running", "cancelling") and lease and not lease.get("lost"):
+            ensure_service()  # a service that died is started again, as the driver is
+        return {"export": state.export_workflow(wid), "lost": lease.get("lost"),
+                "driven": bool(service_pid()) and not lease.get("lost")}
+    finally:
+        state.close()
+
+
+def logs_tar(wid: str) -> bytes:
+    """A tar of the log copies kept here of the workflow's attempts (``<attempt>/stdout``,
+    ``<attempt>/stderr``) and of its outputs in a ``file://`` storage (``outputs/<task>/``)."""
+    state = S.State()
+    try:
+        wf = state.workflow(wid)
+        logs = S.folder("logs")
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            for a in state.attempts(wid):
+                d = logs / a["id"]
+                if d.is_dir() and not d.is_symlink():
+                    tar.add(str(d), arcname=f"logs/{a['id']}")
+            if wf["storage"].startswith("file://"):
+                out = Path(wf["storage"][7:]) / wid
+                if out.is_dir() and not out.is_symlink():
+                    tar.add(str(out), arcname="outputs")
+        return buf.getvalue()
+    finally:
+        state.close()
+
+
+def cancel(ref: str) -> dict:
+    """Cancel a workflow or task here (as ``hyper cancel``); the scheduler driving it
+    picks the cancel up. Returns ``{"what", "tasks"}``."""
+    from hypercli.workflows import cancel as cancel_
+    state = S.State()
+    try:
+        what, n = cancel_(state, ref)
+        return {"what": what, "tasks": n}
+    finally:
+        state.close()
+
+
+def status() -> dict:
+    """``{"pid": the service's or None, "workflows": [{"id", "status", "holder", "lost"}]}``."""
+    state = S.State()
+    try:
+        rows = [{"id": w["id"], "status": w["status"], "holder": lease_of(w).get("holder"),
+                 "lost": lease_of(w).get("lost")}
+                for w in state.workflows(limit=1000) if lease_of(w)]
+        return {"pid": service_pid(), "workflows": rows}
+    finally:
+        state.close()
+
+
+def stop() -> int | None:
+    """Stop the service (SIGTERM: every task is left running); returns its pid or None."""
+    pid = service_pid()
+    if pid:
+        os.kill(pid, signal.SIGTERM)
+        for _ in range(600):
+            if not service_pid():
+                break
+            time.sleep(0.05)
+    return pid
+
+
+# -- the service ----------------------------------------------------------------------------
+class _Drive(threading.Thread):
+    """Drives one workflow here, backed up after every change, until it ends or its lease
+    is lost."""
+
+    def __init__(self, wid: str):
+        super().__init__(name=f"drive-{wid}", daemon=True)
+        self.wid = wid
+        self.scheduler = self.replicas = None
+        self.stopping = False
+        self.lost: str | None = None  # why the lease was lost
+
+    def stop(self) -> None:
+        self.stopping = True
+        if self.scheduler is not None:
+            self.scheduler.stop()
+
+    def renew(self) -> None:
+        """Renew the lease (the last backup written again); a lost lease stops the run."""
+        reps = self.replicas
+        if reps is None or reps.blob is None:
+            return
+        try:
+            reps.write()
+        except LeaseLost as e:
+            self._lost(str(e))
+        except HyperError as e:
+            log.warning("%s: lease not renewed: %s", self.wid, e)
+
+    def _lost(self, why: str) -> None:
+        if not self.stopping:
+            log.error("%s: %s; stopping (tasks left running)", self.wid, why)
+        self.lost = why
+        self.stop()
+
+    def run(self) -> None:
+        from hypercli.cluster import provider_of
+        from hypercli.scheduler import Scheduler
+        plain = S.State()
+        try:
+            wf = plain.workflow(self.wid)
+            provider = provider_of(plain, wf["cluster"])
+            self.replicas = _replicas(plain, wf, provider)
+            dirty = threading.Event()
+
+            def write(st: S.State) -> None:
+                try:
+                    self.replicas.write(lambda: pack(st.export_workflow(self.wid)))
+                except LeaseLost as e:
+                    self._lost(str(e))
+                    raise
+
+            def backup(must: bool, rows: list) -> None:
+                if self.lost:
+                    raise LeaseLost(self.lost)
+                if must:
+                    dirty.clear()  # this write takes every change so far
+                    write(state)
+                    return
+                if rows:
+                    try:
+                        self.replicas.intend(rows)
+                    except LeaseLost as e:
+                        self._lost(str(e))
+                        raise
+                dirty.set()
+
+            def flush() -> None:  # the other changes, a batch at a time, on a connection
+                own = S.State()  # of its own
+                try:
+                    while not self.stopping or dirty.is_set():
+                        if not dirty.wait(FLUSH_EVERY):
+                            continue
+                        dirty.clear()
+                        try:
+                            write(own)
+                        except HyperError as e:
+                            log.warning("%s: backup not written: %s", self.wid, e)
+                            if self.lost:
+                                return
+                            dirty.set()
+                            time.sleep(FLUSH_EVERY)
+                finally:
+                    own.close()
+            state = BackedState(backup)
+            flusher = threading.Thread(target=flush, name=f"backup-{self.wid}", daemon=True)
+            flusher.start()
+            try:
+                nodes = state.nodes(wf["cluster"], status="up")
+                self.scheduler = Scheduler(state, self.wid, provider, nodes)
+                if self.stopping:
+                    return
+                log.info("driving %s on %d nodes", self.wid, len(nodes))
+                summary = self.scheduler.run()
+                log.info("%s: %s", self.wid, summary.counts)
+            finally:
+                self.stopping = True  # the flusher writes what is left, then ends
+                flusher.join(timeout=60)
+                if dirty.is_set() and not self.lost:  # changed after the flusher ended
+                    try:
+                        write(state)
+                    except HyperError as e:
+                        log.warning("%s: last backup not written: %s", self.wid, e)
+                state.close()
+        except LeaseLost as e:
+            self._lost(str(e))
+        except HyperError as e:
+            log.error("%s: %s", self.wid, e)
+        except Exception:  # a bug must not take the other workflows down
+            log.exception("%s: drive thread failed", self.wid)
+        finally:
+            if self.lost:
+                _set_spec(plain, self.wid, lost=self.lost)
+            elif self.replicas is not None:
+                _set_spec(plain, self.wid, seq=self.replicas.seq)
+            if self.replicas is not None:
+                self.replicas.close()
+            plain.close()
+
+
+def _to_drive(state: S.State) -> list[str]:
+    return [w["id"] for w in state.workflows(limit=1000)
+            if w["status"] in ("running", "cancelling") and lease_of(w)
+            and not lease_of(w).get("lost")]
+
+
+def serve() -> int:
+    """The service's loop (module docstring). Returns the exit status."""
+    from hypercli.locks import lock_folder
+    fd = os.open(lock_folder() / "controller.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return 0  # another service is alive
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s controller[%(process)d] %(message)s")
+    stopping: list = []
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda signum, frame: stopping.append(signum))
+    log.info("started for %s", S.home())
+    state = S.State()
+    drives: dict[str, _Drive] = {}
+    idle = renewed = time.monotonic()
+    try:
+        while not stopping:
+            for wid in _to_drive(state):
+                if wid not in drives or not drives[wid].is_alive():
+                    drives[wid] = _Drive(wid)
+                    drives[wid].start()
+            if time.monotonic() - renewed > RENEW_EVERY:
+                renewed = time.monotonic()
+                for d in list(drives.values()):
+                    if d.is_alive():
+                        d.renew()
+            drives = {w: d for w, d in drives.items() if d.is_alive()}
+            if drives:
+                idle = time.monotonic()
+            elif time.monotonic() - idle > IDLE_EXIT:
+                break
+            time.sleep(LOOK_EVERY)
+    finally:
+        for d in drives.values():
+            d.stop()
+        for d in drives.values():
+            d.join(timeout=30)
+        log.info("exiting (%s)", "signal" if stopping else "nothing left to drive")
+        state.close()
+        os.close(fd)
+    return 0

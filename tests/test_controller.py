@@ -1,0 +1,244 @@
+"""A controller on an SSH test host drives a workflow on three others while the machine that
+ran ``hyper run`` is gone (tests/sshhosts.py): the run SIGKILLed right after the handover and
+a worker host killed mid-run; the controller's host killed mid-run and the workflow taken
+over from the backups on the nodes. Every task ends with exactly one success."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sysconfig
+
+import pytest
+import yaml
+
+from conftest import ROOT, hyper_cmd, wait_for
+
+pytestmark = pytest.mark.slow
+
+PACKAGES = sysconfig.get_paths()["purelib"]
+
+#: each start is counted on its host (private /root); tasks from {gate} on wait, once
+#: started, for the test to open the gate (/root/go on their host): the faults come while
+#: they run, however loaded the machine is
+COMMAND = ("echo {{i}} >> /root/starts\n"
+           "echo hello {{i}}\n"
+           "if [ {{i}} -ge %d ]; then while [ ! -e /root/go ]; do sleep 0.2; done; fi\n"
+           "sleep 1\n"
+           "echo '{\"i\": {{i}}}' >> \"$HYPER_METRICS\"")
+
+
+def open_gate(hosts) -> None:
+    for h in hosts:
+        h.run("touch /root/go", check=True)
+
+
+def controller_recipe(tmp_path, pool, controller, workers, name: str = "far", gate: int = 3):
+    """A recipe of the ssh cluster ``workers`` driven by the host ``controller``, whose
+    Python runs with this checkout's packages (the hosts' /usr/bin/python3 is the same 3.11;
+    this Python's own binary lives under /root, which each host has its own of); 9 tasks,
+    those from ``gate`` on waiting for :func:`open_gate`."""
+    controller.run(f"printf '#!/bin/sh\\nPYTHONPATH=\"$PYTHONPATH:{PACKAGES}\" exec "
+                   f"/usr/bin/python3 \"$@\"\\n' > /root/py3 && chmod +x /root/py3", check=True)
+    recipe = {"name": name, "workdir": "none",
+              "cluster": {"provider": "ssh", "hosts": [h.address() for h in workers],
+                          "identity_file": str(pool.client_key),
+                          "controller": controller.address(), "controller_python": "/root/py3"},
+              "experiments": {"work": {"parameters": {"i": list(range(9))}, "retries": 2,
+                                       "command": COMMAND % gate}}}
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return path
+
+
+def on_controller(host, code: str) -> str:
+    """Run Python ``code`` on the controller host against its own state file."""
+    r = host.run("cd /root && HYPER_HOME=/root/.hyper/controller "
+                  "PYTHONPATH=$(ls -d /root/.hyper/lib/* | head -1) /root/py3 -c "
+                  + json.dumps(code), timeout=60)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def attempts_there(host, wid: str) -> list[dict]:
+    return json.loads(on_controller(host, (
+        "import json; from hypercli.state import State; "
+        f"print(json.dumps(State().attempts({wid!r})))")))
+
+
+def starts(workers) -> list[str]:
+    """Every task start on the worker hosts still up (one line per start)."""
+    out = []
+    for h in workers:
+        r = h.run("cat /root/starts 2>/dev/null")
+        out += r.stdout.split()
+    return out
+
+
+def ps(hyper, wid: str) -> list[dict]:
+    r = hyper("ps", wid, "--json", timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return json.loads(r.stdout)
+
+
+def test_workflow_goes_on_without_this_machine_and_a_lost_worker(ssh_hosts, tmp_path, hyper,
+                                                                  hyper_home):
+    """`hyper run --controller` SIGKILLed right after the handover, then the host under a
+    running task killed: the controller re-runs its tasks on the other hosts, every task
+    one success recorded there, and `hyper results` here shows them all, also once the
+    controller is gone."""
+    hosts = ssh_hosts.start(4, share=(ROOT, PACKAGES))
+    controller, workers = hosts[0], hosts[1:]
+    path = controller_recipe(tmp_path, ssh_hosts, controller, workers, gate=0)
+    p = subprocess.Popen([*hyper_cmd(), "run", str(path), "--controller", "--trust-new-hosts"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        line = wait_for(lambda: (lambda s: s if "driven by the controller" in s else None)(
+            p.stdout.readline()), timeout=300, what="the handover", proc=p)
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.communicate()
+    wid = line.split()[0]
+    name = f"root@{controller.ip}:22"
+    r = hyper("status", timeout=60)
+    assert f"controller {name}  up  drives {wid}" in r.stdout, r.stdout + r.stderr
+    r = hyper("down", "--controller", name, timeout=60)  # it drives a workflow: refused
+    assert r.returncode == 2 and f"drives {wid}" in r.stderr, r.stdout + r.stderr
+    victim = wait_for(lambda: next((r["nodes"][0] for r in ps(hyper, wid)
+                                    if r["status"] == "running"), None),
+                      timeout=300, interval=0.2, what="a task running")
+    dead = workers[int(victim.rsplit("-", 1)[1])]  # node far-i is workers[i]
+    dead.kill()
+    open_gate(w for w in workers if w is not dead)
+    r = hyper("attach", wid, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    there = attempts_there(controller, wid)
+    by_task: dict[str, list] = {}
+    for a in there:
+        by_task.setdefault(a["task"], []).append(a["status"])
+    assert len(by_task) == 9
+    for task, statuses in by_task.items():
+        assert statuses.count("succeeded") == 1, (task, statuses)
+    assert any("lost" in s for s in by_task.values())  # the killed host's work was re-run
+    r = hyper("down", "--controller", name, timeout=120)
+    assert r.returncode == 0 and "removed" in r.stdout, r.stdout + r.stderr
+    assert controller.run("ls /root/.hyper").stdout.split() == ["lib"]  # its folder is gone
+    controller.kill()  # the records were copied here when the workflow ended
+    r = hyper("results", wid, "--json", timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = json.loads(r.stdout)
+    assert sorted(row["metrics"]["i"] for row in rows) == list(range(9))
+    assert {row["status"] for row in rows} == {"succeeded"}
+    r = hyper("logs", f"{wid}/work-0004", timeout=60)  # the log copies came too
+    assert r.returncode == 0 and "hello 4" in r.stdout, r.stdout + r.stderr
+
+
+def test_controller_killed_is_taken_over_from_the_backups(ssh_hosts, tmp_path, hyper,
+                                                          hyper_home):
+    """The controller's host killed mid-run: `hyper attach` reads the newest backup from the
+    nodes, waits out the lease and drives the workflow here; every task one success, none
+    started twice."""
+    hosts = ssh_hosts.start(4, share=(ROOT, PACKAGES))
+    controller, workers = hosts[0], hosts[1:]
+    path = controller_recipe(tmp_path, ssh_hosts, controller, workers)
+    r = hyper("run", path, "--controller", "--trust-new-hosts", "-d", timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    wid = next(line.split()[0] for line in r.stdout.splitlines()
+               if "is driven by the controller" in line)
+    wait_for(lambda: sum(row["status"] == "succeeded" for row in ps(hyper, wid)) >= 2,
+             timeout=300, interval=0.5, what="two tasks done on the controller")
+    controller.kill()
+    open_gate(workers)
+    r = hyper("ps", wid, timeout=60)  # the next command sees it
+    assert "does not answer" in r.stderr, r.stdout + r.stderr
+    r = hyper("attach", wid, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "took" in r.stdout and "over from the controller" in r.stdout, r.stdout
+    rows = ps(hyper, wid)
+    assert [row["status"] for row in rows] == ["succeeded"] * 9
+    assert [row["attempts"] for row in rows] == [1] * 9
+    assert sorted(starts(workers), key=int) == [str(i) for i in range(9)]  # none twice
+
+
+def test_a_controller_cut_off_and_back_stops_driving_what_was_taken_over(ssh_hosts, tmp_path,
+                                                                         hyper, hyper_home):
+    """The controller's network cut: `hyper attach` waits out its lease and takes the
+    workflow over; the network back, the controller finds another holder on the backups and
+    stops driving it (two drivers never drive one workflow): every task one success, none
+    started twice."""
+    hosts = ssh_hosts.start(4, share=(ROOT, PACKAGES))
+    controller, workers = hosts[0], hosts[1:]
+    path = controller_recipe(tmp_path, ssh_hosts, controller, workers)
+    r = hyper("run", path, "--controller", "--trust-new-hosts", "-d", timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    wid = next(line.split()[0] for line in r.stdout.splitlines()
+               if "is driven by the controller" in line)
+    wait_for(lambda: sum(row["status"] == "succeeded" for row in ps(hyper, wid)) >= 2,
+             timeout=300, interval=0.5, what="two tasks done on the controller")
+    controller.cut()
+    open_gate(workers)
+    p = subprocess.Popen([*hyper_cmd(), "attach", wid], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(lambda: "took" in (p.stdout.readline() or ""), timeout=300,
+                 what="the takeover", proc=p)
+        controller.heal()
+        out, _ = p.communicate(timeout=600)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == 0, out
+    lost = wait_for(lambda: json.loads(on_controller(controller, (
+        "import json; from hypercli.state import State; "
+        f"print(json.dumps(State().workflow({wid!r})['spec']['lease'].get('lost')))"))),
+        timeout=120, interval=1, what="the controller to see the lease taken")
+    assert "driven by here" in lost, lost
+    rows = ps(hyper, wid)
+    assert [row["status"] for row in rows] == ["succeeded"] * 9
+    assert sorted(starts(workers), key=int) == [str(i) for i in range(9)]  # none twice
+
+
+def test_run_again_takes_over_from_a_dead_controller(ssh_hosts, tmp_path, hyper, hyper_home):
+    """The controller's host killed mid-run: `hyper run RECIPE` again takes the workflow
+    over from the backups and drives it here to its end; none started twice."""
+    hosts = ssh_hosts.start(4, share=(ROOT, PACKAGES))
+    controller, workers = hosts[0], hosts[1:]
+    path = controller_recipe(tmp_path, ssh_hosts, controller, workers)
+    r = hyper("run", path, "-d", "--trust-new-hosts", timeout=300)  # controller: in the recipe
+    assert r.returncode == 0, r.stdout + r.stderr
+    wid = next(line.split()[0] for line in r.stdout.splitlines()
+               if "is driven by the controller" in line)
+    wait_for(lambda: sum(row["status"] == "succeeded" for row in ps(hyper, wid)) >= 1,
+             timeout=300, interval=0.5, what="a task done on the controller")
+    controller.kill()
+    open_gate(workers)
+    r = hyper("run", path, "--on-interrupt", "cancel", timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"driving {wid} here" in r.stdout, r.stdout
+    rows = ps(hyper, wid)
+    assert [row["status"] for row in rows] == ["succeeded"] * 9
+    assert sorted(starts(workers), key=int) == [str(i) for i in range(9)]  # none twice
+
+
+def test_cancel_is_done_by_the_controller(ssh_hosts, tmp_path, hyper, hyper_home):
+    """`hyper cancel` of a workflow a controller drives cancels it there: its running tasks
+    stop on their nodes, and the records copied here say so."""
+    hosts = ssh_hosts.start(3, share=(ROOT, PACKAGES))
+    controller, workers = hosts[0], hosts[1:]
+    path = controller_recipe(tmp_path, ssh_hosts, controller, workers, gate=0)
+    r = hyper("run", path, "-d", "--trust-new-hosts", timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    wid = next(line.split()[0] for line in r.stdout.splitlines()
+               if "is driven by the controller" in line)
+    wait_for(lambda: any(row["status"] == "running" for row in ps(hyper, wid)),
+             timeout=300, interval=0.5, what="a task running")
+    r = hyper("cancel", wid, timeout=120)
+    assert r.returncode == 0 and f"cancelled {wid}" in r.stdout, r.stdout + r.stderr
+    r = hyper("ps", "--json", timeout=60)
+    assert [w["status"] for w in json.loads(r.stdout) if w["workflow"] == wid] == ["cancelled"]
+    statuses = {row["status"] for row in ps(hyper, wid)}
+    assert "cancelled" in statuses and statuses <= {"cancelled", "succeeded"}, statuses
+    for h in workers:  # nothing of it runs on the nodes
+        assert "sleep 0.2" not in h.run("ps -eo args").stdout

@@ -1,0 +1,172 @@
+"""The controller's parts that need no host: the recipe keys and their errors, the lease
+rules of the backup replicas' own script (run here as on a node), and a workflow's records
+moved between two state files."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hypercli.controller.backup import NODE_SCRIPT, pack, unpack
+from hypercli.errors import RecipeError
+from hypercli.recipe import parse_recipe
+
+
+def _recipe(cluster: str) -> str:
+    return f"name: far\ncluster: {cluster}\nexperiments:\n  a:\n    command: 'true'\n"
+
+
+def test_controller_keys_belong_to_ssh_clusters():
+    r = parse_recipe(_recipe("{provider: ssh, hosts: [h1], identity_file: /k, "
+                             "controller: 'root@10.0.0.4:2222', controller_python: /py}"))
+    assert r.cluster.options["controller"] == "root@10.0.0.4:2222"
+    with pytest.raises(RecipeError, match="applies to provider ssh"):
+        parse_recipe(_recipe("{provider: local, controller: root@h}"))
+    with pytest.raises(RecipeError, match="not of the form user@host:port"):
+        parse_recipe(_recipe("{provider: ssh, hosts: [h1], controller: 'a b'}"))
+
+
+def test_run_with_controller_needs_one_and_its_key(hyper, write_recipe):
+    no_ctl = write_recipe(_recipe("{provider: ssh, hosts: ['root@127.0.0.1:1']}"))
+    r = hyper("run", no_ctl, "--controller")
+    assert r.returncode == 2 and "--controller needs a controller" in r.stderr, r.stderr
+    no_key = write_recipe(_recipe("{provider: ssh, hosts: ['root@127.0.0.1:1'], "
+                                  "controller: 'root@127.0.0.1:1'}"), "k.yaml")
+    r = hyper("run", no_key)
+    assert r.returncode == 2 and "needs cluster.identity_file" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+class _Replica:
+    """NODE_SCRIPT served from this machine, as a node serves it."""
+
+    def __init__(self, folder):
+        self.p = subprocess.Popen([sys.executable, "-I", "-S", "-c", NODE_SCRIPT, str(folder)],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def __call__(self, **q) -> dict:
+        self.p.stdin.write(json.dumps(q) + "\n")
+        self.p.stdin.flush()
+        return json.loads(self.p.stdout.readline())
+
+    def close(self) -> None:
+        self.p.stdin.close()
+        self.p.wait(timeout=10)
+
+
+def test_a_replica_keeps_one_holder_until_its_lease_expires_or_is_handed_on(tmp_path):
+    rep = _Replica(tmp_path / "backups")
+    try:
+        w = dict(op="write", workflow="far-1")
+        assert rep(**w, holder="A", ttl=30, seq=1, blob="a1") == {"ok": True}
+        refused = rep(**w, holder="B", ttl=None, seq=2, blob="b2")
+        assert refused["ok"] is False and refused["holder"] == "A" and refused["left"] > 0
+        got = rep(op="read", workflow="far-1")
+        assert (got["holder"], got["seq"], got["blob"]) == ("A", 1, "a1")
+        assert rep(**w, holder="A", ttl=0.2, seq=2, blob=None) == {"ok": True}  # renewed
+        got = rep(op="read", workflow="far-1")
+        assert (got["blob"], got["seq"]) == ("a1", 1)  # a renewal keeps the blob and its seq
+        time.sleep(0.3)  # A's lease expired by the replica's clock
+        assert rep(**w, holder="B", ttl=None, seq=3, blob="b3") == {"ok": True}
+        assert rep(**w, holder="A", ttl=30, seq=4, blob="a4")["holder"] == "B"  # fenced
+        assert rep(**w, holder="C", ttl=30, seq=4, blob="c4", handoff="B") == {"ok": True}
+        assert rep(op="read", workflow="far-1")["holder"] == "C"
+        assert "error" in rep(op="read", workflow="../../etc/passwd")
+        assert rep(op="read", workflow="far-2") == {"found": False}
+    finally:
+        rep.close()
+    assert sorted(p.name for p in (tmp_path / "backups").iterdir()) == [
+        "far-1.blob", "far-1.intents", "far-1.json", "far-1.lock", "far-2.lock"]
+
+
+def test_a_workflows_records_move_between_state_files(tmp_path, write_recipe, monkeypatch):
+    from hypercli.plan import build_plan
+    from hypercli.recipe import load_recipe
+    from hypercli.state import State
+    monkeypatch.setenv("HYPER_HOME", str(tmp_path / "home"))
+    recipe = load_recipe(str(write_recipe(
+        "name: far\nexperiments:\n  a:\n    parameters: {i: [1, 2, 3]}\n"
+        "    command: echo {{i}}\n")))
+    here, there = State(tmp_path / "here.db"), State(tmp_path / "there.db")
+    here.put_cluster("far", "local", {"options": {}})
+    here.put_node("far", "far-0", slots=2, address={"host": "h"})
+    wid = here.create_workflow(build_plan(recipe), cluster="far", recipe_path=None,
+                               storage="file:///s", workdir="", spec={"token": "t"})
+    here.start_attempts([(f"{wid}.a-0000.1", wid, "a-0000", 1, "far-0")])
+    here.update_attempts([{"id": f"{wid}.a-0000.1", "status": "succeeded", "exit_code": 0}])
+    here.set_tasks(wid, [{"id": "a-0000", "status": "succeeded", "metrics": {"x": 1.5}}])
+    data = unpack(pack(here.export_workflow(wid)))  # as it travels
+    there.import_workflow(data, driver_pid=None, storage="file:///elsewhere")
+    assert there.workflow(wid)["storage"] == "file:///elsewhere"
+    assert there.tasks(wid) == here.tasks(wid)
+    assert there.attempts(wid) == here.attempts(wid)
+    assert [n["name"] for n in there.nodes("far")] == ["far-0"]
+    there.set_tasks(wid, [{"id": "a-0001", "status": "succeeded"}])
+    here.import_workflow(there.export_workflow(wid), nodes=False)  # copied back: replaced
+    assert here.counts(wid) == {"a": {"succeeded": 2, "pending": 1}}
+    assert here.workflow(wid)["storage"] == "file:///elsewhere"
+    assert len(here.events(wid)) == len(there.events(wid))
+
+
+def test_records_from_a_backup_change_progress_only(tmp_path, write_recipe, monkeypatch):
+    """A backup lies on nodes where tasks run: what it says of the plan (commands, cluster,
+    storage) and attempts of other workflows or nodes are not taken, only progress."""
+    from hypercli.controller.client import _as_planned
+    from hypercli.plan import build_plan
+    from hypercli.recipe import load_recipe
+    from hypercli.state import State
+    monkeypatch.setenv("HYPER_HOME", str(tmp_path / "home"))
+    recipe = load_recipe(str(write_recipe(
+        "name: far\nexperiments:\n  a:\n    parameters: {i: [1, 2]}\n    command: echo {{i}}\n")))
+    state = State()
+    state.put_cluster("far", "ssh", {"options": {}})
+    state.put_node("far", "far-0", slots=2, address={"host": "h"})
+    wid = state.create_workflow(build_plan(recipe), cluster="far", recipe_path=None,
+                                storage="file:///s", workdir="")
+    forged = state.export_workflow(wid)
+    forged["workflow"].update(cluster="other", storage="file:///evil", status="succeeded")
+    forged["tasks"][0].update(command="rm -rf /", status="succeeded", metrics='{"x": 1}')
+    ok = {"id": f"{wid}.a-0000.1", "workflow": wid, "task": "a-0000", "number": 1,
+          "node": "far-0", "status": "succeeded", "created_at": 1.0}
+    forged["attempts"] = [ok, {**ok, "id": "other-1.a-0000.1", "workflow": "other-1"},
+                          {**ok, "id": f"{wid}.a-0001.1", "node": "elsewhere"}]
+    state.import_workflow(_as_planned(state, wid, forged), nodes=False)
+    wf = state.workflow(wid)
+    assert (wf["cluster"], wf["storage"], wf["status"]) == ("far", "file:///s", "succeeded")
+    t = state.task(wid, "a-0000")
+    assert (t["command"], t["status"], t["metrics"]) == ("echo 1", "succeeded", {"x": 1})
+    assert [a["id"] for a in state.attempts(wid)] == [f"{wid}.a-0000.1"]
+
+
+def test_intents_newer_than_the_blob_become_launching_attempts(tmp_path):
+    """An attempt backed up as an intent only (its launch may have been sent, the whole
+    records not written yet) is taken over as launching; older intents are in the blob."""
+    from hypercli.controller.backup import with_intents
+    rep = _Replica(tmp_path / "backups")
+    try:
+        w = dict(workflow="far-1", holder="A", ttl=30)
+        blob = {"tasks": [{"id": "a-0000", "status": "pending", "attempts": 0},
+                          {"id": "a-0001", "status": "pending", "attempts": 0}],
+                "attempts": []}
+        intent1 = dict(op="intent", seq=2, rows=[["far-1.a-0000.1", "far-1", "a-0000", 1,
+                                                  "n0"]], **w)
+        assert "error" in rep(**intent1)  # no record of A's yet: not taken
+        assert rep(op="write", seq=1, blob="b1", **w) == {"ok": True}
+        assert rep(**intent1) == {"ok": True}
+        assert rep(op="write", seq=2, blob="b2", **w) == {"ok": True}  # has intent 2
+        assert rep(op="intent", seq=3, rows=[["far-1.a-0001.1", "far-1", "a-0001", 1, "n1",
+                                              0, {"cpus": 1}]], **w) == {"ok": True}
+        got = rep(op="read", workflow="far-1")
+        assert [i["seq"] for i in got["intents"]] == [3]
+    finally:
+        rep.close()
+    out = with_intents(blob, got["seq"], [got])
+    [a] = out["attempts"]
+    assert (a["id"], a["status"], a["node"], json.loads(a["claim"])) == (
+        "far-1.a-0001.1", "launching", "n1", {"cpus": 1})
+    assert [(t["status"], t["attempts"]) for t in out["tasks"]] == [("pending", 0),
+                                                                     ("running", 1)]
