@@ -139,12 +139,17 @@ def test_ps_says_stale_and_asks_the_nodes(hyper_home, write_recipe, hyper, tmp_p
     exit_file = hyper_home / "local" / "tasks" / a["id"] / "exit"
     wait_for(exit_file.exists, timeout=20, what="the task to end")
     before = State().attempts("quick-1")
-    r = hyper("ps", "quick-1", check=True)
+
+    def answered(*args):  # the node's answer, once it came within ps's 2 s (a loaded machine)
+        r = hyper("ps", "quick-1", *args, check=True)
+        return None if "not answering" in r.stdout else r
+    r = wait_for(answered, timeout=60, interval=0.5, what="the node's answer")
     assert "no `hyper run` drives quick-1" in r.stdout, r.stdout
     assert "last update at" in r.stdout and f"hyper run {path}" in r.stdout
     assert "running → exited 0 (not collected" in r.stdout, r.stdout
     assert State().attempts("quick-1") == before  # nothing recorded
-    rows = json.loads(hyper("ps", "quick-1", "--json", check=True).stdout)
+    rows = json.loads(wait_for(lambda: answered("--json"), timeout=60, interval=0.5,
+                               what="the node's answer").stdout)
     assert rows[0]["status"] == "running" and rows[0]["observed"] == "exited 0"
     listing = hyper("ps", check=True).stdout
     assert "no `hyper run` drives it" in listing
