@@ -726,7 +726,7 @@ class HostPool:
                 out.append(f"veth {h.veth}")
             if h._pidns and _pids_in_ns("pid", h._pidns):
                 out.append(f"processes of {h.name}")
-            if (STATE_DIR / h.ip).exists():
+            if _claims().get(h.ip, {}).get("netns") == h.netns:  # not a later pool's claim
                 out.append(f"claim {h.ip}")
         if str(self.base) in mounts:
             out.append(f"mount under {self.base}")

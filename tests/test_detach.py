@@ -112,10 +112,12 @@ def test_run_wait_exits_with_the_result(hyper_home, write_recipe, hyper):
         stop_driver(hyper_home)
 
 
-def test_left_foreground_run_is_handed_over(hyper_home, write_recipe, hyper):
-    path = write_recipe(RECIPE)
+def test_left_foreground_run_is_handed_over(hyper_home, write_recipe, tmp_path):
+    gate = tmp_path / "gate"  # the tasks run until the second `hyper run` has attached
+    path = write_recipe(RECIPE.replace("sleep 1", f"until [ -e {gate} ]; do sleep 0.05; done"))
     p = subprocess.Popen([*hyper_cmd(), "run", str(path), "--on-interrupt", "leave"],
                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    again = None
     try:
         wait_for(lambda: (hyper_home / "state.db").exists() and
                  State().attempts("bg-1", status=["running"]), what="tasks running")
@@ -124,12 +126,19 @@ def test_left_foreground_run_is_handed_over(hyper_home, write_recipe, hyper):
         assert p.returncode == 130, out + err
         assert "handed to the background driver" in out
         # `hyper run` again attaches to the driver's run instead of refusing
-        r = hyper("run", path, timeout=90)
-        assert r.returncode == 0, r.stdout + r.stderr
-        assert "attaching" in r.stdout
+        printed = tmp_path / "again.out"
+        with open(printed, "w") as f:
+            again = subprocess.Popen([*hyper_cmd(), "run", str(path)], cwd=ROOT, stdout=f,
+                                     stderr=subprocess.STDOUT, text=True)
+        wait_for(lambda: "attaching" in printed.read_text(), timeout=60, what="attaching",
+                 proc=again)
+        gate.touch()
+        assert again.wait(timeout=90) == 0, printed.read_text()
         assert_ran_once(hyper_home, "bg-1")
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+        gate.touch()
+        for proc in (p, again):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
         stop_driver(hyper_home)

@@ -24,9 +24,16 @@ RECIPE = """
         parameters: {i: [1, 2, 3, 4, 5]}
         command: |
           echo "$HYPER_ATTEMPT $$" >> "$HYPER_OUTPUT/runs"
-          sleep 1.2
+          until [ -e @GATE@ ]; do sleep 0.05; done
           echo '{"done": {{i}}}' >> "$HYPER_METRICS"
 """
+
+
+def gated(tmp_path, recipe: str = RECIPE) -> tuple:
+    """(recipe text, open_gate): its tasks run until ``open_gate()`` is called (not for a
+    fixed time, which a loaded machine may outlast before the test has done its part)."""
+    gate = tmp_path / "gate"
+    return recipe.replace("@GATE@", str(gate)), gate.touch
 
 
 def start_run(path, *args, **kw) -> subprocess.Popen:
@@ -64,14 +71,16 @@ def assert_each_task_ran_once(home, wid="slow-1"):
         assert len(runs) == 1, (t["id"], runs)  # the command itself ran exactly once
 
 
-def test_sigkilled_run_resumes_and_reattaches(hyper_home, write_recipe, hyper):
-    path = write_recipe(RECIPE)
+def test_sigkilled_run_resumes_and_reattaches(hyper_home, write_recipe, tmp_path, hyper):
+    recipe, open_gate = gated(tmp_path)
+    path = write_recipe(recipe)
     p = start_run(path)
     running = wait_for(lambda: len(live_attempts()) == 2 and live_attempts(), what="2 running")
     p.kill()
     p.wait(timeout=10)
     pids = task_pids(hyper_home, running)
     assert all(alive(pid) for pid in pids)  # the tasks outlived the CLI
+    open_gate()
     r = hyper("run", path)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "resuming workflow slow-1" in r.stdout
@@ -82,8 +91,11 @@ def test_sigkilled_run_resumes_and_reattaches(hyper_home, write_recipe, hyper):
         assert state.task("slow-1", a["task"])["attempts"] == 1
 
 
-def test_launch_written_ahead_but_never_sent_is_sent_on_resume(hyper_home, write_recipe):
-    path = write_recipe(RECIPE)
+def test_launch_written_ahead_but_never_sent_is_sent_on_resume(hyper_home, write_recipe,
+                                                               tmp_path):
+    recipe, open_gate = gated(tmp_path)
+    open_gate()
+    path = write_recipe(recipe)
     state = State()
     wid, _, provider, nodes, lock = prepare_run(state, str(path))
     # the previous run died between recording the launch and sending it
@@ -97,8 +109,9 @@ def test_launch_written_ahead_but_never_sent_is_sent_on_resume(hyper_home, write
     assert_each_task_ran_once(hyper_home, wid)
 
 
-def test_second_run_of_a_driven_workflow_is_refused(hyper_home, write_recipe, hyper):
-    path = write_recipe(RECIPE)
+def test_second_run_of_a_driven_workflow_is_refused(hyper_home, write_recipe, tmp_path, hyper):
+    recipe, open_gate = gated(tmp_path)
+    path = write_recipe(recipe)
     p = start_run(path)
     try:
         wait_for(live_attempts, what="running attempts")
@@ -106,12 +119,13 @@ def test_second_run_of_a_driven_workflow_is_refused(hyper_home, write_recipe, hy
         assert r.returncode == 2
         assert f"pid {p.pid}" in r.stderr
     finally:
+        open_gate()
         p.wait(timeout=60)
     assert p.returncode == 0
 
 
-def test_interrupt_cancel_stops_tasks(hyper_home, write_recipe):
-    path = write_recipe(RECIPE)
+def test_interrupt_cancel_stops_tasks(hyper_home, write_recipe, tmp_path):
+    path = write_recipe(gated(tmp_path)[0])  # never opened
     p = start_run(path, "--on-interrupt", "cancel")
     running = wait_for(lambda: len(live_attempts()) == 2 and live_attempts(), what="running")
     pids = task_pids(hyper_home, running)
@@ -125,8 +139,10 @@ def test_interrupt_cancel_stops_tasks(hyper_home, write_recipe):
     assert {a["status"] for a in state.attempts("slow-1")} == {"cancelled"}
 
 
-def test_interrupt_leave_keeps_tasks_then_run_resumes(hyper_home, write_recipe, hyper):
-    path = write_recipe(RECIPE)
+def test_interrupt_leave_keeps_tasks_then_run_resumes(hyper_home, write_recipe, tmp_path,
+                                                      hyper):
+    recipe, open_gate = gated(tmp_path)
+    path = write_recipe(recipe)
     p = start_run(path, "--on-interrupt", "leave")
     running = wait_for(lambda: len(live_attempts()) == 2 and live_attempts(), what="running")
     p.send_signal(signal.SIGINT)
@@ -134,13 +150,14 @@ def test_interrupt_leave_keeps_tasks_then_run_resumes(hyper_home, write_recipe, 
     assert p.returncode == 130, out + err
     assert "left slow-1 running" in out
     assert all(alive(pid) for pid in task_pids(hyper_home, running))
+    open_gate()
     r = hyper("run", path)
     assert r.returncode == 0, r.stderr
     assert_each_task_ran_once(hyper_home)
 
 
-def test_ctrl_c_asks_on_a_terminal(hyper_home, write_recipe):
-    path = write_recipe(RECIPE)
+def test_ctrl_c_asks_on_a_terminal(hyper_home, write_recipe, tmp_path):
+    path = write_recipe(gated(tmp_path)[0])  # never opened
     pid, fd = pty.fork()
     if pid == 0:  # child: the real CLI on a terminal
         os.chdir(ROOT)
@@ -171,8 +188,9 @@ def test_ctrl_c_asks_on_a_terminal(hyper_home, write_recipe):
     assert {t["status"] for t in State().tasks("slow-1")} == {"cancelled"}
 
 
-def test_cancel_from_another_process_and_ps_while_running(hyper_home, write_recipe, hyper):
-    path = write_recipe(RECIPE)
+def test_cancel_from_another_process_and_ps_while_running(hyper_home, write_recipe, tmp_path,
+                                                          hyper):
+    path = write_recipe(gated(tmp_path)[0])  # never opened
     p = start_run(path)
     running = wait_for(lambda: len(live_attempts()) == 2 and live_attempts(), what="running")
     for _ in range(3):  # readers are not blocked by the writing run
@@ -188,12 +206,14 @@ def test_cancel_from_another_process_and_ps_while_running(hyper_home, write_reci
     assert r.returncode == 2 and "already ended" in r.stderr
 
 
-def test_cancel_one_task(hyper_home, write_recipe, hyper):
-    path = write_recipe(RECIPE)
+def test_cancel_one_task(hyper_home, write_recipe, tmp_path, hyper):
+    recipe, open_gate = gated(tmp_path)
+    path = write_recipe(recipe)
     p = start_run(path)
     wait_for(lambda: live_attempts(), what="running")
     r = hyper("cancel", "slow-1/work-0004")  # still pending: never launched
     assert r.returncode == 0, r.stderr
+    open_gate()
     out, err = p.communicate(timeout=60)
     assert p.returncode == 1, out + err
     state = State()
@@ -205,8 +225,8 @@ def test_cancel_one_task(hyper_home, write_recipe, hyper):
     assert state.attempts("slow-1", "work-0004") == []
 
 
-def test_down_cancels_a_detached_workflow(hyper_home, write_recipe, hyper):
-    path = write_recipe(RECIPE.replace("sleep 1.2", "sleep 60"))  # none ends before `down`
+def test_down_cancels_a_detached_workflow(hyper_home, write_recipe, tmp_path, hyper):
+    path = write_recipe(gated(tmp_path)[0])  # never opened: none ends before `down`
     p = start_run(path, "--on-interrupt", "leave")
     running = wait_for(lambda: len(live_attempts()) == 2 and live_attempts(), what="running")
     p.send_signal(signal.SIGINT)
@@ -220,8 +240,10 @@ def test_down_cancels_a_detached_workflow(hyper_home, write_recipe, hyper):
     assert state.cluster("slow")["status"] == "down"
 
 
-def test_resume_after_a_node_left_the_cluster(hyper_home, write_recipe):
-    path = write_recipe(RECIPE.replace("experiments:", "experiments:\n  # retries 1\n")
+def test_resume_after_a_node_left_the_cluster(hyper_home, write_recipe, tmp_path):
+    recipe, open_gate = gated(tmp_path)
+    open_gate()
+    path = write_recipe(recipe.replace("experiments:", "experiments:\n  # retries 1\n")
                         .replace("command: |", "retries: 1\n        command: |"))
     state = State()
     wid, _, provider, nodes, lock = prepare_run(state, str(path))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sshhosts import (BRIDGE, STATE_DIR, TINY_IMAGE, HostPool, TestHost,
+from sshhosts import (BRIDGE, STATE_DIR, TINY_IMAGE, HostPool, TestHost, _state_lock,
                       load_image, ssh_client_key, ssh_hosts, tiny_image)  # noqa: F401
 
 try:
@@ -65,8 +65,9 @@ def nothing_left(request):
                 Path(f"/proc/{p}/stat").exists() and
                 _ppid(p) == me]
     assert children == [], f"processes left: {children}"
-    if not list(STATE_DIR.glob("10.*")) and pool.created_bridge:
-        assert not Path("/sys/class/net", BRIDGE).exists(), "bridge left"
+    with _state_lock():  # pools of other processes start and stop under it
+        if not list(STATE_DIR.glob("10.*")) and pool.created_bridge:
+            assert not Path("/sys/class/net", BRIDGE).exists(), "bridge left"
 
 
 def _state(pid: int) -> str | None:

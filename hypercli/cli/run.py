@@ -147,6 +147,31 @@ class _LeaveNow(BaseException):
     """A second Ctrl-C, SIGTERM or SIGHUP while the interrupt question is asked."""
 
 
+def _read_line(prompt: str, poll: float = 0.1) -> str:
+    """Print ``prompt`` and return the next line typed on stdin (a terminal), stripped. It
+    waits in ``select`` at most ``poll`` s at a time, so that a signal's Python handler runs
+    within ``poll`` s even when the signal came while no system call was there to interrupt
+    (just before the read) or went to another thread; a blocking ``input()`` would then
+    sleep on until a line is typed.
+
+    Raises:
+        EOFError: the end of input (Ctrl-D, the terminal gone).
+    """
+    import os
+    import select
+    click.echo(prompt, nl=False)
+    fd = sys.stdin.fileno()
+    line = b""
+    while not line.endswith(b"\n"):
+        if not select.select([fd], [], [], poll)[0]:
+            continue
+        chunk = os.read(fd, 1024)  # a terminal in canonical mode gives a whole line at once
+        if not chunk:
+            raise EOFError
+        line += chunk
+    return line.decode(errors="replace").strip()
+
+
 def _ask_leave_or_cancel() -> str:
     """Ask, after Ctrl-C, whether to leave the tasks running or cancel them. A second Ctrl-C,
     SIGTERM or SIGHUP (the terminal closing) answers "leave", the safe answer, at once; so
@@ -160,16 +185,22 @@ def _ask_leave_or_cancel() -> str:
     def leave_now(signum, frame):
         restore()  # a third signal is only noted by the run loop
         raise _LeaveNow()
+    choice = click.Choice(["leave", "cancel"])
     old = {s: signal.signal(s, leave_now) for s in (signal.SIGINT, signal.SIGTERM,
                                                       signal.SIGHUP)}
     try:
-        return click.prompt("\ninterrupted: leave the tasks running or cancel them?",
-                            type=click.Choice(["leave", "cancel"]), default="leave")
-    except (_LeaveNow, click.Abort):
+        while True:
+            answer = _read_line("\ninterrupted: leave the tasks running or cancel them? "
+                                "(leave, cancel) [leave]: ") or "leave"
+            try:
+                return choice.convert(answer, None, None)
+            except click.BadParameter as e:
+                click.echo(f"Error: {e.message}")
+    except (_LeaveNow, EOFError, OSError):  # OSError: the terminal is gone (SIGHUP)
         restore()
         try:
             click.echo("\nleaving the tasks running")
-        except OSError:  # the terminal is gone (SIGHUP)
+        except OSError:
             pass
         return "leave"
     finally:
