@@ -91,8 +91,8 @@ class PoolSpec:
     def row(self) -> dict:
         """The values :meth:`hypercli.state.State.put_pool` records."""
         return {"shape": dataclasses.asdict(self.shape),
-                "offer": {**dataclasses.asdict(self.offers[0]),
-                          "failover": [dataclasses.asdict(o) for o in self.offers]},
+                "offer": {**self.offers[0]._asdict(),
+                          "failover": [o._asdict() for o in self.offers]},
                 "experiments": list(self.experiments), "cap": self.cap, "idle_s": self.idle_s}
 
 
