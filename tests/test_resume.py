@@ -206,14 +206,12 @@ def test_cancel_from_another_process_and_ps_while_running(hyper_home, write_reci
     assert r.returncode == 2 and "already ended" in r.stderr
 
 
-def test_cancel_one_task(hyper_home, write_recipe, tmp_path, hyper):
-    recipe, open_gate = gated(tmp_path)
-    path = write_recipe(recipe)
+def test_cancel_one_task(hyper_home, write_recipe, hyper):
+    path = write_recipe(RECIPE.replace("until [ -e @GATE@ ]; do sleep 0.05; done", "sleep 1.2"))
     p = start_run(path)
     wait_for(lambda: live_attempts(), what="running")
     r = hyper("cancel", "slow-1/work-0004")  # still pending: never launched
     assert r.returncode == 0, r.stderr
-    open_gate()
     out, err = p.communicate(timeout=60)
     assert p.returncode == 1, out + err
     state = State()
