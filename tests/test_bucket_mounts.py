@@ -1,0 +1,233 @@
+"""Plain ``gs://`` and ``az://`` bucket mounts through rclone (hypercli.mount.bucket), with
+real FUSE mounts of the GCS emulator and Azurite (tests/emulators.py): a task reads a file of
+the bucket byte for byte, a read-only mount refuses a write, a ``mode: rw`` mount's writes are
+in the bucket after `hyper down` (which waits for rclone's write-back cache), a missing bucket
+is an error naming it, the mounts are nosuid,nodev, credentials never reach rclone's command
+line, and no rclone is left running."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from emulators import azurite, azurite_server, gcs, gcs_server  # noqa: F401  (fixtures)
+from hypercli.mount import bucket
+from hypercli.providers.runtime import guarded, unmount_command
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not shutil.which("rclone"),
+                                 reason="rclone is not installed (Debian: rclone)")]
+
+#: bytes no text round trip keeps: every byte value, and more than one read's worth
+PAYLOAD = bytes(range(256)) * 700 + b"\x00end"
+
+
+def rclones(mnt: Path) -> list[int]:
+    """PIDs of the rclone processes whose command line names mnt."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            argv = (d / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv and argv[0].endswith(b"rclone") and str(mnt).encode() in argv:
+            out.append(int(d.name))
+    return out
+
+
+def mount_options(mnt: Path) -> list[str] | None:
+    for line in open("/proc/mounts"):
+        f = line.split()
+        if f[1] == str(mnt):
+            return f[3].split(",")
+    return None
+
+
+def cleanup(*mnts: Path) -> None:
+    """Take down what a failed test left: the mounts, then their rclone by PID."""
+    for m in mnts:
+        subprocess.run(["fusermount3", "-uz", str(m)], capture_output=True)
+        for pid in rclones(m):
+            os.kill(pid, 9)
+
+
+def run_recipe(hyper, tmp_path: Path, name: str, ro_url: str, rw_url: str):
+    mnt, scratch = tmp_path / "ro", tmp_path / "rw"
+    probe = 'if echo x > "{0}/new" 2>/dev/null; then echo writable; else echo read-only; fi'
+    recipe = {"name": name, "cluster": {"workers": 1},
+              "mounts": {str(mnt): ro_url, str(scratch): {"url": rw_url, "mode": "rw"}},
+              "experiments": {"cat": {"command": (
+                  f'cp "{mnt}/a/b.bin" "$HYPER_OUTPUT/got"; '
+                  f'{probe.format(mnt)} > "$HYPER_OUTPUT/ro"; '
+                  f'{probe.format(scratch)} > "$HYPER_OUTPUT/rw"; '
+                  f'cp "{mnt}/a/b.bin" "{scratch}/copy.bin"')}}}
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return hyper("run", path), mnt, scratch
+
+
+def check_run(r, hyper, hyper_home: Path, name: str, mnt: Path, scratch: Path,
+              objects) -> None:
+    """The task's view of the mounts, then `hyper down`: the rw writes are in the bucket,
+    nothing in the read-only one, no mount and no rclone left. ``objects(which)``: the
+    {key: bytes} of the ``ro`` or ``rw`` bucket prefix."""
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = hyper_home / "storage" / f"{name}-1" / "cat-0000"
+    assert (out / "got").read_bytes() == PAYLOAD
+    assert (out / "ro").read_text() == "read-only\n"
+    assert (out / "rw").read_text() == "writable\n"
+    for m in (mnt, scratch):
+        assert {"nosuid", "nodev"} <= set(mount_options(m)), mount_options(m)
+        assert len(rclones(m)) == 1
+    assert "ro" in mount_options(mnt) and "rw" in mount_options(scratch)
+    r = hyper("down", name)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert mount_options(mnt) is None and mount_options(scratch) is None
+    assert rclones(mnt) == [] and rclones(scratch) == []
+    got = objects("rw")
+    assert got == {"new": b"x\n", "copy.bin": PAYLOAD}
+    assert "new" not in objects("ro")
+
+
+def test_gs_bucket_mounts_in_a_recipe(gcs, hyper, hyper_home, tmp_path):
+    raw, scratch = gcs.make_bucket(), gcs.make_bucket()
+    client = gcs.client()
+    client.bucket(raw).blob("pre/a/b.bin").upload_from_string(PAYLOAD)
+
+    def objects(which):
+        b, prefix = (raw, "pre/") if which == "ro" else (scratch, "tmp/")
+        return {x.name[len(prefix):]: x.download_as_bytes()
+                for x in client.list_blobs(b, prefix=prefix)}
+    try:
+        r, mnt, rw = run_recipe(hyper, tmp_path, "gsb", f"gs://{raw}/pre", f"gs://{scratch}/tmp")
+        check_run(r, hyper, hyper_home, "gsb", mnt, rw, objects)
+    finally:
+        cleanup(tmp_path / "ro", tmp_path / "rw")
+
+
+def test_az_bucket_mounts_in_a_recipe(azurite, hyper, hyper_home, tmp_path):
+    from emulators import AZURITE_ACCOUNT
+    raw, scratch = azurite.make_bucket(), azurite.make_bucket()
+    client = azurite.client()
+    client.get_blob_client(raw, "pre/a/b.bin").upload_blob(PAYLOAD)
+
+    def objects(which):
+        c, prefix = (raw, "pre/") if which == "ro" else (scratch, "tmp/")
+        cc = client.get_container_client(c)
+        return {b.name[len(prefix):]: cc.download_blob(b.name).readall()
+                for b in cc.list_blobs(name_starts_with=prefix)}
+    try:
+        r, mnt, rw = run_recipe(hyper, tmp_path, "azb", f"az://{AZURITE_ACCOUNT}/{raw}/pre",
+                                f"az://{AZURITE_ACCOUNT}/{scratch}/tmp")
+        check_run(r, hyper, hyper_home, "azb", mnt, rw, objects)
+    finally:
+        cleanup(tmp_path / "ro", tmp_path / "rw")
+
+
+@pytest.mark.parametrize("cloud", ["gs", "az"])
+def test_a_missing_bucket_is_an_error_naming_it(cloud, request, hyper, hyper_home, tmp_path):
+    from emulators import AZURITE_ACCOUNT
+    server = request.getfixturevalue("gcs" if cloud == "gs" else "azurite")
+    name = server.new_bucket("missing")
+    url = f"gs://{name}/pre" if cloud == "gs" else f"az://{AZURITE_ACCOUNT}/{name}/pre"
+    mnt = tmp_path / "mnt"
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": "nobucket", "cluster": {"workers": 1}, "mounts": {str(mnt): url},
+        "experiments": {"read": {"command": f'ls "{mnt}"'}}}))
+    try:
+        r = hyper("run", path)
+        assert r.returncode == 1, r.stdout + r.stderr
+        what = (f"no such bucket {name}" if cloud == "gs" else
+                f"no such container {name} in account {AZURITE_ACCOUNT}")
+        assert f"mounting {url} at {mnt} on nobucket-0 failed: error: {url}: {what}" in \
+            r.stdout + r.stderr
+        assert mount_options(mnt) is None and rclones(mnt) == []
+    finally:
+        cleanup(mnt)
+
+
+def test_down_waits_for_the_write_back_cache_and_stops_rclone_by_pid(gcs, tmp_path):
+    """A file closed just before `hyper down` is still in rclone's write-back cache: the
+    unmount waits for its upload instead of stopping rclone with it unsent."""
+    name = gcs.make_bucket()
+    root, mnt = tmp_path / "node", tmp_path / "mnt"
+    mnt.mkdir()
+    # rclone holds the file 6 s after its close before uploading it: the unmount comes first
+    start = (f"{sys.executable} -c 'import sys; from hypercli.mount import bucket; "
+             f"bucket.WRITE_BACK_S = 6; bucket.mount(*sys.argv[1:3], cache_dir=sys.argv[3], "
+             f"pid_file=sys.argv[4], rw=True)' gs://{name}/w {mnt} "
+             + " ".join(bucket.node_paths(str(root), str(mnt))))
+    try:
+        (root / "mounts").mkdir(parents=True)
+        p = subprocess.run(["/bin/sh", "-c", guarded(str(mnt), str(root), start)],
+                           capture_output=True, text=True)
+        assert p.returncode == 0, p.stderr
+        [pid] = rclones(mnt)
+        (mnt / "late.bin").write_bytes(PAYLOAD)
+        assert list(gcs.client().list_blobs(name)) == []  # not uploaded yet
+        p = subprocess.run(["/bin/sh", "-c", unmount_command(str(mnt), str(root))],
+                           capture_output=True, text=True)
+        assert p.returncode == 0, p.stderr
+        assert gcs.client().bucket(name).blob("w/late.bin").download_as_bytes() == PAYLOAD
+        assert mount_options(mnt) is None and not Path(f"/proc/{pid}").exists()
+        assert not Path(bucket.node_paths(str(root), str(mnt))[1]).exists()
+    finally:
+        cleanup(mnt)
+
+
+def test_credentials_reach_rclone_by_its_environment_only(azurite, tmp_path):
+    """The account key signs a SAS that rclone gets in its environment: neither is on its
+    command line, which every user of the node can read (ps)."""
+    from emulators import AZURITE_ACCOUNT, AZURITE_KEY
+    container = azurite.make_bucket()
+    azurite.client().get_blob_client(container, "p/f").upload_blob(b"1")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    cache, pid_file = bucket.node_paths(str(tmp_path), str(mnt))
+    (tmp_path / "mounts").mkdir()
+    try:
+        pid = bucket.mount(f"az://{AZURITE_ACCOUNT}/{container}/p", str(mnt), cache_dir=cache,
+                           pid_file=pid_file)
+        assert (mnt / "f").read_bytes() == b"1"
+        argv = Path(f"/proc/{pid}/cmdline").read_text()
+        env = Path(f"/proc/{pid}/environ").read_text()
+        assert "sig=" in env and "sig=" not in argv and AZURITE_KEY not in argv
+        assert oct(os.stat(pid_file).st_mode & 0o777) == "0o600"
+    finally:
+        cleanup(mnt)
+
+
+def test_rclone_env_follows_the_nodes_identity():
+    """Which credentials rclone is given (hypercli.mount.bucket's docstring), per cloud."""
+    remote, env = bucket.rclone_env("gs://b1/x/y", {
+        "HYPER_GCS_ENDPOINT_URL": "http://127.0.0.1:9", "RCLONE_CONFIG_X_TYPE": "s3"})
+    assert remote == "HYPERBUCKET:b1/x/y"
+    assert env["RCLONE_CONFIG_HYPERBUCKET_ANONYMOUS"] == "true"
+    assert "RCLONE_CONFIG_X_TYPE" not in env and env["RCLONE_CONFIG"] == os.devnull
+    # on a VM: the metadata server's token (rclone falls back to Google's default client)
+    _, env = bucket.rclone_env("gs://b1", {"HYPER_GCS_ENDPOINT_URL": "http://127.0.0.1:9",
+                                           "GCE_METADATA_HOST": "127.0.0.1:8"})
+    assert "RCLONE_CONFIG_HYPERBUCKET_ANONYMOUS" not in env
+    # Azure with a key, no custom endpoint: account and key
+    conn = "AccountName=acct1;AccountKey=a2V5;EndpointSuffix=core.windows.net"
+    remote, env = bucket.rclone_env("az://acct1/c1/p", {"AZURE_STORAGE_CONNECTION_STRING": conn})
+    assert remote == "HYPERBUCKET:c1/p"
+    assert (env["RCLONE_CONFIG_HYPERBUCKET_ACCOUNT"], env["RCLONE_CONFIG_HYPERBUCKET_KEY"]) == \
+        ("acct1", "a2V5")
+    # Azure without a connection string: the VM's managed identity
+    _, env = bucket.rclone_env("az://acct1/c1", {"AZURE_CLIENT_ID": "cid"})
+    assert env["RCLONE_CONFIG_HYPERBUCKET_USE_MSI"] == "true"
+    assert env["RCLONE_CONFIG_HYPERBUCKET_MSI_CLIENT_ID"] == "cid"
+    from hypercli.errors import UsageError
+    with pytest.raises(UsageError, match="is for account 'other'"):
+        bucket.rclone_env("az://acct1/c1", {"AZURE_STORAGE_CONNECTION_STRING":
+                                            "AccountName=other;AccountKey=a2V5"})
