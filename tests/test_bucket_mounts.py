@@ -231,3 +231,40 @@ def test_rclone_env_follows_the_nodes_identity():
     with pytest.raises(UsageError, match="is for account 'other'"):
         bucket.rclone_env("az://acct1/c1", {"AZURE_STORAGE_CONNECTION_STRING":
                                             "AccountName=other;AccountKey=a2V5"})
+
+
+def test_a_gs_mount_on_a_vm_uses_the_service_accounts_token(gcs_server, tmp_path,
+                                                            monkeypatch):
+    """On a GCP node rclone gets no credentials of hypercli's: it reads the VM's service
+    account token from the metadata server (GCE_METADATA_HOST), like the node's store
+    clients; the emulator sits behind a proxy that refuses any request without that token."""
+    from hypercli.mount.store_base import StoreError
+    from tokenstandins import BearerProxy, MetadataServer
+    token = "ya29.rclone-node-token"
+    name = gcs_server.make_bucket()
+    gcs_server.client().bucket(name).blob("p/f.bin").upload_from_string(PAYLOAD)
+    metadata = MetadataServer(token)
+    proxy = BearerProxy(gcs_server.endpoint.split("://", 1)[1], token)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    cache, pid_file = bucket.node_paths(str(tmp_path), str(mnt))
+    (tmp_path / "mounts").mkdir()
+    try:
+        monkeypatch.setenv("HYPER_GCS_ENDPOINT_URL", proxy.url)
+        monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
+        monkeypatch.delenv("GOOGLE_APPLICATION_CREDENTIALS", raising=False)
+        monkeypatch.setenv("HOME", str(tmp_path))  # no gcloud credentials of the user's
+        # without the metadata server the requests are anonymous, and refused
+        with pytest.raises(StoreError, match=f"gs://{name}/p: rclone cannot list it"):
+            bucket.mount(f"gs://{name}/p", str(mnt), cache_dir=cache, pid_file=pid_file)
+        assert proxy.seen and set(proxy.seen) == {None}
+        monkeypatch.setenv("GCE_METADATA_HOST", metadata.host)
+        proxy.seen.clear()
+        bucket.mount(f"gs://{name}/p", str(mnt), cache_dir=cache, pid_file=pid_file)
+        assert (mnt / "f.bin").read_bytes() == PAYLOAD
+        assert metadata.asked["gce"] >= 1
+        assert proxy.seen and set(proxy.seen) == {f"Bearer {token}"}
+    finally:
+        cleanup(mnt)
+        proxy.close()
+        metadata.close()
