@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conftest import wait_for
 from emulators import azurite, azurite_server, gcs, gcs_server  # noqa: F401  (fixtures)
 from hypercli.mount import bucket
 from hypercli.providers.runtime import guarded, unmount_command
@@ -88,6 +89,9 @@ def check_run(r, hyper, hyper_home: Path, name: str, mnt: Path, scratch: Path,
         assert {"nosuid", "nodev"} <= set(mount_options(m)), mount_options(m)
         assert len(rclones(m)) == 1
     assert "ro" in mount_options(mnt) and "rw" in mount_options(scratch)
+    # the task's writes reach the bucket about a second after their files were closed
+    wait_for(lambda: objects("rw") == {"new": b"x\n", "copy.bin": PAYLOAD}, timeout=60,
+             what="the task's writes in the bucket")
     r = hyper("down", name)
     assert r.returncode == 0, r.stdout + r.stderr
     assert mount_options(mnt) is None and mount_options(scratch) is None
@@ -178,7 +182,9 @@ def test_down_waits_for_the_write_back_cache_and_stops_rclone_by_pid(gcs, tmp_pa
                            capture_output=True, text=True)
         assert p.returncode == 0, p.stderr
         assert gcs.client().bucket(name).blob("w/late.bin").download_as_bytes() == PAYLOAD
-        assert mount_options(mnt) is None and not Path(f"/proc/{pid}").exists()
+        assert mount_options(mnt) is None
+        wait_for(lambda: not Path(f"/proc/{pid}").exists(), timeout=10,
+                 what="the stopped rclone to be reaped")
         assert not Path(bucket.node_paths(str(root), str(mnt))[1]).exists()
     finally:
         cleanup(mnt)
@@ -268,3 +274,71 @@ def test_a_gs_mount_on_a_vm_uses_the_service_accounts_token(gcs_server, tmp_path
         cleanup(mnt)
         proxy.close()
         metadata.close()
+
+
+def test_writes_a_dead_rclone_had_not_uploaded_are_uploaded_by_the_next_mount(gcs, tmp_path):
+    """rclone dies (the OOM killer) with a closed file still in its write-back cache: the
+    next run's mount finds the dead mount, mounts again over the same cache, and the file
+    reaches the bucket."""
+    from hypercli.providers.runtime import mount_command
+    name = gcs.make_bucket()
+    root, mnt = tmp_path / "node", tmp_path / "mnt"
+    hyper = f"{sys.executable} -m hypercli.mount.node"
+    first = (f"{sys.executable} -c 'import sys; from hypercli.mount import bucket; "
+             f"bucket.WRITE_BACK_S = 30; bucket.mount(*sys.argv[1:3], cache_dir=sys.argv[3], "
+             f"pid_file=sys.argv[4], rw=True)' gs://{name}/w {mnt} "
+             + " ".join(bucket.node_paths(str(root), str(mnt))))
+    blob = gcs.client().bucket(name).blob("w/kept.bin")
+    try:
+        (root / "mounts").mkdir(parents=True)
+        mnt.mkdir()
+        p = subprocess.run(["/bin/sh", "-c", guarded(str(mnt), str(root), first)],
+                           capture_output=True, text=True)
+        assert p.returncode == 0, p.stderr
+        [pid] = rclones(mnt)
+        (mnt / "kept.bin").write_bytes(PAYLOAD)
+        os.kill(pid, 9)
+        wait_for(lambda: not rclones(mnt), what="rclone to die")
+        assert not blob.exists()
+        again = guarded(str(mnt), str(root), mount_command(
+            hyper, f"gs://{name}/w", str(mnt), str(root / "cache"), rw=True, root=str(root)))
+        p = subprocess.run(["/bin/sh", "-c", again], capture_output=True, text=True)
+        assert p.returncode == 0, p.stderr
+        assert len(rclones(mnt)) == 1 and rclones(mnt) != [pid]
+        wait_for(blob.exists, timeout=60, what="the file the dead rclone left to be uploaded")
+        assert blob.download_as_bytes() == PAYLOAD
+        p = subprocess.run(["/bin/sh", "-c", unmount_command(str(mnt), str(root))],
+                           capture_output=True, text=True)
+        assert p.returncode == 0 and rclones(mnt) == [] and mount_options(mnt) is None
+    finally:
+        cleanup(mnt)
+
+
+def test_a_pid_file_naming_another_process_stops_nothing(tmp_path):
+    """The PID file is in the node's hypercli folder, where a task may write: one naming
+    another process (with its true start time) gets that process neither waited for nor
+    killed."""
+    from hypercli.providers.runtime import _stop_rclone
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        mnt = str(tmp_path / "mnt")
+        pid_file = Path(bucket.node_paths(str(tmp_path), mnt)[1])
+        pid_file.parent.mkdir()
+        pid_file.write_text(f"{other.pid} {bucket.start_time(other.pid)}\n")
+        subprocess.run(["/bin/sh", "-c", _stop_rclone(mnt, str(tmp_path))], check=True)
+        assert other.poll() is None and not pid_file.exists()
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_a_node_without_rclone_is_told_to_install_it(tmp_path, monkeypatch, capsys):
+    from hypercli.mount.node import main
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setenv("HYPER_GCS_ENDPOINT_URL", "http://127.0.0.1:9")
+    (tmp_path / "mnt").mkdir()
+    assert main(["bucket-mount", "gs://b/p", str(tmp_path / "mnt"), "--root",
+                 str(tmp_path)]) == 1
+    assert capsys.readouterr().err == (
+        "error: rclone is not installed on this node: gs:// and az:// bucket mounts need it "
+        "(install it: apt-get install rclone)\n")

@@ -7,9 +7,13 @@ A mount is read-only unless ``rw``; a read-write mount keeps written files in a 
 cache (``--vfs-cache-mode writes``, https://rclone.org/commands/rclone_mount/#vfs-file-caching)
 under ``cache_dir`` and uploads each one :data:`WRITE_BACK_S` s after it was last closed.
 The mount is ``nosuid,nodev`` (fusermount's default; checked after mounting, and taken down
-again when it is not). rclone runs in its own session, its PID and start time written to
-``pid_file``; it is stopped by that PID (:func:`hypercli.providers.runtime.unmount_command`,
-which first waits for the write-back cache to be empty, so no write is lost).
+again when it is not); mounted by root, other users (a container's) may use it within the
+files' modes (``--allow-other --default-permissions``), as with the chunked mount. rclone
+runs in its own session, its PID and start time written to ``pid_file``; it is stopped by
+that PID (:func:`hypercli.providers.runtime.unmount_command`, which first waits for the
+write-back cache to be empty, so no write is lost). A rclone that died with files not yet
+uploaded leaves them in ``cache_dir``; the next mount of the path, over the same cache,
+uploads them.
 
 Credentials are the node's own, found the way the node's store clients find them
 (:mod:`hypercli.mount.store_gcs`, :mod:`hypercli.mount.store_azure`), and reach rclone only
@@ -134,11 +138,16 @@ def _sas(account: str, container: str, fields: dict) -> str:
 
     from hypercli.mount.store_azure import _sdk
     blob, _ = _sdk()
+    # from midnight (UTC): the same SAS all day, so rclone's cache of a remount is the same
+    # folder (its name hashes the remote's settings) and uploads what a dead rclone left
+    today = datetime.datetime.now(datetime.timezone.utc).replace(hour=0, minute=0, second=0,
+                                                                 microsecond=0)
+    expiry = today + datetime.timedelta(SAS_DAYS)
     return blob.generate_container_sas(
         account, container, account_key=fields["AccountKey"],
         permission=blob.ContainerSasPermissions(read=True, add=True, create=True, write=True,
                                                 delete=True, list=True),
-        expiry=datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(SAS_DAYS))
+        expiry=expiry)
 
 
 def _rclone() -> str:
@@ -233,6 +242,8 @@ def mount(url: str, mountpoint: str, *, cache_dir: str, pid_file: str,
             "--log-level", "NOTICE", "--dir-cache-time", "10s"]
     argv += (["--vfs-cache-mode", "writes", "--vfs-write-back", f"{WRITE_BACK_S}s"] if rw
              else ["--read-only"])
+    if os.geteuid() == 0:  # containers' users read it too, as the chunked mount lets them,
+        argv += ["--allow-other", "--default-permissions"]  # by the kernel-checked modes
     with open(log, "a"):
         pass
     proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,

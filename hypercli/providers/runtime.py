@@ -180,12 +180,18 @@ def guarded(path: str, root: str, command: str) -> str:
 DRAIN_S = 600
 
 
-def _rclone_alive(pidfile: str) -> str:
+def _rclone_alive(pidfile: str, path: str) -> str:
     """Shell test: the rclone of quoted PID file ``pidfile`` (``PID START_TIME``, written by
-    :func:`hypercli.mount.bucket.mount`) still runs: that PID with that start time (proc(5)
-    field 22), so a later process given the same PID is never taken for it. Sets ``pid``."""
-    return (f"{{ read pid st < {pidfile}; }} 2>/dev/null && [ -n \"$pid\" ] && "
-            f"[ \"$(sed 's/.*) //' /proc/\"$pid\"/stat 2>/dev/null | cut -d' ' -f20)\" = \"$st\" ]")
+    :func:`hypercli.mount.bucket.mount`) still runs the mount at ``path``: that PID (digits
+    only) with that start time (proc(5) field 22), so a later process given the same PID is
+    never taken for it, and whose command line is ``rclone mount REMOTE PATH ...``, so a PID
+    file written by anyone else names no other process. Sets ``pid``."""
+    cmdline = "tr '\\0' '\\n' < /proc/\"$pid\"/cmdline 2>/dev/null | sed -n"
+    return (f"{{ read pid st < {pidfile}; }} 2>/dev/null && "
+            f"case \"$pid\" in ''|*[!0-9]*) false ;; esac && "
+            f"[ \"$(sed 's/.*) //' /proc/\"$pid\"/stat 2>/dev/null | cut -d' ' -f20)\" = \"$st\" ] "
+            f"&& [ \"$({cmdline} 2p)\" = mount ] && "
+            f"[ \"$({cmdline} 4p)\" = {shlex.quote(os.path.abspath(path))} ]")
 
 
 def _drain(path: str, root: str) -> str:
@@ -194,17 +200,19 @@ def _drain(path: str, root: str) -> str:
     such file ``"Dirty": true`` in its ``vfsMeta`` until it is uploaded); nothing for any
     other mount."""
     cache, pidfile = map(shlex.quote, node_paths(root, path))
-    return (f"n=0; while {_rclone_alive(pidfile)} && [ $n -lt {DRAIN_S * 10} ] && "
+    return (f"n=0; while {_rclone_alive(pidfile, path)} && [ $n -lt {DRAIN_S * 10} ] && "
             f"grep -rqs '\"Dirty\": true' {cache}/vfsMeta; do sleep 0.1; n=$((n + 1)); done")
 
 
 def _stop_rclone(path: str, root: str) -> str:
     """Shell text that stops the rclone of the bucket mount at ``path`` by its PID (SIGTERM,
-    SIGKILL after 10 s) and removes its PID file; nothing for any other mount."""
+    SIGKILL after 10 s; it has ended when its PID is gone or a zombie) and removes its PID
+    file; nothing for any other mount."""
     pidfile = shlex.quote(node_paths(root, path)[1])
-    return (f"if {_rclone_alive(pidfile)}; then kill -TERM \"$pid\"; n=0; "
-            f"while [ -d /proc/\"$pid\" ] && [ $n -lt 100 ]; do sleep 0.1; n=$((n + 1)); done; "
-            f"{_rclone_alive(pidfile)} && kill -KILL \"$pid\"; fi; rm -f {pidfile}")
+    return (f"if {_rclone_alive(pidfile, path)}; then kill -TERM \"$pid\"; n=0; "
+            "while [ -d /proc/\"$pid\" ] && [ \"$(sed 's/.*) //' /proc/\"$pid\"/stat 2>/dev/null "
+            "| cut -d' ' -f1)\" != Z ] && [ $n -lt 100 ]; do sleep 0.1; n=$((n + 1)); done; "
+            f"{_rclone_alive(pidfile, path)} && kill -KILL \"$pid\"; fi; rm -f {pidfile}")
 
 
 def unmount_command(path: str, root: str) -> str:
