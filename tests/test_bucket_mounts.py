@@ -342,3 +342,53 @@ def test_a_node_without_rclone_is_told_to_install_it(tmp_path, monkeypatch, caps
     assert capsys.readouterr().err == (
         "error: rclone is not installed on this node: gs:// and az:// bucket mounts need it "
         "(install it: apt-get install rclone)\n")
+
+
+HOST_RCLONES = ("for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline 2>/dev/null | "
+                "grep -q '^/usr/bin/rclone mount ' && echo ${p#/proc/}; done")
+
+
+def test_gs_bucket_mounts_on_ssh_nodes(ssh_hosts, gcs_server, hyper, hyper_home, tmp_path,
+                                       monkeypatch):
+    """The same over SSH: each node mounts with its own rclone (the emulator's endpoint
+    passed on, as for the store clients), and `hyper down` stops it there."""
+    from s3server import Proxy
+    [host] = ssh_hosts.start(1)
+    relay = Proxy(gcs_server.port, host="10.213.0.1")  # the bridge: reachable from the host
+    relay.start()
+    try:
+        monkeypatch.setenv("HYPER_GCS_ENDPOINT_URL", f"http://10.213.0.1:{relay.port}")
+        monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
+        raw, scratch = gcs_server.make_bucket(), gcs_server.make_bucket()
+        from google.auth.credentials import AnonymousCredentials
+        from google.cloud import storage
+        # through the relay: the emulator names an object's download URL by the Host it
+        # was uploaded through, and the node reaches the relay only
+        client = storage.Client(project="hypercli", credentials=AnonymousCredentials(),
+                                client_options={"api_endpoint": os.environ[
+                                    "HYPER_GCS_ENDPOINT_URL"]})
+        client.bucket(raw).blob("pre/a/b.bin").upload_from_string(PAYLOAD)
+        recipe = {"name": "sshb", "cluster": {"provider": "ssh", "hosts": [host.address()],
+                                              "identity_file": str(ssh_hosts.client_key)},
+                  "mounts": {"/raw": f"gs://{raw}/pre",
+                             "/rw": {"url": f"gs://{scratch}/tmp", "mode": "rw"}},
+                  "experiments": {"cat": {"command": (
+                      'set -e; cp /raw/a/b.bin /rw/copy.bin; cmp /raw/a/b.bin /rw/copy.bin; '
+                      'if touch /raw/new 2>/dev/null; then exit 9; fi; '
+                      'grep -E " /(raw|rw) fuse.rclone" /proc/mounts')}}}
+        path = tmp_path / "r.yaml"
+        path.write_text(yaml.safe_dump(recipe))
+        r = hyper("run", path, "--trust-new-hosts")
+        assert r.returncode == 0, r.stdout + r.stderr + hyper("logs", "sshb-1/cat-0000").stderr
+        mounts = hyper("logs", "sshb-1/cat-0000").stdout
+        assert all("nosuid" in line and "nodev" in line for line in mounts.splitlines()), mounts
+        assert len(host.run(HOST_RCLONES).stdout.split()) == 2
+        r = hyper("down", "sshb")
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert host.run(HOST_RCLONES).stdout.split() == []
+        assert host.run("awk '$2 ~ /^\\/(raw|rw)$/' /proc/mounts").stdout.strip() == ""
+        assert client.bucket(scratch).blob("tmp/copy.bin").download_as_bytes() == PAYLOAD
+    finally:
+        host.run("fusermount3 -uz /raw; fusermount3 -uz /rw; "
+                 f"for p in $({HOST_RCLONES}); do kill -9 $p; done")
+        relay.stop()
