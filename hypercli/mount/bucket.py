@@ -168,22 +168,23 @@ def _list(remote: str, env: dict) -> subprocess.CompletedProcess:
                           env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL)
 
 
+#: a folder name under the mount's prefix that check_bucket lists: one cheap request, where
+#: listing the prefix itself would fetch every page of a large one
+PROBE = ".hyper-bucket-check"
+
+
 def check_bucket(url: str, remote: str, env: dict) -> None:
     """Raise StoreError naming the bucket (or container) of ``url`` when it does not exist,
-    or saying why when the mount's prefix cannot be listed with these credentials. rclone
-    exits 3, "directory not found" (https://rclone.org/docs/#exit-code), for a prefix with
-    nothing under it as for a missing bucket: then the bucket's root tells them apart (a
-    prefix of an existing bucket may be empty; a rw mount fills it)."""
+    or saying why when nothing under the mount's prefix can be listed with these
+    credentials. One list request, for :data:`PROBE` under the prefix: an existing bucket
+    answers it (with nothing), a missing one makes rclone exit 3, "directory not found"
+    (https://rclone.org/docs/#exit-code)."""
     scheme, bucket, _ = parse(url)
-    p = _list(remote, env)
+    p = _list(f"{remote}/{PROBE}", env)
     if p.returncode == 3:
-        p = _list(remote.split("/", 1)[0], env)
-        if p.returncode == 3:
-            what = (f"no such bucket {bucket}" if scheme == "gs" else
-                    f"no such container {bucket.split('/')[1]} in account "
-                    f"{bucket.split('/')[0]}")
-            raise StoreError(f"{url}: {what}", "create it, or check the name")
-        return  # the root is there (or only the prefix may be listed): an empty prefix
+        what = (f"no such bucket {bucket}" if scheme == "gs" else
+                f"no such container {bucket.split('/')[1]} in account {bucket.split('/')[0]}")
+        raise StoreError(f"{url}: {what}", "create it, or check the name")
     if p.returncode != 0:
         raise StoreError(f"{url}: rclone cannot list it: {_last_lines(p.stderr)}",
                          "check the node's credentials and the endpoint")
