@@ -392,3 +392,15 @@ def test_gs_bucket_mounts_on_ssh_nodes(ssh_hosts, gcs_server, hyper, hyper_home,
         host.run("fusermount3 -uz /raw; fusermount3 -uz /rw; "
                  f"for p in $({HOST_RCLONES}); do kill -9 $p; done")
         relay.stop()
+
+
+def test_a_read_only_az_mount_gets_a_sas_that_cannot_write(azurite):
+    """The SAS hypercli signs for a read-only mount allows reading and listing only: even a
+    rclone without --read-only could not write with it."""
+    from urllib.parse import parse_qs, urlparse
+
+    from emulators import AZURITE_ACCOUNT
+    for rw, perms in ((False, "rl"), (True, "racwdl")):
+        _, env = bucket.rclone_env(f"az://{AZURITE_ACCOUNT}/c1/p", rw=rw)
+        sas = parse_qs(urlparse(env["RCLONE_CONFIG_HYPERBUCKET_SAS_URL"]).query)
+        assert sas["sp"] == [perms]

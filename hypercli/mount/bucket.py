@@ -74,10 +74,12 @@ def _opt(name: str) -> str:
     return f"RCLONE_CONFIG_{REMOTE}_{name.upper()}"
 
 
-def rclone_env(url: str, environ: dict | None = None) -> tuple[str, dict[str, str]]:
+def rclone_env(url: str, environ: dict | None = None,
+               rw: bool = False) -> tuple[str, dict[str, str]]:
     """``(remote path, environment)`` for rclone to reach ``url`` with the node's identity
     (module docstring). ``environ`` (default ``os.environ``) is read, not changed; the
-    environment returned is the whole one for rclone, credentials included.
+    environment returned is the whole one for rclone, credentials included. ``rw``: a SAS
+    hypercli signs allows writing too (else reading and listing only).
 
     Raises:
         UsageError: a bad URL, a connection string of another account, or a managed identity
@@ -117,7 +119,7 @@ def rclone_env(url: str, environ: dict | None = None) -> tuple[str, dict[str, st
         env[_opt("endpoint")] = "blob." + fields.get("EndpointSuffix", "core.windows.net")
     elif fields.get("AccountKey") or fields.get("SharedAccessSignature"):
         base = endpoint or f"https://{account}.blob.core.windows.net"
-        env[_opt("sas_url")] = f"{base}/{container}?{_sas(account, container, fields)}"
+        env[_opt("sas_url")] = f"{base}/{container}?{_sas(account, container, fields, rw)}"
     elif custom or endpoint:
         raise UsageError(f"{url}: rclone cannot reach {endpoint} with a managed identity",
                          _AZ_EMULATOR_HINT)
@@ -129,9 +131,9 @@ def rclone_env(url: str, environ: dict | None = None) -> tuple[str, dict[str, st
     return f"{REMOTE}:{container}/{prefix}".rstrip("/"), env
 
 
-def _sas(account: str, container: str, fields: dict) -> str:
+def _sas(account: str, container: str, fields: dict, rw: bool) -> str:
     """The connection string's SAS token, else a container SAS signed with its account key
-    (read, add, create, write, delete, list; :data:`SAS_DAYS` days)."""
+    for :data:`SAS_DAYS` days: read and list, and with ``rw`` add, create, write, delete."""
     if fields.get("SharedAccessSignature"):
         return fields["SharedAccessSignature"].lstrip("?")
     import datetime
@@ -145,8 +147,8 @@ def _sas(account: str, container: str, fields: dict) -> str:
     expiry = today + datetime.timedelta(SAS_DAYS)
     return blob.generate_container_sas(
         account, container, account_key=fields["AccountKey"],
-        permission=blob.ContainerSasPermissions(read=True, add=True, create=True, write=True,
-                                                delete=True, list=True),
+        permission=blob.ContainerSasPermissions(read=True, list=True, add=rw, create=rw,
+                                                write=rw, delete=rw),
         expiry=expiry)
 
 
@@ -234,7 +236,7 @@ def mount(url: str, mountpoint: str, *, cache_dir: str, pid_file: str,
         StoreError: the bucket does not exist or cannot be listed, or the mount did not come
             up (rclone's last lines say why).
     """
-    remote, env = rclone_env(url)
+    remote, env = rclone_env(url, rw=rw)
     check_bucket(url, remote, env)
     mp = os.path.abspath(mountpoint)
     os.makedirs(cache_dir, mode=0o700, exist_ok=True)

@@ -247,7 +247,8 @@ def _mounts(ctx: _Ctx, item: _Item, base_dir: str) -> tuple[dict, frozenset, fro
     """(mount path → URL, the paths mounted read-write, the paths copied). A mount is
     ``PATH: URL`` or ``PATH: {url: URL, mode: ro|rw|copy}``; only a plain bucket mount
     (``s3://``, ``gs://``, ``az://``) may be ``rw`` (datasets of ``chunks+`` URLs are
-    immutable); only a ``chunks+`` dataset may be ``copy`` (copied whole to each node's disk, :mod:`hypercli.mount.copy`)."""
+    immutable); only a ``chunks+`` dataset may be ``copy`` (copied whole to each node's disk,
+    :mod:`hypercli.mount.copy`)."""
     out: dict[str, str] = {}
     rw: set[str] = set()
     copy: set[str] = set()
