@@ -504,7 +504,7 @@ def check_outcome(text: str, path: str | None = "fuzz.yaml") -> None:
 
 def check_recipe(r: Recipe) -> None:
     assert isinstance(r, Recipe) and r.cluster.provider in PROVIDERS
-    assert os.path.isabs(r.workdir) and r.experiments
+    assert (r.workdir is None or os.path.isabs(r.workdir)) and r.experiments  # none: None
     assert sorted(r.order) == sorted(r.experiments)
     position = {n: i for i, n in enumerate(r.order)}
     total = 0
