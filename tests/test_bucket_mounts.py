@@ -159,23 +159,57 @@ def test_a_missing_bucket_is_an_error_naming_it(cloud, request, hyper, hyper_hom
         cleanup(mnt)
 
 
+def slow_rw_mount(url: str, mnt: Path, root: Path, write_back: int) -> list[int]:
+    """Mount url rw at mnt as a node would (recorded under root), with rclone holding a
+    closed file ``write_back`` s before uploading it; the rclone PIDs serving mnt."""
+    start = (f"{sys.executable} -c 'import sys; from hypercli.mount import bucket; "
+             f"bucket.WRITE_BACK_S = {write_back}; bucket.mount(*sys.argv[1:3], "
+             "cache_dir=sys.argv[3], pid_file=sys.argv[4], rw=True)' "
+             f"{url} {mnt} " + " ".join(bucket.node_paths(str(root), str(mnt))))
+    (root / "mounts").mkdir(parents=True, exist_ok=True)
+    mnt.mkdir(exist_ok=True)
+    p = subprocess.run(["/bin/sh", "-c", guarded(str(mnt), str(root), start)],
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    return rclones(mnt)
+
+
+def test_a_succeeded_attempts_writes_are_in_the_bucket_when_it_ends(gcs, tmp_path):
+    """The command the agent runs after a successful task waits for the node's rw bucket
+    mounts to upload what was written: a later experiment on another node reads it."""
+    from hypercli.providers.runtime import NodeRuntime
+    name = gcs.make_bucket()
+    root, mnt = tmp_path / "node", tmp_path / "mnt"
+    url = f"gs://{name}/w"
+    try:
+        slow_rw_mount(url, mnt, root, write_back=30)
+        (mnt / "result.bin").write_bytes(PAYLOAD)
+        wf = {"id": "wf-1", "storage": f"file://{tmp_path}/storage",
+              "spec": {"mounts": {str(mnt): url, "/other": "chunks+file:///x"},
+                       "rw_mounts": [str(mnt)]}}
+        rt = NodeRuntime("n0", wf, str(root), f"{sys.executable} -m hypercli.mount.node",
+                         lambda cmd: None)
+        finish = rt.finish_command(str(tmp_path / "out"), "t-0")
+        p = subprocess.run(["/bin/sh", "-c", finish], capture_output=True, text=True)
+        assert p.returncode == 0, p.stderr
+        blob = gcs.client().bucket(name).blob("w/result.bin")
+        assert blob.download_as_bytes() == PAYLOAD
+        # a workflow with no rw bucket mount and no object storage has nothing to finish
+        assert NodeRuntime("n0", {**wf, "spec": {}}, str(root), "h", print).finish_command(
+            str(tmp_path / "out"), "t-0") is None
+        subprocess.run(["/bin/sh", "-c", unmount_command(str(mnt), str(root))], check=True)
+    finally:
+        cleanup(mnt)
+
+
 def test_down_waits_for_the_write_back_cache_and_stops_rclone_by_pid(gcs, tmp_path):
     """A file closed just before `hyper down` is still in rclone's write-back cache: the
     unmount waits for its upload instead of stopping rclone with it unsent."""
     name = gcs.make_bucket()
     root, mnt = tmp_path / "node", tmp_path / "mnt"
-    mnt.mkdir()
-    # rclone holds the file 6 s after its close before uploading it: the unmount comes first
-    start = (f"{sys.executable} -c 'import sys; from hypercli.mount import bucket; "
-             f"bucket.WRITE_BACK_S = 6; bucket.mount(*sys.argv[1:3], cache_dir=sys.argv[3], "
-             f"pid_file=sys.argv[4], rw=True)' gs://{name}/w {mnt} "
-             + " ".join(bucket.node_paths(str(root), str(mnt))))
     try:
-        (root / "mounts").mkdir(parents=True)
-        p = subprocess.run(["/bin/sh", "-c", guarded(str(mnt), str(root), start)],
-                           capture_output=True, text=True)
-        assert p.returncode == 0, p.stderr
-        [pid] = rclones(mnt)
+        # rclone holds the file 6 s after its close before uploading it: the unmount is first
+        [pid] = slow_rw_mount(f"gs://{name}/w", mnt, root, write_back=6)
         (mnt / "late.bin").write_bytes(PAYLOAD)
         assert list(gcs.client().list_blobs(name)) == []  # not uploaded yet
         p = subprocess.run(["/bin/sh", "-c", unmount_command(str(mnt), str(root))],
@@ -276,6 +310,20 @@ def test_a_gs_mount_on_a_vm_uses_the_service_accounts_token(gcs_server, tmp_path
         metadata.close()
 
 
+def cache_record(root: Path, mnt: Path, name: str) -> dict | None:
+    """``Dirty`` and ``Rs`` (the ranges cached) of rclone's record of file ``name`` in the
+    write-back cache of the bucket mount at mnt, or None while there is none whole."""
+    import json
+    cache = Path(bucket.node_paths(str(root), str(mnt))[0])
+    for meta in (cache / "vfsMeta").rglob(name):
+        try:
+            info = json.loads(meta.read_text())
+        except (OSError, ValueError):
+            return None
+        return {"Dirty": info.get("Dirty"), "Rs": info.get("Rs")}
+    return None
+
+
 def test_writes_a_dead_rclone_had_not_uploaded_are_uploaded_by_the_next_mount(gcs, tmp_path):
     """rclone dies (the OOM killer) with a closed file still in its write-back cache: the
     next run's mount finds the dead mount, mounts again over the same cache, and the file
@@ -284,19 +332,15 @@ def test_writes_a_dead_rclone_had_not_uploaded_are_uploaded_by_the_next_mount(gc
     name = gcs.make_bucket()
     root, mnt = tmp_path / "node", tmp_path / "mnt"
     hyper = f"{sys.executable} -m hypercli.mount.node"
-    first = (f"{sys.executable} -c 'import sys; from hypercli.mount import bucket; "
-             f"bucket.WRITE_BACK_S = 30; bucket.mount(*sys.argv[1:3], cache_dir=sys.argv[3], "
-             f"pid_file=sys.argv[4], rw=True)' gs://{name}/w {mnt} "
-             + " ".join(bucket.node_paths(str(root), str(mnt))))
     blob = gcs.client().bucket(name).blob("w/kept.bin")
     try:
-        (root / "mounts").mkdir(parents=True)
-        mnt.mkdir()
-        p = subprocess.run(["/bin/sh", "-c", guarded(str(mnt), str(root), first)],
-                           capture_output=True, text=True)
-        assert p.returncode == 0, p.stderr
-        [pid] = rclones(mnt)
+        [pid] = slow_rw_mount(f"gs://{name}/w", mnt, root, write_back=30)
         (mnt / "kept.bin").write_bytes(PAYLOAD)
+        # the kernel tells rclone of the close after close() returned; rclone then rewrites
+        # the file's record in place (a kill in that moment loses the file: rclone's limit)
+        wait_for(lambda: cache_record(root, mnt, "kept.bin") == {
+            "Dirty": True, "Rs": [{"Pos": 0, "Size": len(PAYLOAD)}]},
+            what="rclone to record the closed file as not uploaded")
         os.kill(pid, 9)
         wait_for(lambda: not rclones(mnt), what="rclone to die")
         assert not blob.exists()

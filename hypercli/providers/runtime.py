@@ -14,7 +14,8 @@ Mount kinds (recipe ``mounts: {PATH: URL}``):
   read-only unless the recipe mounts it ``rw``;
 * ``gs://bucket/prefix``, ``az://account/container/prefix``: the bucket itself, with rclone
   (:mod:`hypercli.mount.bucket`), read-only unless ``rw`` (then with a write-back cache);
-  ``hyper down`` waits for that cache to be uploaded, unmounts, and stops rclone by its PID.
+  an attempt's end (:meth:`NodeRuntime.finish_command`) and ``hyper down`` wait for that
+  cache to be uploaded; ``hyper down`` then unmounts and stops rclone by its PID.
 
 hypercli mounts over, and unmounts, only what it made (:func:`guarded`): before mounting, a
 path that is already a mount point hypercli did not make, that is not a folder, or that is a
@@ -89,7 +90,7 @@ def mount_command(hyper: str, url: str, path: str, cache: str, rw: bool = False,
                   copy: bool = False, root: str | None = None) -> str:
     """Shell text that mounts ``url`` at ``path`` on a node (idempotent: nothing when a file
     system is mounted there and answers; a mount whose daemon died is detached and mounted
-    again). A plain bucket is mounted read-only (goofys and s3fs alike) unless ``rw``.
+    again). A plain bucket is mounted read-only (goofys, s3fs, rclone alike) unless ``rw``.
     ``copy`` (a ``chunks+`` dataset in ``mode: copy``): the dataset is copied to the node's
     disk under ``cache/copies``, shared by its tasks (:mod:`hypercli.mount.copy`), and bound
     at ``path`` read-only. ``root``: the node's hypercli folder (default: ``cache``'s
@@ -197,11 +198,14 @@ def _rclone_alive(pidfile: str, path: str) -> str:
 def _drain(path: str, root: str) -> str:
     """Shell text that waits, up to :data:`DRAIN_S` s, while the live rclone of the bucket
     mount at ``path`` has files in its write-back cache not uploaded yet (rclone marks each
-    such file ``"Dirty": true`` in its ``vfsMeta`` until it is uploaded); nothing for any
-    other mount."""
+    such file ``"Dirty": true`` in its ``vfsMeta`` record until it is uploaded; the record
+    is rewritten in place, so the cache counts as uploaded only when two looks 0.1 s apart
+    find no such mark); nothing for any other mount."""
     cache, pidfile = map(shlex.quote, node_paths(root, path))
-    return (f"n=0; while {_rclone_alive(pidfile, path)} && [ $n -lt {DRAIN_S * 10} ] && "
-            f"grep -rqs '\"Dirty\": true' {cache}/vfsMeta; do sleep 0.1; n=$((n + 1)); done")
+    return (f"n=0; c=0; while [ $c -lt 2 ] && [ $n -lt {DRAIN_S * 10} ] && "
+            f"{_rclone_alive(pidfile, path)}; do "
+            f"if grep -rqs '\"Dirty\": true' {cache}/vfsMeta; then c=0; else c=$((c + 1)); fi; "
+            "sleep 0.1; n=$((n + 1)); done")
 
 
 def _stop_rclone(path: str, root: str) -> str:
@@ -295,11 +299,18 @@ class NodeRuntime:
         self.staged.update(todo)
 
     def finish_command(self, output: str, task: str) -> str | None:
-        """The command the supervisor runs after a successful task: push its outputs."""
+        """The command the supervisor runs after a successful task: wait until what tasks
+        wrote to the node's rw ``gs://``/``az://`` bucket mounts is uploaded (:func:`_drain`:
+        an attempt that succeeded has its writes in the bucket, for a later experiment on
+        another node to read), then push its outputs (object storage)."""
+        spec = self.wf.get("spec") or {}
+        drains = "".join(f"{_drain(p, self.root)}; " for p, u in sorted(
+            spec.get("mounts", {}).items()) if p in spec.get("rw_mounts", ())
+            and u.startswith(("gs://", "az://")))
         if not self.object_storage:
-            return None
+            return drains + "true" if drains else None
         url = output_url(self.wf["storage"], self.wf["id"], task)
-        return (f"{env_prefix()}{self.hyper} push-output {shlex.quote(output)} "
+        return (f"{drains}{env_prefix()}{self.hyper} push-output {shlex.quote(output)} "
                 f"{shlex.quote(url)}")
 
     def checkpoint(self, spec: dict, every: float, url: str | None = None) -> None:
