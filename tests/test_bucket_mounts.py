@@ -259,17 +259,21 @@ def test_rclone_env_follows_the_nodes_identity():
     assert "RCLONE_CONFIG_HYPERBUCKET_ANONYMOUS" not in env
     # Azure with a key, no custom endpoint: account and key
     conn = "AccountName=acct1;AccountKey=a2V5;EndpointSuffix=core.windows.net"
-    remote, env = bucket.rclone_env("az://acct1/c1/p", {"AZURE_STORAGE_CONNECTION_STRING": conn})
-    assert remote == "HYPERBUCKET:c1/p"
+    remote, env = bucket.rclone_env("az://acct1/cont1/p", {"AZURE_STORAGE_CONNECTION_STRING": conn})
+    assert remote == "HYPERBUCKET:cont1/p"
     assert (env["RCLONE_CONFIG_HYPERBUCKET_ACCOUNT"], env["RCLONE_CONFIG_HYPERBUCKET_KEY"]) == \
         ("acct1", "a2V5")
     # Azure without a connection string: the VM's managed identity
-    _, env = bucket.rclone_env("az://acct1/c1", {"AZURE_CLIENT_ID": "cid"})
+    _, env = bucket.rclone_env("az://acct1/cont1", {"AZURE_CLIENT_ID": "cid"})
     assert env["RCLONE_CONFIG_HYPERBUCKET_USE_MSI"] == "true"
     assert env["RCLONE_CONFIG_HYPERBUCKET_MSI_CLIENT_ID"] == "cid"
     from hypercli.errors import UsageError
+    with pytest.raises(UsageError, match="'Acct_1' is not a storage account name"):
+        bucket.rclone_env("az://Acct_1/c1", {})
+    with pytest.raises(UsageError, match="'c' is not a container name"):
+        bucket.rclone_env("az://acct1/c/p", {})
     with pytest.raises(UsageError, match="is for account 'other'"):
-        bucket.rclone_env("az://acct1/c1", {"AZURE_STORAGE_CONNECTION_STRING":
+        bucket.rclone_env("az://acct1/cont1", {"AZURE_STORAGE_CONNECTION_STRING":
                                             "AccountName=other;AccountKey=a2V5"})
 
 
@@ -445,6 +449,6 @@ def test_a_read_only_az_mount_gets_a_sas_that_cannot_write(azurite):
 
     from emulators import AZURITE_ACCOUNT
     for rw, perms in ((False, "rl"), (True, "racwdl")):
-        _, env = bucket.rclone_env(f"az://{AZURITE_ACCOUNT}/c1/p", rw=rw)
+        _, env = bucket.rclone_env(f"az://{AZURITE_ACCOUNT}/cont1/p", rw=rw)
         sas = parse_qs(urlparse(env["RCLONE_CONFIG_HYPERBUCKET_SAS_URL"]).query)
         assert sas["sp"] == [perms]

@@ -59,14 +59,21 @@ _AZ_EMULATOR_HINT = "set AZURE_STORAGE_CONNECTION_STRING with the account's key"
 
 def parse(url: str) -> tuple[str, str, str]:
     """``(scheme, bucket, prefix)`` of a plain bucket URL; for ``az://A/C/P`` the bucket is
-    ``A/C`` (account and container). Raises UsageError for another scheme or no bucket."""
+    ``A/C`` (account and container). Raises UsageError for another scheme, no bucket, or an
+    Azure account or container name Azure would refuse."""
     u = urlparse(url)
     if u.scheme == "gs" and u.netloc:
         return "gs", u.netloc, u.path.strip("/")
     if u.scheme == "az" and u.netloc:
+        from hypercli.mount.store_azure import _ACCOUNT, _CONTAINER
         container, _, prefix = u.path.lstrip("/").partition("/")
-        if container:
-            return "az", f"{u.netloc}/{container}", prefix.strip("/")
+        if not _ACCOUNT.fullmatch(u.netloc):
+            raise UsageError(f"{url}: {u.netloc!r} is not a storage account name",
+                             "3-24 lowercase letters and digits: az://ACCOUNT/CONTAINER/PREFIX")
+        if not _CONTAINER.fullmatch(container) or "--" in container:
+            raise UsageError(f"{url}: {container!r} is not a container name",
+                             "3-63 lowercase letters, digits and single hyphens")
+        return "az", f"{u.netloc}/{container}", prefix.strip("/")
     raise UsageError(f"{url}: not a gs://BUCKET/PREFIX or az://ACCOUNT/CONTAINER/PREFIX URL")
 
 
