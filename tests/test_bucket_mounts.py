@@ -85,8 +85,9 @@ def check_run(r, hyper, hyper_home: Path, name: str, mnt: Path, scratch: Path,
     assert (out / "got").read_bytes() == PAYLOAD
     assert (out / "ro").read_text() == "read-only\n"
     assert (out / "rw").read_text() == "writable\n"
-    for m in (mnt, scratch):
-        assert {"nosuid", "nodev"} <= set(mount_options(m)), mount_options(m)
+    for m in (mnt, scratch):  # containers' users may read it, within the files' modes
+        assert {"nosuid", "nodev", "allow_other", "default_permissions"} <= set(
+            mount_options(m)), mount_options(m)
         assert len(rclones(m)) == 1
     assert "ro" in mount_options(mnt) and "rw" in mount_options(scratch)
     # the task's writes reach the bucket about a second after their files were closed
