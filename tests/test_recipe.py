@@ -416,7 +416,8 @@ def test_bad_experiment_fields(body, field, message):
     ("mounts: {data: s3://b}\n", "mounts.data", "must be absolute"),
     ("mounts: {/a/../b: s3://b}\n", "mounts./a/../b", "without '..'"),
     ("mounts: {/data: http://b}\n", "mounts./data", "chunks+s3://"),
-    ("mounts: {/data: 'gs://b/p'}\n", "mounts./data", "chunks+gs://"),  # plain: s3 only
+    ("mounts: {/data: 'az://acct'}\n", "mounts./data", "has no container"),
+    ("mounts: {/data: 'az://acct/'}\n", "mounts./data", "az://ACCOUNT/CONTAINER/PREFIX"),
     ("cluster: {provider: gce}\n", "cluster.provider", "did you mean 'gcp'?"),
     ("cluster: {provider: ssh}\n", "cluster.hosts", "provider ssh needs hosts"),
     ("cluster: {provider: ssh, hosts: ['a b']}\n", "cluster.hosts", "user@host:port"),
@@ -636,6 +637,19 @@ def test_storage_grants_of_a_recipe():
         experiments: {a: {command: x}}
         """))
     assert r.rw_mounts == frozenset({"/scratch"})
+    # plain gs:// and az:// bucket mounts: read, or read and write when rw
+    g = parse_recipe(textwrap.dedent("""\
+        name: g
+        cluster: {provider: gcp}
+        mounts:
+          /raw: gs://lab/raw
+          /tmp2: {url: gs://lab/tmp, mode: rw}
+          /az: {url: az://acct/cont/p, mode: rw}
+        experiments: {a: {command: x}}
+        """))
+    assert g.rw_mounts == frozenset({"/tmp2", "/az"})
+    assert g.cluster.grants == (Grant("az", "acct/cont", "p", True), Grant("gs", "lab", "raw"),
+                                Grant("gs", "lab", "tmp", True))
     assert r.cluster.options["iam_role"] == "my-profile"
     # the storage prefix is a per-workflow template, not a grant of its own; the earlier
     # run's outputs mounted under it are read

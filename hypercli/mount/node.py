@@ -3,6 +3,7 @@ mfusepy (a node may have hypercli's bundled runtime only, without click or rich)
 
     python3 -m hypercli.mount.node mount URL MOUNTPOINT --cache-dir D [--cache-mib N]
     python3 -m hypercli.mount.node copy URL MOUNTPOINT --root D [--budget-mib N]
+    python3 -m hypercli.mount.node bucket-mount URL MOUNTPOINT --root D [--rw]
     python3 -m hypercli.mount.node push-output DIR URL
     python3 -m hypercli.mount.node pull-outputs STORAGE WORKFLOW DEST EXPERIMENT...
     python3 -m hypercli.mount.node checkpoint-save FOLDER URL ATTEMPT STATE [--stopped-at S]
@@ -14,6 +15,7 @@ Exit 0 on success; otherwise 1 with the reason on stderr.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from hypercli.console import plural
@@ -33,6 +35,11 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("mountpoint")
     k.add_argument("--root", required=True)
     k.add_argument("--budget-mib", type=int, default=None)
+    b = sub.add_parser("bucket-mount")
+    b.add_argument("url")
+    b.add_argument("mountpoint")
+    b.add_argument("--root", required=True)
+    b.add_argument("--rw", action="store_true")
     p = sub.add_parser("push-output")
     p.add_argument("src")
     p.add_argument("url")
@@ -66,6 +73,15 @@ def main(argv: list[str] | None = None) -> int:
                           budget_bytes=None if a.budget_mib is None else a.budget_mib << 20)
             print(f"{'copied' if c.fetched else 'reused the copy of'} {a.url} at "
                   f"{a.mountpoint} ({plural(c.bytes, 'byte')}, {c.seconds:.1f} s)")
+        elif a.cmd == "bucket-mount":
+            from hypercli.mount.bucket import mount as bucket_mount
+            from hypercli.mount.bucket import node_paths
+            cache, pid_file = node_paths(a.root, a.mountpoint)
+            os.makedirs(os.path.dirname(pid_file), exist_ok=True)
+            pid = bucket_mount(a.url, a.mountpoint, cache_dir=cache, pid_file=pid_file,
+                               rw=a.rw)
+            print(f"mounted {a.url} at {a.mountpoint} {'read-write' if a.rw else 'read-only'} "
+                  f"(rclone pid {pid})")
         elif a.cmd == "push-output":
             from hypercli.mount.outputs import push_output
             r = push_output(a.src, a.url)

@@ -11,7 +11,11 @@ Mount kinds (recipe ``mounts: {PATH: URL}``):
 * ``chunks+s3://...``, ``chunks+file://...``: hypercli's chunked FUSE mount
   (``hyper data mount``), its chunk cache in ``<node root>/cache``;
 * ``s3://bucket/prefix``: the bucket itself, with goofys, else s3fs, whichever the node has;
-  read-only unless the recipe mounts it ``rw``.
+  read-only unless the recipe mounts it ``rw``;
+* ``gs://bucket/prefix``, ``az://account/container/prefix``: the bucket itself, with rclone
+  (:mod:`hypercli.mount.bucket`), read-only unless ``rw`` (then with a write-back cache);
+  an attempt's end (:meth:`NodeRuntime.finish_command`) and ``hyper down`` wait for that
+  cache to be uploaded; ``hyper down`` then unmounts and stops rclone by its PID.
 
 hypercli mounts over, and unmounts, only what it made (:func:`guarded`): before mounting, a
 path that is already a mount point hypercli did not make, that is not a folder, or that is a
@@ -30,6 +34,7 @@ import shlex
 from typing import Callable
 
 from hypercli.errors import InfraError
+from hypercli.mount.bucket import node_paths
 from hypercli.mount.outputs import checkpoint_url, output_url
 from hypercli.ssh.conn import CommandFailed
 
@@ -82,17 +87,22 @@ def _detach(p: str) -> str:
 
 
 def mount_command(hyper: str, url: str, path: str, cache: str, rw: bool = False,
-                  copy: bool = False) -> str:
+                  copy: bool = False, root: str | None = None) -> str:
     """Shell text that mounts ``url`` at ``path`` on a node (idempotent: nothing when a file
     system is mounted there and answers; a mount whose daemon died is detached and mounted
-    again). A plain bucket is mounted read-only (goofys and s3fs alike) unless ``rw``.
+    again). A plain bucket is mounted read-only (goofys, s3fs, rclone alike) unless ``rw``.
     ``copy`` (a ``chunks+`` dataset in ``mode: copy``): the dataset is copied to the node's
     disk under ``cache/copies``, shared by its tasks (:mod:`hypercli.mount.copy`), and bound
-    at ``path`` read-only."""
+    at ``path`` read-only. ``root``: the node's hypercli folder (default: ``cache``'s
+    parent), where a gs:// or az:// mount keeps its rclone PID and cache."""
     p = shlex.quote(path)
     if copy:
         cmd = (f"{env_prefix()}{hyper} copy {shlex.quote(url[len('chunks+'):])} {p} "
                f"--root {shlex.quote(cache + '/copies')}")
+    elif url.startswith(("gs://", "az://")):
+        root = root or os.path.dirname(cache)  # a dead mount's rclone may still run: stopped
+        cmd = (f"{_stop_rclone(path, root)}; {env_prefix()}{hyper} bucket-mount "
+               f"{shlex.quote(url)} {p} --root {shlex.quote(root)}" + (" --rw" if rw else ""))
     elif url.startswith("chunks+"):
         cmd = (f"{env_prefix()}{hyper} mount {shlex.quote(url[len('chunks+'):])} {p} "
                f"--cache-dir {shlex.quote(cache)}")
@@ -167,16 +177,61 @@ def guarded(path: str, root: str, command: str) -> str:
             f"printf '%s\\n' \"$m\" > {rec}.tmp && mv {rec}.tmp {rec}; }}")
 
 
+#: seconds ``hyper down`` waits for a rw bucket mount's write-back cache to be uploaded
+DRAIN_S = 600
+
+
+def _rclone_alive(pidfile: str, path: str) -> str:
+    """Shell test: the rclone of quoted PID file ``pidfile`` (``PID START_TIME``, written by
+    :func:`hypercli.mount.bucket.mount`) still runs the mount at ``path``: that PID (digits
+    only) with that start time (proc(5) field 22), so a later process given the same PID is
+    never taken for it, and whose command line is ``rclone mount REMOTE PATH ...``, so a PID
+    file written by anyone else names no other process. Sets ``pid``."""
+    cmdline = "tr '\\0' '\\n' < /proc/\"$pid\"/cmdline 2>/dev/null | sed -n"
+    return (f"{{ read pid st < {pidfile}; }} 2>/dev/null && "
+            f"case \"$pid\" in ''|*[!0-9]*) false ;; esac && "
+            f"[ \"$(sed 's/.*) //' /proc/\"$pid\"/stat 2>/dev/null | cut -d' ' -f20)\" = \"$st\" ] "
+            f"&& [ \"$({cmdline} 2p)\" = mount ] && "
+            f"[ \"$({cmdline} 4p)\" = {shlex.quote(os.path.abspath(path))} ]")
+
+
+def _drain(path: str, root: str) -> str:
+    """Shell text that waits, up to :data:`DRAIN_S` s, while the live rclone of the bucket
+    mount at ``path`` has files in its write-back cache not uploaded yet (rclone marks each
+    such file ``"Dirty": true`` in its ``vfsMeta`` record until it is uploaded; the record
+    is rewritten in place, so the cache counts as uploaded only when two looks 0.1 s apart
+    find no such mark); nothing for any other mount."""
+    cache, pidfile = map(shlex.quote, node_paths(root, path))
+    return (f"n=0; c=0; while [ $c -lt 2 ] && [ $n -lt {DRAIN_S * 10} ] && "
+            f"{_rclone_alive(pidfile, path)}; do "
+            f"if grep -rqs '\"Dirty\": true' {cache}/vfsMeta; then c=0; else c=$((c + 1)); fi; "
+            "sleep 0.1; n=$((n + 1)); done")
+
+
+def _stop_rclone(path: str, root: str) -> str:
+    """Shell text that stops the rclone of the bucket mount at ``path`` by its PID (SIGTERM,
+    SIGKILL after 10 s; it has ended when its PID is gone or a zombie) and removes its PID
+    file; nothing for any other mount."""
+    pidfile = shlex.quote(node_paths(root, path)[1])
+    return (f"if {_rclone_alive(pidfile, path)}; then kill -TERM \"$pid\"; n=0; "
+            "while [ -d /proc/\"$pid\" ] && [ \"$(sed 's/.*) //' /proc/\"$pid\"/stat 2>/dev/null "
+            "| cut -d' ' -f1)\" != Z ] && [ $n -lt 100 ]; do sleep 0.1; n=$((n + 1)); done; "
+            f"{_rclone_alive(pidfile, path)} && kill -KILL \"$pid\"; fi; rm -f {pidfile}")
+
+
 def unmount_command(path: str, root: str) -> str:
     """Shell text that unmounts the mount at ``path`` when it is the one hypercli recorded
     there (module docstring), a dead FUSE mount (its daemon gone) lazily if need be; exits
     0 when it unmounted, 1 when nothing of hypercli's was there (anything else mounted
-    there is left as it is)."""
+    there is left as it is). A gs:// or az:// bucket mount's write-back cache is uploaded
+    first (:func:`_drain`), and its rclone is stopped by its PID after."""
     p, rec = shlex.quote(path), shlex.quote(_record(path, root))
     return (f"m=$({_top_mount(path)}); "
             f"if [ -n \"$m\" ] && [ \"$m\" = \"$(cat {rec} 2>/dev/null)\" ]; then "
+            f"{_drain(path, root)}; "
             f"{{ fusermount3 -u {p} || fusermount -u {p} || umount {p}; }} >/dev/null 2>&1 || "
-            f"{_detach(p)}; rm -f {rec}; exit 0; fi; rm -f {rec}; exit 1")
+            f"{_detach(p)}; {_stop_rclone(path, root)}; rm -f {rec}; exit 0; fi; "
+            f"{_stop_rclone(path, root)}; rm -f {rec}; exit 1")
 
 
 def checkpoint_name(wf: dict, spec: dict) -> str:
@@ -223,7 +278,7 @@ class NodeRuntime:
                 self.sh(guarded(path, self.root, mount_command(
                     self.hyper, url, path, f"{self.root}/cache",
                     rw=path in spec.get("rw_mounts", ()),
-                    copy=path in spec.get("copy_mounts", ()))))
+                    copy=path in spec.get("copy_mounts", ()), root=self.root)))
             except (CommandFailed, NodeSetupError) as e:
                 raise NodeSetupError(f"mounting {url} at {path} on {self.node} failed: "
                                      f"{_said(e)}") from None
@@ -244,11 +299,18 @@ class NodeRuntime:
         self.staged.update(todo)
 
     def finish_command(self, output: str, task: str) -> str | None:
-        """The command the supervisor runs after a successful task: push its outputs."""
+        """The command the supervisor runs after a successful task: wait until what tasks
+        wrote to the node's rw ``gs://``/``az://`` bucket mounts is uploaded (:func:`_drain`:
+        an attempt that succeeded has its writes in the bucket, for a later experiment on
+        another node to read), then push its outputs (object storage)."""
+        spec = self.wf.get("spec") or {}
+        drains = "".join(f"{_drain(p, self.root)}; " for p, u in sorted(
+            spec.get("mounts", {}).items()) if p in spec.get("rw_mounts", ())
+            and u.startswith(("gs://", "az://")))
         if not self.object_storage:
-            return None
+            return drains + "true" if drains else None
         url = output_url(self.wf["storage"], self.wf["id"], task)
-        return (f"{env_prefix()}{self.hyper} push-output {shlex.quote(output)} "
+        return (f"{drains}{env_prefix()}{self.hyper} push-output {shlex.quote(output)} "
                 f"{shlex.quote(url)}")
 
     def checkpoint(self, spec: dict, every: float, url: str | None = None) -> None:

@@ -31,8 +31,11 @@ from hypercli.recipe.yamltree import (
 
 PROVIDERS = ("local", "ssh", "aws", "gcp", "azure")
 STORAGE_SCHEMES = ("file", "s3", "gs", "az")
-#: plain bucket mounts exist for s3 only (goofys/s3fs); gs and az datasets mount as chunks+
-MOUNT_SCHEMES = ("chunks+s3", "chunks+file", "chunks+gs", "chunks+az", "s3", "file")
+#: plain bucket mounts: s3 with goofys/s3fs, gs and az with rclone (hypercli.mount.bucket)
+MOUNT_SCHEMES = ("chunks+s3", "chunks+file", "chunks+gs", "chunks+az", "s3", "gs", "az",
+                 "file")
+#: the plain bucket mounts, which alone may be ``mode: rw``
+BUCKET_SCHEMES = ("s3://", "gs://", "az://")
 
 _HOST = re.compile(r"(?:[A-Za-z0-9_][A-Za-z0-9_.-]*@)?"
                    r"(?:[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\])"
@@ -204,6 +207,9 @@ def _url(ctx: _Ctx, item: _Item, field: str, schemes: tuple, base_dir: str) -> s
     if not rest or rest.startswith("/"):
         ctx.fail(f"{_leaf(field)} {_show(v)} has no bucket", item.line, field,
                  f"{scheme}://BUCKET/PREFIX")
+    if scheme.endswith("az") and not rest.partition("/")[2].strip("/"):
+        ctx.fail(f"{_leaf(field)} {_show(v)} has no container", item.line, field,
+                 f"{scheme}://ACCOUNT/CONTAINER/PREFIX")
     return v
 
 
@@ -239,9 +245,10 @@ def _mount_path(ctx: _Ctx, path: str, line: int | None, field: str) -> None:
 
 def _mounts(ctx: _Ctx, item: _Item, base_dir: str) -> tuple[dict, frozenset, frozenset]:
     """(mount path → URL, the paths mounted read-write, the paths copied). A mount is
-    ``PATH: URL`` or ``PATH: {url: URL, mode: ro|rw|copy}``; only a plain ``s3://`` bucket
-    mount may be ``rw`` (datasets of ``chunks+`` URLs are immutable); only a ``chunks+``
-    dataset may be ``copy`` (copied whole to each node's disk, :mod:`hypercli.mount.copy`)."""
+    ``PATH: URL`` or ``PATH: {url: URL, mode: ro|rw|copy}``; only a plain bucket mount
+    (``s3://``, ``gs://``, ``az://``) may be ``rw`` (datasets of ``chunks+`` URLs are
+    immutable); only a ``chunks+`` dataset may be ``copy`` (copied whole to each node's disk,
+    :mod:`hypercli.mount.copy`)."""
     out: dict[str, str] = {}
     rw: set[str] = set()
     copy: set[str] = set()
@@ -269,9 +276,10 @@ def _mounts(ctx: _Ctx, item: _Item, base_dir: str) -> tuple[dict, frozenset, fro
             it, field = keys["url"], f"{field}.url"
         out[norm] = _url(ctx, it, field, MOUNT_SCHEMES, base_dir)
         if mode == "rw":
-            if not out[norm].startswith("s3://"):
-                ctx.fail("only a plain s3:// bucket mount can be rw (chunks+ datasets are "
-                         "immutable)", it.line, field, "write outputs to $HYPER_OUTPUT")
+            if not out[norm].startswith(BUCKET_SCHEMES):
+                ctx.fail("only a plain bucket mount (s3://, gs://, az://) can be rw (chunks+ "
+                         "datasets are immutable)", it.line, field,
+                         "write outputs to $HYPER_OUTPUT")
             rw.add(norm)
         elif mode == "copy":
             if not out[norm].startswith("chunks+"):

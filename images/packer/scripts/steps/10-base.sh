@@ -1,8 +1,9 @@
 #!/bin/sh
-# Base packages: FUSE 3, Python 3 with boto3 (object stores), curl, certificates.
+# Base packages: FUSE 3, Python 3 with boto3 (object stores), rclone (gs:// and az:// bucket
+# mounts), curl, certificates.
 set -eu
 missing=""
-for p in fuse3 python3 python3-boto3 curl ca-certificates; do
+for p in fuse3 python3 python3-boto3 rclone curl ca-certificates; do
   dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"
 done
 if [ -z "$missing" ]; then
