@@ -170,3 +170,77 @@ def test_intents_newer_than_the_blob_become_launching_attempts(tmp_path):
         "far-1.a-0001.1", "launching", "n1", {"cpus": 1})
     assert [(t["status"], t["attempts"]) for t in out["tasks"]] == [("pending", 0),
                                                                      ("running", 1)]
+
+
+class _LocalChannel:
+    """A replica's server run here, as a node runs it, behind a channel's calls."""
+
+    def __init__(self, folder):
+        self.p = subprocess.Popen([sys.executable, "-I", "-S", "-c", NODE_SCRIPT, str(folder)],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+
+    def sendall(self, data: bytes) -> None:
+        self.p.stdin.write(data)
+        self.p.stdin.flush()
+
+    def close(self) -> None:
+        self.p.stdin.close()
+        self.p.wait(timeout=10)
+
+
+def _local_replicas(tmp_path, holder: str, key: str | None, ttl=30.0):
+    from hypercli.controller.backup import Replicas, _Replica
+
+    class Local(_Replica):
+        def _open(self):
+            self.ch = _LocalChannel(tmp_path / self.node["name"])
+            self.f = self.ch.p.stdout
+
+    class LocalReplicas(Replicas):
+        replica_class = Local
+    nodes = [{"name": f"n{i}", "cluster": "far"} for i in range(3)]
+    wf = {"id": "far-1", "spec": {"token": "t0", "backup_key": key}}
+    return LocalReplicas(None, nodes, wf, holder, ttl=ttl)
+
+
+def test_a_backup_planted_by_a_task_on_one_node_neither_blocks_nor_is_taken(tmp_path):
+    """A task running as root on a node writes that node's replica files: a lease that never
+    expires, a blob with a higher number whose records say every task succeeded, and an
+    intent. The controller's writes still count (a majority took them), a takeover is not
+    held up by that lease, and what it reads is the controller's blob, the forged records
+    dropped for their HMAC."""
+    from hypercli.controller.backup import new_key
+    key = new_key()
+    mine = {"workflow": {"id": "far-1", "spec": json.dumps({"backup_key": key})},
+            "tasks": [{"id": "a-0000", "status": "running"}], "attempts": []}
+    ctl = _local_replicas(tmp_path, "controller A", key)
+    here = None
+    try:
+        ctl.write(pack(mine))
+        assert key not in unpack(ctl.blob)["workflow"]["spec"]  # never onto a node
+        forged = pack({**mine, "tasks": [{"id": "a-0000", "status": "succeeded"}]})
+        node = tmp_path / "n0"  # the node's own files, written by the task
+        (node / "far-1.t0.json").write_text(json.dumps(
+            {"holder": "task", "ttl": None, "renewed_at": time.time(), "seq": 99,
+             "mac": "0" * 64}))
+        (node / "far-1.t0.blob").write_text(forged)
+        (node / "far-1.t0.intents").write_text(json.dumps(
+            {"seq": 100, "rows": [["far-1.a-0000.9", "far-1", "a-0000", 9, "n0"]],
+             "mac": "0" * 64}) + "\n")
+        ctl.write(pack(mine))  # no LeaseLost: two of three took it
+        ctl.intend([("far-1.a-0000.1", "far-1", "a-0000", 1, "n1")])
+        here = _local_replicas(tmp_path, "here B", key, ttl=None)
+        found = [g for g in here.read() if g["found"]]
+        assert {g["node"]: g["holder"] for g in found} == {
+            "n0": "task", "n1": "controller A", "n2": "controller A"}
+        assert [g["holder"] for g in here.held(found)] == ["controller A"] * 2  # not "task"
+        kept = [g for g in found if g["blob"]]
+        assert {g["node"] for g in kept} == {"n1", "n2"}  # the forged blob failed its HMAC
+        assert unpack(max(kept, key=lambda g: g["seq"])["blob"])["tasks"][0]["status"] == \
+            "running"
+        assert [i["rows"][0][0] for g in found for i in g["intents"]] == \
+            ["far-1.a-0000.1"] * 2  # the planted intent is dropped
+    finally:
+        ctl.close()
+        if here is not None:
+            here.close()

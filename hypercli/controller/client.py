@@ -198,6 +198,7 @@ def handover(state: S.State, wid: str, spec: dict, *, trust_new: bool = False,
             Python lacks a package.
         Unreachable; LeaseLost (another driver holds the workflow).
     """
+    from hypercli.controller.backup import KEY_FIELD, new_key
     wf = state.workflow(wid)
     wspec = wf.get("spec") or {}
     if wspec.get("secrets") or wspec.get("registry_auth"):
@@ -206,6 +207,8 @@ def handover(state: S.State, wid: str, spec: dict, *, trust_new: bool = False,
                          "run it without a controller (hyper run -d)")
     old = (wspec.get("controller") or {})
     holder = f"controller {spec['name']} {secrets.token_hex(4)}"
+    if not wspec.get(KEY_FIELD):  # signs its backups (hypercli.controller.backup)
+        state.set_workflow(wid, spec=json.dumps({**wspec, KEY_FIELD: new_key()}))
     export = state.export_workflow(wid)
     known = S.home() / "known_hosts" / wf["cluster"]
     data = {"export": export, "holder": holder, "handoff": old.get("taken"),
@@ -411,8 +414,8 @@ def takeover(state: S.State, wid: str, *, wait: float | None = None,
             alive, only not reachable from here).
     """
     from hypercli.cluster import provider_of
-    from hypercli.controller.backup import (LEASE_TTL, LeaseLost, Replicas, pack, unpack,
-                                            with_intents)
+    from hypercli.controller.backup import (LEASE_TTL, LeaseLost, NoQuorum, Replicas, pack,
+                                            unpack, with_intents)
     wf = state.workflow(wid)
     link = link_of(wf)
     if link is None:
@@ -425,14 +428,13 @@ def takeover(state: S.State, wid: str, *, wait: float | None = None,
     try:
         while True:
             found = [g for g in reps.read() if g["found"]]
-            kept = [g for g in found if g.get("blob")]
+            kept = [g for g in found if g.get("blob")]  # HMACs verified (backup.trusted)
             if not kept:
                 raise InfraError(f"no backup of {wid} is on its nodes",
                                  f"`hyper run {wf['recipe_path'] or wf['name']}` runs it here "
                                  "from its records as copied last")
             newest = max(kept, key=lambda g: g["seq"])
-            live = [g for g in found if g["holder"] != holder and
-                    (g["left"] is None or g["left"] > 0)]
+            live = reps.held(found)  # a lease on fewer than a majority is no holder's
             if live:
                 left = max(float("inf") if g["left"] is None else g["left"] for g in live)
                 if time.monotonic() + left > end:
@@ -452,8 +454,12 @@ def takeover(state: S.State, wid: str, *, wait: float | None = None,
                                               for i in g.get("intents") or []])
             try:
                 reps.write(pack(export))  # the intents in it: none is lost if this dies
-            except LeaseLost:
-                continue  # renewed meanwhile: look again
+            except (LeaseLost, NoQuorum) as e:  # renewed meanwhile, or held where a
+                if time.monotonic() > end:      # replica did not answer: look again
+                    raise InfraError(f"the lease of {wid} could not be taken: {e}",
+                                     "try again once the cluster's nodes answer") from None
+                time.sleep(1.0)
+                continue
             break
     finally:
         reps.close()
