@@ -129,3 +129,79 @@ def test_the_controllers_role_drives_its_users_clusters_and_nothing_else(monkeyp
                             for p in iam.list_instance_profiles()["InstanceProfiles"]]
     with moto.mock_aws():
         run()
+
+
+@pytest.mark.slow
+def test_a_cloud_controller_is_on_demand_tagged_scoped_reused_listed_and_removed(
+        aws, ssh_hosts, tmp_path, hyper_home, hyper):
+    """On the AWS stand-in (moto_server; the instance booted onto an SSH test host,
+    tests/cloudhosts.py): the controller is the cheapest on-demand offer of the catalog in
+    the recipe's region, tagged for its user, launched with the controller's role and its
+    idle limit; a second workflow reuses it; `hyper status` lists it with its cost; `hyper
+    down --controller` leaves nothing of it (instance, role, instance profile, security
+    group, key pair)."""
+    from cloudhosts import Booter, tagged_left
+
+    from hypercli.controller.client import Controller
+    from hypercli.controller.cloud import ensure, name_of, offers_for
+    from hypercli.state import State
+    hosts = ssh_hosts.start(1)
+    booter = Booter(aws, hosts, tmp_path / "addresses.json")
+    booter.start()
+    image = aws.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+    options = {"region": REGION, "image": image, "ssh_cidr": "10.213.0.0/24",
+               "instance_type": "p3.2xlarge", "spot": True}  # the nodes', not its own
+    iam = boto3.client("iam", region_name=REGION, endpoint_url=aws.meta.endpoint_url)
+    name = name_of("aws")
+    try:
+        state = State()
+        ctl = ensure(state, "aws", options, STORAGE, idle_minutes=7)
+        assert ctl["cloud"]["cluster"] == name
+        [node] = state.nodes(name, status="up")
+        inst = instance(aws, node["provider_id"])
+        assert "InstanceLifecycle" not in inst  # on-demand
+        assert inst["InstanceType"] == offers_for("aws", REGION)[0].instance_type
+        tags = {t["Key"]: t["Value"] for t in inst["Tags"]}
+        assert tags[TAG_CLUSTER] == name and tags[TAG_OWNER] == owner()
+        cs = CloudSpec(cluster=name, cluster_id=state.cluster_uid(name))
+        role = role_name(cs)
+        assert inst["IamInstanceProfile"]["Arn"].endswith(f"/{role}")
+        doc = iam.get_role_policy(RoleName=role, PolicyName="hyper-controller")[
+            "PolicyDocument"]
+        doc = json.loads(doc) if isinstance(doc, str) else doc
+        assert doc == controller_policy(owner(), "123456789012", STORAGE)
+        user_data = aws.describe_instance_attribute(InstanceId=inst["InstanceId"],
+                                                    Attribute="userData")
+        import base64
+        assert '"idle_minutes": 7' in base64.b64decode(
+            user_data["UserData"]["Value"]).decode()  # removes itself when idle
+        c = Controller(ctl)  # reached over SSH with its pinned host key
+        try:
+            assert c.conn.run("echo up").stdout.strip() == b"up"
+        finally:
+            c.close()
+        again = ensure(State(), "aws", options, ())  # a later workflow: the same one
+        assert again["name"] == ctl["name"] and again["cloud"]["grants"]
+        live = [i for r in aws.describe_instances(Filters=[
+            {"Name": f"tag:{TAG_CLUSTER}", "Values": [name]}])["Reservations"]
+            for i in r["Instances"] if i["State"]["Name"] != "terminated"]
+        assert len(live) == 1
+        r = hyper("status", timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        line = next(x for x in r.stdout.splitlines() if x.startswith("controller "))
+        assert ctl["name"] in line and f"{name} $" in line and "/h" in line, line
+        assert "$0.1040/h" in line  # the offer's on-demand price
+        r = hyper("down", "--controller", name, timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "removed instance" in r.stdout and f"controller {ctl['name']} removed" in \
+            r.stdout, r.stdout
+        assert tagged_left(aws, name) == []
+        assert role not in [x["RoleName"] for x in iam.list_roles()["Roles"]]
+        assert role not in [p["InstanceProfileName"] for p in
+                            iam.list_instance_profiles()["InstanceProfiles"]]
+        r = hyper("status", timeout=60)
+        assert "controller " not in r.stdout, r.stdout
+        assert not booter.errors, booter.errors
+    finally:
+        booter.stopping.set()
+        booter.join(10)

@@ -98,6 +98,10 @@ class Controller:
         from hypercli.node.bundle import bundle
         return f"$HOME/.hyper/lib/{bundle()[0]}"
 
+    def installed(self) -> bool:
+        """Whether hypercli's code is there (nothing of a controller runs there before)."""
+        return self.conn.run(f"test -d {self._lib()}", check=False).exit_code == 0
+
     def install(self) -> None:
         """Copy hypercli's code there (the bundle nodes get, when missing) and check that
         its Python has the driver's other packages.
@@ -476,16 +480,21 @@ def takeover(state: S.State, wid: str, *, wait: float | None = None,
 # -- status and down -------------------------------------------------------------------------
 def controller_rows(state: S.State) -> list[dict]:
     """What ``hyper status`` shows of each controller known here: ``{"controller", "status"
-    ("up", "not answering", "down"), "pid", "workflows": [ids it drives], "error"}``."""
+    ("up", "not answering", "down"), "pid", "workflows": [ids it drives], "error", "cloud":
+    its cluster's name or None, "cost": (USD so far, USD per hour now) of a cloud's
+    instance (:mod:`hypercli.controller.cloud`), else None}``."""
+    from hypercli.controller.cloud import cost
     rows = []
     for c in state.controllers():
         row = {"controller": c["name"], "status": c["status"], "pid": None, "workflows": [],
-               "error": None}
+               "error": None, "cloud": (c["spec"].get("cloud") or {}).get("cluster"),
+               "cost": cost(state, c["spec"])}
         if c["status"] == "up":
             try:
                 ctl = connect(c["spec"])
                 try:
-                    st = ctl.request("status", timeout=30)
+                    st = ctl.request("status", timeout=30) if ctl.installed() else \
+                        {"pid": None, "workflows": []}
                 finally:
                     ctl.close()
                 row["pid"] = st["pid"]
@@ -498,27 +507,62 @@ def controller_rows(state: S.State) -> list[dict]:
     return rows
 
 
-def down(state: S.State, name: str, *, yes: bool = False) -> list[str]:
+def find(state: S.State, ref: str) -> str:
+    """The name of the controller ``ref`` names: its ``user@host:port`` (``user@host`` as
+    :class:`~hypercli.ssh.conn.Target` reads it), or a cloud controller's cluster name
+    (``ctl-aws-...``, as ``hyper status`` shows it). Raises UsageError: none such."""
+    from hypercli.ssh.conn import Target
+    for c in state.controllers():
+        if c["status"] == "up" and (c["spec"].get("cloud") or {}).get("cluster") == ref:
+            return c["name"]
+    try:
+        return str(Target.parse(ref))
+    except ValueError:
+        raise UsageError(f"no controller {ref!r} is known here",
+                         "`hyper status` lists them") from None
+
+
+def down(state: S.State, name: str, *, yes: bool = False,
+         removed: Callable[[str], None] = lambda s: None) -> list[str]:
     """Stop a controller's service (its tasks stay on their nodes) and remove what hypercli
-    made there (``~/.hyper/controller``); forget it here. Returns the workflows it drove.
+    made there (``~/.hyper/controller``); a cloud's controller (:mod:`hypercli.controller.
+    cloud`) is then removed whole, instance and every resource tagged for it (one line per
+    resource to ``removed``), also when it does not answer. Forget it here. Returns the
+    workflows it drove.
 
     Raises:
         UsageError: no such controller; it drives a workflow and ``yes`` is not given.
-        Unreachable: it does not answer.
+        Unreachable: it does not answer (a named host).
+        CloudError, CredentialsError: a cloud's controller could not be removed.
     """
     spec = _spec(state, name)
-    ctl = connect(spec)
+    driving: list[str] = []
     try:
-        st = ctl.request("status", timeout=30)
-        driving = [w["id"] for w in st["workflows"]
-                   if w["status"] in ("running", "cancelling") and not w["lost"]]
-        if driving and not yes:
-            raise UsageError(f"controller {name} drives {', '.join(driving)}",
-                             "`hyper attach WORKFLOW` first, or --yes to stop it anyway "
-                             "(its tasks go on; `hyper attach` takes them over)")
-        ctl.request("stop", timeout=60)
-        ctl.conn.run(f"rm -rf -- $HOME/{REL_HOME}", timeout=120)
-    finally:
-        ctl.close()
+        ctl = connect(spec)
+    except Unreachable:
+        if not spec.get("cloud"):
+            raise
+        ctl = None  # the instance is removed anyway
+    if ctl is not None:
+        try:
+            if not ctl.installed():  # never handed a workflow: nothing runs there
+                st = {"workflows": []}
+            else:
+                st = ctl.request("status", timeout=30)
+            driving = [w["id"] for w in st["workflows"]
+                       if w["status"] in ("running", "cancelling") and not w["lost"]]
+            if driving and not yes:
+                raise UsageError(f"controller {name} drives {', '.join(driving)}",
+                                 "`hyper attach WORKFLOW` first, or --yes to stop it anyway "
+                                 "(its tasks go on; `hyper attach` takes them over)")
+            if "pid" in st:
+                ctl.request("stop", timeout=60)
+            ctl.conn.run(f"rm -rf -- $HOME/{REL_HOME}", timeout=120)
+        finally:
+            ctl.close()
+    if spec.get("cloud"):
+        from hypercli.controller.cloud import remove
+        for line in remove(state, spec):
+            removed(line)
     state.put_controller(name, spec, status="down")  # kept: its workflows' links name it
     return driving

@@ -392,6 +392,16 @@ class _Drive(threading.Thread):
             plain.close()
 
 
+def _used() -> None:
+    """Mark this host as in use for a cloud node's idle watchdog (:mod:`hypercli.node.watch`
+    reads ``<root>/contact``; the controller's home is ``<root>/controller``), so that a
+    cloud controller removes itself only once it has driven nothing for its idle limit."""
+    try:
+        (S.home().parent / "contact").touch()
+    except OSError:
+        pass
+
+
 def _to_drive(state: S.State) -> list[str]:
     return [w["id"] for w in state.workflows(limit=1000)
             if w["status"] in ("running", "cancelling") and lease_of(w)
@@ -431,6 +441,7 @@ def serve() -> int:
             drives = {w: d for w, d in drives.items() if d.is_alive()}
             if drives:
                 idle = time.monotonic()
+                _used()
             elif time.monotonic() - idle > IDLE_EXIT:
                 break
             time.sleep(LOOK_EVERY)
