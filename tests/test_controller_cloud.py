@@ -205,3 +205,104 @@ def test_a_cloud_controller_is_on_demand_tagged_scoped_reused_listed_and_removed
     finally:
         booter.stopping.set()
         booter.join(10)
+
+
+@pytest.mark.slow
+def test_a_cloud_controller_drives_the_workflow_after_the_run_is_killed_and_leaves_nothing(
+        ssh_hosts, tmp_path, hyper_home, hyper, monkeypatch):
+    """`hyper run --controller` of an aws recipe on the AWS stand-in (moto_server on the
+    test hosts' bridge; instances booted onto SSH test hosts): the cluster comes up here,
+    the controller instance is launched (on-demand) and given the workflow, and the run is
+    SIGKILLed right after; the controller, whose only credentials are its role's (an IMDSv2
+    stand-in on its host), drives every task to one success, each started once; `hyper down
+    --controller` then leaves nothing of it."""
+    import signal
+    import subprocess
+
+    from cloudhosts import Booter, tagged_left
+    from conftest import ROOT, hyper_cmd, wait_for
+    from imds import IMDS
+    from s3server import CREDENTIALS, S3Server
+    from test_controller import COMMAND, PACKAGES, open_gate
+
+    from hypercli.controller.cloud import name_of
+    hosts = ssh_hosts.start(4, share=(ROOT, PACKAGES, tmp_path))
+    server = S3Server(host="10.213.0.1").start()  # EC2, IAM and STS, reached by the hosts
+    imds = IMDS("hyper-ctl", {"AccessKeyId": "ASIACONTROLLER", "SecretAccessKey": "ctl",
+                              "SessionToken": "ctl-session",
+                              "Expiration": "2099-01-01T00:00:00Z"},
+                host="10.213.0.1").__enter__()
+    for k, v in CREDENTIALS.items():
+        monkeypatch.setenv(k, v)
+    seam = tmp_path / "addresses.json"
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("HYPER_AWS_ENDPOINT_URL", server.endpoint)
+    monkeypatch.setenv("HYPER_CLOUD_ADDRESSES", str(seam))
+    # the controller's Python: this checkout's packages, the stand-ins' addresses, and no
+    # credentials but its role's, from the metadata service (as on an instance)
+    wrapper = (f"#!/bin/sh\nexport PYTHONPATH=\"$PYTHONPATH:{PACKAGES}\"\n"
+               f"export HYPER_AWS_ENDPOINT_URL={server.endpoint}\n"
+               f"export HYPER_CLOUD_ADDRESSES={seam}\n"
+               f"export AWS_EC2_METADATA_SERVICE_ENDPOINT={imds.endpoint}\n"
+               "export AWS_METADATA_SERVICE_TIMEOUT=5 AWS_METADATA_SERVICE_NUM_ATTEMPTS=3\n"
+               "exec /usr/bin/python3 \"$@\"\n")
+    for h in hosts:
+        h.run(
+            f"cat > /root/py3 <<'EOF'\n{wrapper}EOF\nchmod +x /root/py3", check=True)
+    ec2 = boto3.client("ec2", region_name=REGION, endpoint_url=server.endpoint)
+    iam = boto3.client("iam", region_name=REGION, endpoint_url=server.endpoint)
+    booter = Booter(ec2, hosts, seam)
+    booter.start()
+    image = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+    import yaml
+    path = tmp_path / "far.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": "far", "workdir": "none",
+        "cluster": {"provider": "aws", "region": REGION, "zone": [f"{REGION}a"],
+                    "instance_type": "m5.large", "workers": 2, "image": image,
+                    "ssh_cidr": "10.213.0.0/24", "controller": True,
+                    "controller_idle_minutes": 5, "controller_python": "/root/py3"},
+        "experiments": {"work": {"parameters": {"i": list(range(6))}, "retries": 2,
+                                 "command": COMMAND % 0}}}, sort_keys=False))
+    name = name_of("aws")
+    try:
+        p = subprocess.Popen([*hyper_cmd(), "run", str(path), "--controller"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            line = wait_for(lambda: (lambda s: s if "driven by the controller" in s else None)(
+                p.stdout.readline()), timeout=400, what="the handover", proc=p)
+        finally:
+            p.send_signal(signal.SIGKILL)
+            p.communicate()
+        wid = line.split()[0]
+        workers = [h for iid, h in booter.booted.items() if h is not None and any(
+            t["Key"] == "hyper:cluster" and t["Value"] == "far" for t in instance(
+                ec2, iid).get("Tags", []))]
+        assert len(workers) == 2
+        open_gate(workers)
+        r = hyper("attach", wid, timeout=600)
+        assert r.returncode == 0, r.stdout + r.stderr
+        r = hyper("ps", wid, "--json", timeout=120)
+        rows = json.loads(r.stdout)
+        assert [row["status"] for row in rows] == ["succeeded"] * 6
+        assert [row["attempts"] for row in rows] == [1] * 6
+        starts = sorted(x for h in workers for x in h.run("cat /root/starts").stdout.split())
+        assert starts == [str(i) for i in range(6)]  # each task started once
+        from hypercli.state import State
+        [ctl_node] = State().nodes(name, status="up")
+        assert "InstanceLifecycle" not in instance(ec2, ctl_node["provider_id"])
+        r = hyper("down", "--controller", name, timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert tagged_left(ec2, name) == []
+        assert not [x for x in iam.list_roles()["Roles"] if x["Path"] == f"/hyper/{name}/"]
+        assert not [x for x in iam.list_instance_profiles()["InstanceProfiles"]
+                    if x["Path"] == f"/hyper/{name}/"]
+        r = hyper("down", "far", "--yes", timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert tagged_left(ec2, "far") == []
+        assert not booter.errors, booter.errors
+    finally:
+        booter.stopping.set()
+        booter.join(10)
+        imds.__exit__(None, None, None)
+        server.stop()

@@ -37,16 +37,22 @@ REL_HOME = ".hyper/controller"  #: the controller's HYPER_HOME, under its user's
 NEEDS = ("paramiko", "yaml")  #: third-party modules the driver needs on the controller
 
 
-def spec_of(cluster) -> dict | None:
+def spec_of(cluster, asked: bool = False) -> dict | None:
     """A controller named by a recipe's ``cluster:`` (``ClusterSpec``): ``{"name":
-    "user@host:port", "host", "port", "user", "identity_file", "python"}``, or None.
+    "user@host:port", "host", "port", "user", "identity_file", "python"}``; for a cloud
+    cluster with ``controller: true`` (or ``asked``: ``hyper run --controller``),
+    ``{"pending": the ClusterSpec}``, the controller instance to be found or launched
+    (:func:`hypercli.controller.cloud.ensure`); else None.
 
     Raises:
-        UsageError: a controller for a cluster whose provider is not ssh; no
-            ``identity_file`` (the controller needs the cluster's key).
+        UsageError: a controller for a cluster whose provider is neither ssh nor a cloud
+            with controllers; no ``identity_file`` (the controller needs the cluster's key).
     """
+    from hypercli.controller.cloud import CLOUDS
     from hypercli.ssh.conn import Target
     o = cluster.options
+    if cluster.provider in CLOUDS and (o.get("controller") or asked):
+        return {"pending": cluster}
     if not o.get("controller"):
         return None
     if cluster.provider != "ssh":
@@ -220,6 +226,9 @@ def handover(state: S.State, wid: str, spec: dict, *, trust_new: bool = False,
             "known_hosts": known.read_text() if known.exists() else "",
             "key": Path(spec["identity_file"]).read_text(),
             "workdir": _workdir_tar(wf["workdir"])}
+    if (export.get("cluster") or {}).get("provider") not in (None, "ssh", "local"):
+        from hypercli.controller.cloud import handover_data
+        data.update(handover_data(state, wf["cluster"]))  # the cloud cluster's own key
     ctl = connect(spec, trust_new)
     try:
         ctl.install()

@@ -143,6 +143,28 @@ def ensure(state: S.State, cloud: str, options: dict, grants=(), *,
     return ctl
 
 
+def handover_data(state: S.State, cluster: str) -> dict:
+    """What a controller needs of a cloud cluster beyond a workflow's records
+    (:func:`hypercli.controller.client.handover`): ``{"key": its private key, "keys":
+    {path under keys/<cluster>/: text} (its key, its nodes' host keys, its places), "owner":
+    the owner tag its resources carry, "iam_role": its instance profile or None}``."""
+    from hypercli.providers.cloud import owner
+    from hypercli.providers.cloud_provider import keys_dir
+    top = keys_dir(cluster)
+    keys = {str(p.relative_to(top)): p.read_text() for p in sorted(top.rglob("*"))
+            if p.is_file() and not p.is_symlink() and not p.name.startswith(".")}
+    row = state.cluster(cluster) or {}
+    spec = row.get("spec") or {}
+    profile = (spec.get("options") or {}).get("iam_role")
+    if not profile and row.get("provider") == "aws" and any(
+            g.get("scheme") == "s3" for g in spec.get("given") or spec.get("grants") or []):
+        from hypercli.providers.aws import role_name
+        from hypercli.providers.cloud import CloudSpec
+        profile = role_name(CloudSpec(cluster=cluster, cluster_id=state.cluster_uid(cluster)))
+    return {"key": keys.get("id_ed25519", ""), "keys": keys, "owner": owner(),
+            "iam_role": profile}
+
+
 def remove(state: S.State, ctl: dict) -> list[str]:
     """Remove a cloud controller's instance and everything tagged for it (as ``hyper down``
     of its cluster: instance, role, instance profile, security group, key pair). Returns a

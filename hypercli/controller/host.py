@@ -115,9 +115,12 @@ def submit(data: dict) -> dict:
     wid, name = wf["id"], cluster["name"]
     home = S.home()
     key = S.folder("keys") / name
-    fd = os.open(key, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(data["key"])
+    if data.get("keys") is not None:  # a cloud cluster: its folder of keys, as made there
+        key = _cloud_cluster(data, export)
+    else:
+        fd = os.open(key, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(data["key"])
     kh = home / "known_hosts"
     kh.mkdir(exist_ok=True, mode=0o700)
     (kh / name).write_text(data["known_hosts"])
@@ -159,6 +162,41 @@ def submit(data: dict) -> dict:
     finally:
         state.close()
     return {"workflow": wid, "pid": ensure_service()}
+
+
+def _cloud_cluster(data: dict, export: dict) -> Path:
+    """Put a cloud cluster's key folder here (``keys/<cluster>/``: its key, the host keys of
+    its nodes, the places it was launched in: :mod:`hypercli.providers.cloud_provider`), set
+    its options so that a launch from here uses the cluster's instance profile as it is
+    (``iam_role``: the controller makes no role), and keep the user's owner tag for what it
+    launches (``owner``, :func:`_owner`). Returns the key's path."""
+    name = export["cluster"]["name"]
+    top = S.folder("keys") / name
+    for rel, text in data["keys"].items():
+        path = (top / rel).resolve()
+        if top.resolve() not in path.parents:
+            raise HyperError(f"a key file outside keys/{name}: {rel!r}")
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+    spec = json.loads(export["cluster"]["spec"] or "{}")
+    options = spec.setdefault("options", {})
+    if data.get("iam_role"):
+        options["iam_role"] = data["iam_role"]
+    export["cluster"]["spec"] = json.dumps(spec)
+    if data.get("owner"):
+        (S.home() / "owner").write_text(data["owner"])
+        os.environ["HYPER_OWNER"] = data["owner"]
+    return top / "id_ed25519"
+
+
+def _owner() -> None:
+    """``HYPER_OWNER`` from the owner tag a handover left (:func:`_cloud_cluster`)."""
+    try:
+        os.environ["HYPER_OWNER"] = (S.home() / "owner").read_text().strip()
+    except OSError:
+        pass
 
 
 # -- answers to the user's machine ----------------------------------------------------------
@@ -424,6 +462,7 @@ def serve() -> int:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda signum, frame: stopping.append(signum))
     log.info("started for %s", S.home())
+    _owner()
     state = S.State()
     drives: dict[str, _Drive] = {}
     idle = renewed = time.monotonic()
