@@ -213,9 +213,11 @@ def test_a_cloud_controller_drives_the_workflow_after_the_run_is_killed_and_leav
     """`hyper run --controller` of an aws recipe on the AWS stand-in (moto_server on the
     test hosts' bridge; instances booted onto SSH test hosts): the cluster comes up here,
     the controller instance is launched (on-demand) and given the workflow, and the run is
-    SIGKILLed right after; the controller, whose only credentials are its role's (an IMDSv2
-    stand-in on its host), drives every task to one success, each started once; `hyper down
-    --controller` then leaves nothing of it."""
+    SIGKILLed right after; then one of the two spot nodes is taken by the cloud mid-task.
+    The controller, whose only credentials are its role's (an IMDSv2 stand-in on its host),
+    asks EC2, launches a replacement tagged for this user, goes on backing up on the node
+    left (the one the cloud took is pruned from the replicas) and drives every task to one
+    success; `hyper down --controller` then leaves nothing of it."""
     import signal
     import subprocess
 
@@ -279,16 +281,40 @@ def test_a_cloud_controller_drives_the_workflow_after_the_run_is_killed_and_leav
             t["Key"] == "hyper:cluster" and t["Value"] == "far" for t in instance(
                 ec2, iid).get("Tags", []))]
         assert len(workers) == 2
-        open_gate(workers)
+        ctl_host = next(h for iid, h in booter.booted.items() if h is not None and
+                        any(t["Value"] == name for t in instance(ec2, iid)["Tags"]))
+        # a spot node taken by the cloud mid-run, the laptop away: the controller asks EC2
+        # (its role's credentials) and launches a replacement tagged for this user
+        victim = wait_for(lambda: next((r["nodes"][0] for r in json.loads(hyper(
+            "ps", wid, "--json", timeout=120).stdout) if r["status"] == "running"), None),
+            timeout=300, interval=0.5, what="a task running")
+        from hypercli.state import State
+        node = next(n for n in State().nodes("far") if n["name"] == victim)
+        ec2.terminate_instances(InstanceIds=[node["provider_id"]])
+        booter.booted[node["provider_id"]].kill()
+        open_gate(h for h in hosts if h is not booter.booted[node["provider_id"]])
         r = hyper("attach", wid, timeout=600)
+        if r.returncode != 0:
+            print("CONTROLLER LOG", ctl_host.run(
+                "cat /root/.hyper/controller/controller.log").stdout[-5000:])
         assert r.returncode == 0, r.stdout + r.stderr
         r = hyper("ps", wid, "--json", timeout=120)
         rows = json.loads(r.stdout)
         assert [row["status"] for row in rows] == ["succeeded"] * 6
-        assert [row["attempts"] for row in rows] == [1] * 6
-        starts = sorted(x for h in workers for x in h.run("cat /root/starts").stdout.split())
-        assert starts == [str(i) for i in range(6)]  # each task started once
-        from hypercli.state import State
+        from test_controller import attempts_there
+        there = attempts_there(ctl_host, wid)  # the controller's own records
+        for i in range(6):
+            mine = [a["status"] for a in there if a["task"] == f"work-{i:04d}"]
+            assert mine.count("succeeded") == 1, mine
+        assert any(a["status"] == "lost" for a in there)
+        new = [i for r in ec2.describe_instances(Filters=[
+            {"Name": "tag:hyper:cluster", "Values": ["far"]}])["Reservations"]
+            for i in r["Instances"] if i["InstanceId"] != node["provider_id"]
+            and i["State"]["Name"] == "running"]
+        assert len(new) == 2  # the replacement, launched by the controller
+        assert all({t["Key"]: t["Value"] for t in i["Tags"]}["hyper:owner"] == owner()
+                   for i in new)
+        assert ctl_host.ip in {r[3] for r in imds.requests}  # its role's credentials
         [ctl_node] = State().nodes(name, status="up")
         assert "InstanceLifecycle" not in instance(ec2, ctl_node["provider_id"])
         r = hyper("down", "--controller", name, timeout=300)

@@ -308,12 +308,20 @@ class Replicas:
         holder: this driver's lease holder id.
         ttl: s the lease lasts unless renewed; None: until handed over.
         seq: the sequence number of the newest backup so far (writes count on from it).
+
+    A replica whose instance the cloud says is gone (the provider's ``probe``: ``gone`` or
+    ``preempted``) is taken out of the set when too few answer (:meth:`_prune`), and the
+    majority is counted over the rest: it can neither answer nor hold a lease again, and
+    every party that prunes drops only such replicas, so any two majorities still share a
+    replica that answers. Without that, a cluster of two nodes that lost one could never
+    back up again, nor be taken over. Replicas of an ssh cluster are never pruned.
     """
 
     replica_class = _Replica  #: one replica's channel (a test serves the script locally)
 
     def __init__(self, provider, nodes: list[dict], workflow: dict, holder: str, *,
                  ttl: float | None = LEASE_TTL, seq: int = 0):
+        self.provider = provider
         self.replicas = [self.replica_class(provider, n) for n in nodes]
         self.workflow, self.holder, self.ttl, self.seq = workflow["id"], holder, ttl, seq
         self.key = (workflow.get("spec") or {}).get(KEY_FIELD)
@@ -338,6 +346,16 @@ class Replicas:
 
     def write(self, blob: str | Callable[[], str] | None = None,
               handoff: str | None = None) -> None:
+        """:meth:`_write`, again once after replicas the cloud says are gone were pruned."""
+        try:
+            self._write(blob, handoff)
+        except NoQuorum:
+            if not self._prune():
+                raise
+            self._write(self.blob if blob is not None else None, handoff)
+
+    def _write(self, blob: str | Callable[[], str] | None = None,
+               handoff: str | None = None) -> None:
         """Write ``blob`` (a function: called under this object's lock, so that backups
         are made and written in one order; None: renew the lease, the blob kept as it is)
         with this holder's lease, and return once a majority took it.
@@ -360,6 +378,29 @@ class Replicas:
                                  mac(self.key, self.name, "blob", self.seq, blob)})
         self._check(answers)
 
+    def _prune(self) -> bool:
+        """Take out of the set the replicas that did not answer last and whose instance the
+        cloud says is gone (class docstring); True when one was."""
+        probe = getattr(self.provider, "probe", None)
+        if probe is None:
+            return False
+        gone = []
+        for r in self.replicas:
+            if r.ch is None and r.failed_at:
+                try:
+                    if probe(r.node) in ("gone", "preempted"):
+                        gone.append(r)
+                except HyperError:
+                    pass
+        if not gone or len(gone) == len(self.replicas):
+            return False
+        with self.lock:
+            self.replicas = [r for r in self.replicas if r not in gone]
+            self.quorum = len(self.replicas) // 2 + 1
+        for r in gone:
+            r.close()
+        return True
+
     def _check(self, answers: list) -> None:
         """Return when a majority took the write; a refusal by fewer than a majority (a
         lease a task planted on its node, or one a minority kept) is then no lost lease
@@ -377,6 +418,14 @@ class Replicas:
     def intend(self, rows: list[tuple]) -> None:
         """Write attempts about to be launched (``State.start_attempts`` rows) with this
         holder's lease, and return once a majority took them. Raises as :meth:`write`."""
+        try:
+            self._intend(rows)
+        except NoQuorum:
+            if not self._prune():
+                raise
+            self._intend(rows)
+
+    def _intend(self, rows: list[tuple]) -> None:
         with self.lock:
             self.seq += 1
             rows = [list(r) for r in rows]
@@ -398,6 +447,8 @@ class Replicas:
         answers = self._all({"op": "read", "workflow": self.name})
         got = [{**a, "node": r.node["name"]} for r, a in zip(self.replicas, answers)
                if isinstance(a, dict) and "found" in a]
+        if len(got) < self.quorum and self._prune():
+            return self.read()
         if len(got) < self.quorum:
             errors = "; ".join(str(a) for a in answers if not isinstance(a, dict))
             raise NoQuorum(f"the backups of {self.workflow}: {len(got)} of "
