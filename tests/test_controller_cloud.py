@@ -293,7 +293,13 @@ def test_a_cloud_controller_drives_the_workflow_after_the_run_is_killed_and_leav
         ec2.terminate_instances(InstanceIds=[node["provider_id"]])
         booter.booted[node["provider_id"]].kill()
         open_gate(h for h in hosts if h is not booter.booted[node["provider_id"]])
-        r = hyper("attach", wid, timeout=600)
+        from test_controller import attempts_there, on_controller
+
+        def ended() -> bool:  # seen inside the controller's host: nothing of hyper runs here
+            return on_controller(ctl_host, "from hypercli.state import State; print(State()."
+                                 f"workflow({wid!r})['status'])").strip() == "succeeded"
+        wait_for(ended, timeout=600, interval=1, what="the workflow done by the controller")
+        r = hyper("attach", wid, timeout=600)  # ended there: its records come here
         if r.returncode != 0:
             print("CONTROLLER LOG", ctl_host.run(
                 "cat /root/.hyper/controller/controller.log").stdout[-5000:])
@@ -301,7 +307,6 @@ def test_a_cloud_controller_drives_the_workflow_after_the_run_is_killed_and_leav
         r = hyper("ps", wid, "--json", timeout=120)
         rows = json.loads(r.stdout)
         assert [row["status"] for row in rows] == ["succeeded"] * 6
-        from test_controller import attempts_there
         there = attempts_there(ctl_host, wid)  # the controller's own records
         for i in range(6):
             mine = [a["status"] for a in there if a["task"] == f"work-{i:04d}"]

@@ -447,7 +447,12 @@ def _follow_controller(state, wid: str, con, detach: bool) -> int:
     """Say who drives ``wid``; unless ``detach``, follow its progress there until it ends
     (Ctrl-C stops watching only). Returns the exit code."""
     from hypercli.controller.client import follow, link_of
-    name = link_of(state.workflow(wid))["name"]
+    link = link_of(state.workflow(wid))
+    if link is None:  # it ended there and its records were copied here on the way
+        status = state.workflow(wid)["status"]
+        con.print(f"workflow {wid}: {status}")
+        return 0 if status == "succeeded" else 1
+    name = link["name"]
     con.print(f"{wid} is driven by the controller {name}; `hyper attach {wid}` follows it, "
               f"`hyper cancel {wid}` stops it")
     if detach:
