@@ -307,6 +307,9 @@ def test_a_cloud_controller_drives_the_workflow_after_the_run_is_killed_and_leav
         r = hyper("ps", wid, "--json", timeout=120)
         rows = json.loads(r.stdout)
         assert [row["status"] for row in rows] == ["succeeded"] * 6
+        assert on_controller(ctl_host, "from hypercli.state import State; print(State()."
+                             f"workflow({wid!r})['spec']['lease'].get('collected'))").strip() \
+            == "True"  # copied here: the controller may now remove itself when idle
         there = attempts_there(ctl_host, wid)  # the controller's own records
         for i in range(6):
             mine = [a["status"] for a in there if a["task"] == f"work-{i:04d}"]

@@ -249,3 +249,27 @@ def test_a_backup_planted_by_a_task_on_one_node_neither_blocks_nor_is_taken(tmp_
         ctl.close()
         if here is not None:
             here.close()
+
+
+def test_a_cloud_controller_is_not_idle_while_ended_records_wait_to_be_copied(
+        tmp_path, write_recipe, monkeypatch):
+    """Its instance removes itself when idle, which would take the only whole copy of a
+    workflow that ended while the user's machine was away: until that machine has copied
+    the records (`collected`, asked by its refresh), the controller counts as in use."""
+    from hypercli.controller import host
+    from hypercli.controller.__main__ import main
+    from hypercli.plan import build_plan
+    from hypercli.recipe import load_recipe
+    from hypercli.state import State
+    monkeypatch.setenv("HYPER_HOME", str(tmp_path / "node" / "controller"))
+    recipe = load_recipe(str(write_recipe("name: far\nexperiments:\n  a:\n    command: 'true'\n")))
+    state = State()
+    wid = state.create_workflow(build_plan(recipe), cluster="far", recipe_path=None,
+                                storage="file:///s", workdir="",
+                                spec={"lease": {"holder": "controller x", "replicas": []}})
+    assert not host._uncollected(state)  # running: driven, not waiting
+    state.set_workflow(wid, status="succeeded")
+    assert host._uncollected(state)
+    assert main(["collected", wid]) == 0
+    assert not host._uncollected(state)
+    assert state.workflow(wid)["spec"]["lease"]["collected"] is True

@@ -304,6 +304,11 @@ def refresh(state: S.State, wid: str, ctl: Controller | None = None) -> dict | N
             spec["controller"] = {**link, "done": True}
         state.import_workflow(_as_planned(state, wid, out["export"]), nodes=False,
                               driver_pid=None, detached=0, spec=json.dumps(spec))
+        if ended:  # a cloud controller may now remove itself when idle
+            try:
+                ctl.request("collected", wid)
+            except HyperError:
+                pass
     finally:
         if own:
             ctl.close()

@@ -13,8 +13,9 @@ pair, firewall, pinned host key, boot document, cost ledger), with these differe
   clusters, read the recipes' storage), never the user's credentials, which stay here;
 * its node watcher's idle limit is ``controller_idle_minutes`` (default
   :data:`IDLE_MINUTES`): the controller's service marks the node as used while it drives a
-  workflow (:func:`hypercli.controller.host.serve`), so the instance removes itself once it
-  has driven nothing for that long.
+  workflow, and while a workflow that ended there has not been copied to the user's machine
+  yet (:func:`hypercli.controller.host.serve`), so the instance removes itself once it has
+  had nothing to drive or keep for that long.
 
 It is recorded twice here: as a cluster (its nodes, ledger and tagged resources, so that
 ``hyper down --controller`` removes it as ``hyper down`` removes a cluster: the instance, the

@@ -442,6 +442,26 @@ def _used() -> None:
         pass
 
 
+def _uncollected(state: S.State) -> bool:
+    """Whether a workflow driven here has ended and the user's machine has not copied its
+    records yet (:func:`collected`): a cloud controller is then not idle, since its instance
+    removing itself would take the only whole copy of those records with it."""
+    return any(w["status"] not in ("running", "cancelling") and lease_of(w)
+               and not lease_of(w).get("collected") and not lease_of(w).get("lost")
+               for w in state.workflows(limit=1000))
+
+
+def collected(wid: str) -> dict:
+    """Record that the user's machine has copied the records of ended workflow ``wid``
+    (:func:`hypercli.controller.client.refresh`). Returns ``{"workflow"}``."""
+    state = S.State()
+    try:
+        _set_spec(state, state.workflow(wid)["id"], collected=True)
+        return {"workflow": wid}
+    finally:
+        state.close()
+
+
 def _to_drive(state: S.State) -> list[str]:
     return [w["id"] for w in state.workflows(limit=1000)
             if w["status"] in ("running", "cancelling") and lease_of(w)
@@ -468,6 +488,7 @@ def serve() -> int:
     state = S.State()
     drives: dict[str, _Drive] = {}
     idle = renewed = time.monotonic()
+    on_node = (S.home().parent / "contact").exists()  # a cloud controller (_used)
     try:
         while not stopping:
             for wid in _to_drive(state):
@@ -480,7 +501,7 @@ def serve() -> int:
                     if d.is_alive():
                         d.renew()
             drives = {w: d for w, d in drives.items() if d.is_alive()}
-            if drives:
+            if drives or (on_node and _uncollected(state)):
                 idle = time.monotonic()
                 _used()
             elif time.monotonic() - idle > IDLE_EXIT:
