@@ -24,8 +24,13 @@ def test_controller_keys_belong_to_ssh_clusters():
     r = parse_recipe(_recipe("{provider: ssh, hosts: [h1], identity_file: /k, "
                              "controller: 'root@10.0.0.4:2222', controller_python: /py}"))
     assert r.cluster.options["controller"] == "root@10.0.0.4:2222"
-    with pytest.raises(RecipeError, match="applies to provider ssh"):
+    with pytest.raises(RecipeError, match="applies to providers ssh, aws, not local"):
         parse_recipe(_recipe("{provider: local, controller: root@h}"))
+    r = parse_recipe(_recipe("{provider: aws, controller: true, controller_idle_minutes: 5}"))
+    assert (r.cluster.options["controller"], r.cluster.options["controller_idle_minutes"]) \
+        == (True, 5)
+    with pytest.raises(RecipeError, match="applies to provider aws"):
+        parse_recipe(_recipe("{provider: ssh, hosts: [h1], controller_idle_minutes: 5}"))
     with pytest.raises(RecipeError, match="not of the form user@host:port"):
         parse_recipe(_recipe("{provider: ssh, hosts: [h1], controller: 'a b'}"))
 
@@ -170,3 +175,101 @@ def test_intents_newer_than_the_blob_become_launching_attempts(tmp_path):
         "far-1.a-0001.1", "launching", "n1", {"cpus": 1})
     assert [(t["status"], t["attempts"]) for t in out["tasks"]] == [("pending", 0),
                                                                      ("running", 1)]
+
+
+class _LocalChannel:
+    """A replica's server run here, as a node runs it, behind a channel's calls."""
+
+    def __init__(self, folder):
+        self.p = subprocess.Popen([sys.executable, "-I", "-S", "-c", NODE_SCRIPT, str(folder)],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+
+    def sendall(self, data: bytes) -> None:
+        self.p.stdin.write(data)
+        self.p.stdin.flush()
+
+    def close(self) -> None:
+        self.p.stdin.close()
+        self.p.wait(timeout=10)
+
+
+def _local_replicas(tmp_path, holder: str, key: str | None, ttl=30.0):
+    from hypercli.controller.backup import Replicas, _Replica
+
+    class Local(_Replica):
+        def _open(self):
+            self.ch = _LocalChannel(tmp_path / self.node["name"])
+            self.f = self.ch.p.stdout
+
+    class LocalReplicas(Replicas):
+        replica_class = Local
+    nodes = [{"name": f"n{i}", "cluster": "far"} for i in range(3)]
+    wf = {"id": "far-1", "spec": {"token": "t0", "backup_key": key}}
+    return LocalReplicas(None, nodes, wf, holder, ttl=ttl)
+
+
+def test_a_backup_planted_by_a_task_on_one_node_neither_blocks_nor_is_taken(tmp_path):
+    """A task running as root on a node writes that node's replica files: a lease that never
+    expires, a blob with a higher number whose records say every task succeeded, and an
+    intent. The controller's writes still count (a majority took them), a takeover is not
+    held up by that lease, and what it reads is the controller's blob, the forged records
+    dropped for their HMAC."""
+    from hypercli.controller.backup import new_key
+    key = new_key()
+    mine = {"workflow": {"id": "far-1", "spec": json.dumps({"backup_key": key})},
+            "tasks": [{"id": "a-0000", "status": "running"}], "attempts": []}
+    ctl = _local_replicas(tmp_path, "controller A", key)
+    here = None
+    try:
+        ctl.write(pack(mine))
+        assert key not in unpack(ctl.blob)["workflow"]["spec"]  # never onto a node
+        forged = pack({**mine, "tasks": [{"id": "a-0000", "status": "succeeded"}]})
+        node = tmp_path / "n0"  # the node's own files, written by the task
+        (node / "far-1.t0.json").write_text(json.dumps(
+            {"holder": "task", "ttl": None, "renewed_at": time.time(), "seq": 99,
+             "mac": "0" * 64}))
+        (node / "far-1.t0.blob").write_text(forged)
+        (node / "far-1.t0.intents").write_text(json.dumps(
+            {"seq": 100, "rows": [["far-1.a-0000.9", "far-1", "a-0000", 9, "n0"]],
+             "mac": "0" * 64}) + "\n")
+        ctl.write(pack(mine))  # no LeaseLost: two of three took it
+        ctl.intend([("far-1.a-0000.1", "far-1", "a-0000", 1, "n1")])
+        here = _local_replicas(tmp_path, "here B", key, ttl=None)
+        found = [g for g in here.read() if g["found"]]
+        assert {g["node"]: g["holder"] for g in found} == {
+            "n0": "task", "n1": "controller A", "n2": "controller A"}
+        assert [g["holder"] for g in here.held(found)] == ["controller A"] * 2  # not "task"
+        kept = [g for g in found if g["blob"]]
+        assert {g["node"] for g in kept} == {"n1", "n2"}  # the forged blob failed its HMAC
+        assert unpack(max(kept, key=lambda g: g["seq"])["blob"])["tasks"][0]["status"] == \
+            "running"
+        assert [i["rows"][0][0] for g in found for i in g["intents"]] == \
+            ["far-1.a-0000.1"] * 2  # the planted intent is dropped
+    finally:
+        ctl.close()
+        if here is not None:
+            here.close()
+
+
+def test_a_cloud_controller_is_not_idle_while_ended_records_wait_to_be_copied(
+        tmp_path, write_recipe, monkeypatch):
+    """Its instance removes itself when idle, which would take the only whole copy of a
+    workflow that ended while the user's machine was away: until that machine has copied
+    the records (`collected`, asked by its refresh), the controller counts as in use."""
+    from hypercli.controller import host
+    from hypercli.controller.__main__ import main
+    from hypercli.plan import build_plan
+    from hypercli.recipe import load_recipe
+    from hypercli.state import State
+    monkeypatch.setenv("HYPER_HOME", str(tmp_path / "node" / "controller"))
+    recipe = load_recipe(str(write_recipe("name: far\nexperiments:\n  a:\n    command: 'true'\n")))
+    state = State()
+    wid = state.create_workflow(build_plan(recipe), cluster="far", recipe_path=None,
+                                storage="file:///s", workdir="",
+                                spec={"lease": {"holder": "controller x", "replicas": []}})
+    assert not host._uncollected(state)  # running: driven, not waiting
+    state.set_workflow(wid, status="succeeded")
+    assert host._uncollected(state)
+    assert main(["collected", wid]) == 0
+    assert not host._uncollected(state)
+    assert state.workflow(wid)["spec"]["lease"]["collected"] is True

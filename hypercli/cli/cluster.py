@@ -119,9 +119,10 @@ def _node_facts(info: dict, provider: str) -> str:
 @click.option("-y", "--yes", is_flag=True,
               help="Cancel the cluster's running workflows without asking (with "
                    "--controller: remove it even while it drives a workflow).")
-@click.option("--controller", metavar="USER@HOST",
+@click.option("--controller", metavar="USER@HOST|NAME",
               help="Remove this controller instead: stop it and delete what hypercli made "
-                   "there (its tasks go on; `hyper attach` takes its workflows over).")
+                   "there (its tasks go on; `hyper attach` takes its workflows over); a "
+                   "cloud's controller (NAME as `hyper status` shows it) is removed whole.")
 def down(cluster, yes, controller):
     """Take CLUSTER down: cancel its tasks and remove its nodes.
 
@@ -134,9 +135,9 @@ def down(cluster, yes, controller):
     state = open_state()
     if controller is not None:
         from hypercli.controller.client import down as remove
-        from hypercli.ssh.conn import Target
-        name = str(Target.parse(controller))
-        left = remove(state, name, yes=yes)
+        from hypercli.controller.client import find
+        name = find(state, controller)
+        left = remove(state, name, yes=yes, removed=lambda line: click.echo(f"removed {line}"))
         for wid in left:
             click.echo(f"left {wid} running on its nodes (`hyper attach {wid}` takes it over)")
         click.echo(f"controller {name} removed")
@@ -258,8 +259,11 @@ def _controllers(state) -> None:
         if c["status"] == "down":
             continue
         drives = ", ".join(c["workflows"]) or "nothing"
+        cost = ""
+        if c["cost"] is not None:
+            cost = f"  {c['cloud']} ${c['cost'][0]:.4f} so far, ${c['cost'][1]:.4f}/h"
         click.echo(f"controller {c['controller']}  {c['status']}  "
-                   + (f"drives {drives}" if c["status"] == "up" else c["error"] or ""))
+                   + (f"drives {drives}" if c["status"] == "up" else c["error"] or "") + cost)
 
 
 @click.command()

@@ -240,10 +240,11 @@ def run(recipe, new, on_interrupt, trust_new_hosts, cluster, detach, wait, use_c
     state = open_state()
     con = console()
     err = console(stderr=True)
-    ctl = spec_of(load_with_defaults(recipe, offer=False).cluster)
+    ctl = spec_of(load_with_defaults(recipe, offer=False).cluster, asked=use_controller)
     if use_controller and ctl is None:
         raise UsageError("--controller needs a controller in the recipe's cluster",
-                         "cluster: {provider: ssh, controller: user@host, ...}")
+                         "cluster: {provider: ssh, controller: user@host, ...}, or "
+                         "provider: aws")
     try:
         wid, resumed, provider, nodes, lock = prepare_run(
             state, recipe, new=new, trust_new_hosts=trust_new_hosts, cluster=cluster,
@@ -428,6 +429,13 @@ def _on_controller(state, wid: str, ctl: dict | None, lock, con, trust_new_hosts
     if ctl is None:
         return None
     try:
+        if ctl.get("pending"):  # a cloud's: this user's controller instance, found or made
+            from hypercli.controller.cloud import IDLE_MINUTES, ensure
+            c = ctl["pending"]
+            ctl = ensure(state, c.provider, c.options, c.grants,
+                         idle_minutes=c.options.get("controller_idle_minutes", IDLE_MINUTES),
+                         python=c.options.get("controller_python") or "python3",
+                         log=lambda line: con.print(text(line), soft_wrap=True))
         client.handover(state, wid, ctl, trust_new=trust_new_hosts,
                         log=lambda line: con.print(text(line), soft_wrap=True))
     finally:
@@ -439,7 +447,12 @@ def _follow_controller(state, wid: str, con, detach: bool) -> int:
     """Say who drives ``wid``; unless ``detach``, follow its progress there until it ends
     (Ctrl-C stops watching only). Returns the exit code."""
     from hypercli.controller.client import follow, link_of
-    name = link_of(state.workflow(wid))["name"]
+    link = link_of(state.workflow(wid))
+    if link is None:  # it ended there and its records were copied here on the way
+        status = state.workflow(wid)["status"]
+        con.print(f"workflow {wid}: {status}")
+        return 0 if status == "succeeded" else 1
+    name = link["name"]
     con.print(f"{wid} is driven by the controller {name}; `hyper attach {wid}` follows it, "
               f"`hyper cancel {wid}` stops it")
     if detach:

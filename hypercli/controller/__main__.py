@@ -6,7 +6,7 @@ answered as ``{"error", "hint", "exit_code", "kind"}`` with exit status 3.
     submit        stdin: the handover (host.submit)      serve   the service (host.serve)
     export WID    the workflow's records                 logs WID  tar of its logs and outputs
     cancel REF    cancel a workflow or task              status  the service and its workflows
-    stop          stop the service, tasks left running
+    stop          stop the service, tasks left running   collected WID  its records were copied
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ def main(argv: list[str]) -> int:
             out = host.export(args[0])
         elif op == "cancel":
             out = host.cancel(args[0])
+        elif op == "collected":
+            out = host.collected(args[0])
         elif op == "status":
             out = host.status()
         elif op == "stop":

@@ -24,12 +24,25 @@ Whoever takes the workflow over adds the intents newer than the newest blob as a
 still launching; the agent's launch is idempotent per attempt id, so one the node did get is
 re-attached. Each replica is served by one small Python process on one SSH channel that stays
 open (``python3 -I -S -c``; the node needs nothing but its python3, as for the agent).
+
+Tasks: a task that runs as root on a node (no ``image:``) can write these files. So nothing
+read from a replica is trusted on its own: each blob and intent carries an HMAC-SHA256 (RFC
+2104) under the workflow's backup key (``spec["backup_key"]``, made by the user's machine at
+the handover, held in the two state files and sent over SSH to the controller only: never to
+a node, and left out of every blob), over the record's name, its sequence number and its
+content; a reader drops what fails it (:func:`trusted`). A lease record says nothing a
+forger could gain by: a write counts once a majority of the replicas took it, and a refusal
+by fewer than a majority is not a lost lease (:meth:`Replicas._check`: two majorities share
+a replica, so a real holder's live lease is seen by every writer that could reach a
+majority), and a takeover waits only for a lease that a majority of the replicas holds.
 """
 
 from __future__ import annotations
 
 import base64
 import gzip
+import hashlib
+import hmac
 import json
 import shlex
 import threading
@@ -96,7 +109,8 @@ for line in sys.stdin:
             except OSError:
                 blob = None
             answer({"found": True, "holder": have.get("holder"), "left": left(have, now),
-                    "seq": have.get("seq", 0), "blob": blob, "intents": intents(int_p)})
+                    "seq": have.get("seq", 0), "mac": have.get("mac"), "blob": blob,
+                    "intents": intents(int_p)})
             continue
         if (have is not None and have.get("holder") != q["holder"]
                 and (left(have, now) is None or left(have, now) > 0)
@@ -109,7 +123,8 @@ for line in sys.stdin:
                 continue
             fd = os.open(int_p, os.O_CREAT | os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW, 0o600)
             try:
-                os.write(fd, json.dumps({"seq": q["seq"], "rows": q["rows"]}).encode() + b"\n")
+                os.write(fd, json.dumps({"seq": q["seq"], "rows": q["rows"],
+                                         "mac": q.get("mac")}).encode() + b"\n")
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -119,7 +134,8 @@ for line in sys.stdin:
         if new:
             put(blob_p, q["blob"].encode())
         put(meta_p, json.dumps({"holder": q["holder"], "ttl": q.get("ttl"), "renewed_at": now,
-                                "seq": q.get("seq", 0) if new else (have or {}).get("seq", 0)}
+                                "seq": q.get("seq", 0) if new else (have or {}).get("seq", 0),
+                                "mac": q.get("mac") if new else (have or {}).get("mac")}
                                ).encode())
         if new:  # the intents the blob has are dropped with it
             put(int_p, b"".join(json.dumps(i).encode() + b"\n" for i in intents(int_p)
@@ -138,10 +154,62 @@ class NoQuorum(InfraError):
     """Fewer than a majority of the replicas answered."""
 
 
+KEY_FIELD = "backup_key"  #: the workflow spec's field holding the backup key (hex)
+
+
 def pack(export: dict) -> str:
-    """base64 of the gzipped JSON of a workflow export (:meth:`State.export_workflow`)."""
+    """base64 of the gzipped JSON of a workflow export (:meth:`State.export_workflow`),
+    without the workflow's backup key (a blob lies on nodes)."""
+    wf = export.get("workflow") or {}
+    spec = wf.get("spec")
+    if isinstance(spec, str) and KEY_FIELD in spec:
+        spec = json.loads(spec)
+        spec.pop(KEY_FIELD, None)
+        export = {**export, "workflow": {**wf, "spec": json.dumps(spec)}}
     raw = json.dumps(export, separators=(",", ":"), default=str).encode()
     return base64.b64encode(gzip.compress(raw, 3)).decode()
+
+
+def new_key() -> str:
+    """A new backup key: 32 random bytes, hex."""
+    import secrets
+    return secrets.token_hex(32)
+
+
+def mac(key: str | None, name: str, kind: str, seq: int, content: str) -> str | None:
+    """HMAC-SHA256 (hex) of one record: ``kind`` (``blob`` or ``intent``), the backups'
+    ``name`` (workflow and token), ``seq`` and ``content`` (the blob's text, an intent's
+    rows as JSON); None without a key."""
+    if not key:
+        return None
+    msg = json.dumps([name, kind, int(seq), content], separators=(",", ":")).encode()
+    return hmac.new(bytes.fromhex(key), msg, hashlib.sha256).hexdigest()
+
+
+def _rows_text(rows) -> str:
+    return json.dumps(rows, separators=(",", ":"), sort_keys=True, default=str)
+
+
+def trusted(answers: list[dict], key: str | None, name: str) -> list[dict]:
+    """``answers`` of :meth:`Replicas.read` with every blob and intent whose HMAC does not
+    verify under ``key`` taken out (a blob: ``blob`` None; module docstring). Without a key
+    (a workflow handed over before backups were signed) they are taken as they are."""
+    if not key:
+        return answers
+    out = []
+    for a in answers:
+        a = dict(a)
+        blob = a.get("blob")
+        want = mac(key, name, "blob", a.get("seq", 0), blob) if isinstance(blob, str) else None
+        if not (want and isinstance(a.get("mac"), str)
+                and hmac.compare_digest(want, a["mac"])):
+            a["blob"] = None
+        a["intents"] = [i for i in a.get("intents") or [] if isinstance(i, dict)
+                        and isinstance(i.get("mac"), str) and isinstance(i.get("seq"), int)
+                        and hmac.compare_digest(mac(key, name, "intent", i["seq"],
+                                                    _rows_text(i.get("rows"))), i["mac"])]
+        out.append(a)
+    return out
 
 
 def with_intents(export: dict, seq: int, answers: list[dict]) -> dict:
@@ -228,7 +296,9 @@ class _Replica:
 
 
 class Replicas:
-    """The backups of one workflow on its replica set (module docstring).
+    """The backups of one workflow on its replica set (module docstring). Its blobs and
+    intents are signed with the workflow's backup key (``spec["backup_key"]``) when it has
+    one.
 
     Args:
         provider: the cluster's SSH provider (its pinned, cached connections).
@@ -238,12 +308,23 @@ class Replicas:
         holder: this driver's lease holder id.
         ttl: s the lease lasts unless renewed; None: until handed over.
         seq: the sequence number of the newest backup so far (writes count on from it).
+
+    A replica whose instance the cloud says is gone (the provider's ``probe``: ``gone`` or
+    ``preempted``) is taken out of the set when too few answer (:meth:`_prune`), and the
+    majority is counted over the rest: it can neither answer nor hold a lease again, and
+    every party that prunes drops only such replicas, so any two majorities still share a
+    replica that answers. Without that, a cluster of two nodes that lost one could never
+    back up again, nor be taken over. Replicas of an ssh cluster are never pruned.
     """
+
+    replica_class = _Replica  #: one replica's channel (a test serves the script locally)
 
     def __init__(self, provider, nodes: list[dict], workflow: dict, holder: str, *,
                  ttl: float | None = LEASE_TTL, seq: int = 0):
-        self.replicas = [_Replica(provider, n) for n in nodes]
+        self.provider = provider
+        self.replicas = [self.replica_class(provider, n) for n in nodes]
         self.workflow, self.holder, self.ttl, self.seq = workflow["id"], holder, ttl, seq
+        self.key = (workflow.get("spec") or {}).get(KEY_FIELD)
         token = (workflow.get("spec") or {}).get("token")
         self.name = f"{workflow['id']}.{token}" if token else workflow["id"]
         self.quorum = len(nodes) // 2 + 1
@@ -265,6 +346,16 @@ class Replicas:
 
     def write(self, blob: str | Callable[[], str] | None = None,
               handoff: str | None = None) -> None:
+        """:meth:`_write`, again once after replicas the cloud says are gone were pruned."""
+        try:
+            self._write(blob, handoff)
+        except NoQuorum:
+            if not self._prune():
+                raise
+            self._write(self.blob if blob is not None else None, handoff)
+
+    def _write(self, blob: str | Callable[[], str] | None = None,
+               handoff: str | None = None) -> None:
         """Write ``blob`` (a function: called under this object's lock, so that backups
         are made and written in one order; None: renew the lease, the blob kept as it is)
         with this holder's lease, and return once a majority took it.
@@ -282,15 +373,43 @@ class Replicas:
                 self.seq += 1  # the blob's number; a renewal keeps it
             answers = self._all({"op": "write", "workflow": self.name,
                                  "holder": self.holder, "ttl": self.ttl, "seq": self.seq,
-                                 "blob": blob, "handoff": handoff})
+                                 "blob": blob, "handoff": handoff,
+                                 "mac": None if blob is None else
+                                 mac(self.key, self.name, "blob", self.seq, blob)})
         self._check(answers)
 
+    def _prune(self) -> bool:
+        """Take out of the set the replicas that did not answer last and whose instance the
+        cloud says is gone (class docstring); True when one was."""
+        probe = getattr(self.provider, "probe", None)
+        if probe is None:
+            return False
+        gone = []
+        for r in self.replicas:
+            if r.ch is None and r.failed_at:
+                try:
+                    if probe(r.node) in ("gone", "preempted"):
+                        gone.append(r)
+                except HyperError:
+                    pass
+        if not gone or len(gone) == len(self.replicas):
+            return False
+        with self.lock:
+            self.replicas = [r for r in self.replicas if r not in gone]
+            self.quorum = len(self.replicas) // 2 + 1
+        for r in gone:
+            r.close()
+        return True
+
     def _check(self, answers: list) -> None:
+        """Return when a majority took the write; a refusal by fewer than a majority (a
+        lease a task planted on its node, or one a minority kept) is then no lost lease
+        (module docstring). Raises LeaseLost (fewer took it and one refused), NoQuorum."""
         refused = [a for a in answers if isinstance(a, dict) and a.get("ok") is False]
-        if refused:
+        ok = sum(isinstance(a, dict) and a.get("ok") is True for a in answers)
+        if refused and ok < self.quorum:
             raise LeaseLost(f"workflow {self.workflow} is driven by {refused[0]['holder']} "
                             "now (its lease is on the backups)")
-        ok = sum(isinstance(a, dict) and a.get("ok") is True for a in answers)
         if ok < self.quorum:
             errors = "; ".join(str(a) for a in answers if not isinstance(a, dict))
             raise NoQuorum(f"backup of {self.workflow} reached {ok} of "
@@ -299,16 +418,28 @@ class Replicas:
     def intend(self, rows: list[tuple]) -> None:
         """Write attempts about to be launched (``State.start_attempts`` rows) with this
         holder's lease, and return once a majority took them. Raises as :meth:`write`."""
+        try:
+            self._intend(rows)
+        except NoQuorum:
+            if not self._prune():
+                raise
+            self._intend(rows)
+
+    def _intend(self, rows: list[tuple]) -> None:
         with self.lock:
             self.seq += 1
+            rows = [list(r) for r in rows]
             answers = self._all({"op": "intent", "workflow": self.name, "holder": self.holder,
-                                 "ttl": self.ttl, "seq": self.seq, "rows": rows})
+                                 "ttl": self.ttl, "seq": self.seq, "rows": rows,
+                                 "mac": mac(self.key, self.name, "intent", self.seq,
+                                            _rows_text(rows))})
         self._check(answers)
 
     def read(self) -> list[dict]:
         """What each replica that answered holds: ``{"node", "found", "holder", "left" (s
         of lease left by that node's clock, None: no expiry), "seq", "blob", "intents":
-        [{"seq", "rows"}]}``.
+        [{"seq", "rows"}]}``, blobs and intents that fail their HMAC left out
+        (:func:`trusted`).
 
         Raises:
             NoQuorum: fewer than a majority answered (a newer backup may be on the others).
@@ -316,13 +447,26 @@ class Replicas:
         answers = self._all({"op": "read", "workflow": self.name})
         got = [{**a, "node": r.node["name"]} for r, a in zip(self.replicas, answers)
                if isinstance(a, dict) and "found" in a]
+        if len(got) < self.quorum and self._prune():
+            return self.read()
         if len(got) < self.quorum:
             errors = "; ".join(str(a) for a in answers if not isinstance(a, dict))
             raise NoQuorum(f"the backups of {self.workflow}: {len(got)} of "
                            f"{len(self.replicas)} nodes answered, {self.quorum} needed"
                            + (f" ({errors})" if errors else ""),
                            "bring the cluster's hosts back, then try again")
-        return got
+        return trusted(got, self.key, self.name)
+
+    def held(self, found: list[dict]) -> list[dict]:
+        """The answers of ``found`` (:meth:`read`) that show a live lease of a holder other
+        than this one which a majority of the replica set holds: a lease held by fewer can
+        be no real holder's (module docstring), so it is not waited for."""
+        live = [g for g in found if g.get("found") and g.get("holder") != self.holder
+                and (g.get("left") is None or g["left"] > 0)]
+        count: dict = {}
+        for g in live:
+            count[g["holder"]] = count.get(g["holder"], 0) + 1
+        return [g for g in live if count[g["holder"]] >= self.quorum]
 
     def close(self) -> None:
         for r in self.replicas:

@@ -37,16 +37,22 @@ REL_HOME = ".hyper/controller"  #: the controller's HYPER_HOME, under its user's
 NEEDS = ("paramiko", "yaml")  #: third-party modules the driver needs on the controller
 
 
-def spec_of(cluster) -> dict | None:
+def spec_of(cluster, asked: bool = False) -> dict | None:
     """A controller named by a recipe's ``cluster:`` (``ClusterSpec``): ``{"name":
-    "user@host:port", "host", "port", "user", "identity_file", "python"}``, or None.
+    "user@host:port", "host", "port", "user", "identity_file", "python"}``; for a cloud
+    cluster with ``controller: true`` (or ``asked``: ``hyper run --controller``),
+    ``{"pending": the ClusterSpec}``, the controller instance to be found or launched
+    (:func:`hypercli.controller.cloud.ensure`); else None.
 
     Raises:
-        UsageError: a controller for a cluster whose provider is not ssh; no
-            ``identity_file`` (the controller needs the cluster's key).
+        UsageError: a controller for a cluster whose provider is neither ssh nor a cloud
+            with controllers; no ``identity_file`` (the controller needs the cluster's key).
     """
+    from hypercli.controller.cloud import CLOUDS
     from hypercli.ssh.conn import Target
     o = cluster.options
+    if cluster.provider in CLOUDS and (o.get("controller") or asked):
+        return {"pending": cluster}
     if not o.get("controller"):
         return None
     if cluster.provider != "ssh":
@@ -97,6 +103,10 @@ class Controller:
     def _lib(self) -> str:
         from hypercli.node.bundle import bundle
         return f"$HOME/.hyper/lib/{bundle()[0]}"
+
+    def installed(self) -> bool:
+        """Whether hypercli's code is there (nothing of a controller runs there before)."""
+        return self.conn.run(f"test -d {self._lib()}", check=False).exit_code == 0
 
     def install(self) -> None:
         """Copy hypercli's code there (the bundle nodes get, when missing) and check that
@@ -198,6 +208,7 @@ def handover(state: S.State, wid: str, spec: dict, *, trust_new: bool = False,
             Python lacks a package.
         Unreachable; LeaseLost (another driver holds the workflow).
     """
+    from hypercli.controller.backup import KEY_FIELD, new_key
     wf = state.workflow(wid)
     wspec = wf.get("spec") or {}
     if wspec.get("secrets") or wspec.get("registry_auth"):
@@ -206,6 +217,8 @@ def handover(state: S.State, wid: str, spec: dict, *, trust_new: bool = False,
                          "run it without a controller (hyper run -d)")
     old = (wspec.get("controller") or {})
     holder = f"controller {spec['name']} {secrets.token_hex(4)}"
+    if not wspec.get(KEY_FIELD):  # signs its backups (hypercli.controller.backup)
+        state.set_workflow(wid, spec=json.dumps({**wspec, KEY_FIELD: new_key()}))
     export = state.export_workflow(wid)
     known = S.home() / "known_hosts" / wf["cluster"]
     data = {"export": export, "holder": holder, "handoff": old.get("taken"),
@@ -213,6 +226,9 @@ def handover(state: S.State, wid: str, spec: dict, *, trust_new: bool = False,
             "known_hosts": known.read_text() if known.exists() else "",
             "key": Path(spec["identity_file"]).read_text(),
             "workdir": _workdir_tar(wf["workdir"])}
+    if (export.get("cluster") or {}).get("provider") not in (None, "ssh", "local"):
+        from hypercli.controller.cloud import handover_data
+        data.update(handover_data(state, wf["cluster"]))  # the cloud cluster's own key
     ctl = connect(spec, trust_new)
     try:
         ctl.install()
@@ -288,6 +304,11 @@ def refresh(state: S.State, wid: str, ctl: Controller | None = None) -> dict | N
             spec["controller"] = {**link, "done": True}
         state.import_workflow(_as_planned(state, wid, out["export"]), nodes=False,
                               driver_pid=None, detached=0, spec=json.dumps(spec))
+        if ended:  # a cloud controller may now remove itself when idle
+            try:
+                ctl.request("collected", wid)
+            except HyperError:
+                pass
     finally:
         if own:
             ctl.close()
@@ -411,8 +432,8 @@ def takeover(state: S.State, wid: str, *, wait: float | None = None,
             alive, only not reachable from here).
     """
     from hypercli.cluster import provider_of
-    from hypercli.controller.backup import (LEASE_TTL, LeaseLost, Replicas, pack, unpack,
-                                            with_intents)
+    from hypercli.controller.backup import (LEASE_TTL, LeaseLost, NoQuorum, Replicas, pack,
+                                            unpack, with_intents)
     wf = state.workflow(wid)
     link = link_of(wf)
     if link is None:
@@ -425,14 +446,13 @@ def takeover(state: S.State, wid: str, *, wait: float | None = None,
     try:
         while True:
             found = [g for g in reps.read() if g["found"]]
-            kept = [g for g in found if g.get("blob")]
+            kept = [g for g in found if g.get("blob")]  # HMACs verified (backup.trusted)
             if not kept:
                 raise InfraError(f"no backup of {wid} is on its nodes",
                                  f"`hyper run {wf['recipe_path'] or wf['name']}` runs it here "
                                  "from its records as copied last")
             newest = max(kept, key=lambda g: g["seq"])
-            live = [g for g in found if g["holder"] != holder and
-                    (g["left"] is None or g["left"] > 0)]
+            live = reps.held(found)  # a lease on fewer than a majority is no holder's
             if live:
                 left = max(float("inf") if g["left"] is None else g["left"] for g in live)
                 if time.monotonic() + left > end:
@@ -452,8 +472,12 @@ def takeover(state: S.State, wid: str, *, wait: float | None = None,
                                               for i in g.get("intents") or []])
             try:
                 reps.write(pack(export))  # the intents in it: none is lost if this dies
-            except LeaseLost:
-                continue  # renewed meanwhile: look again
+            except (LeaseLost, NoQuorum) as e:  # renewed meanwhile, or held where a
+                if time.monotonic() > end:      # replica did not answer: look again
+                    raise InfraError(f"the lease of {wid} could not be taken: {e}",
+                                     "try again once the cluster's nodes answer") from None
+                time.sleep(1.0)
+                continue
             break
     finally:
         reps.close()
@@ -470,16 +494,21 @@ def takeover(state: S.State, wid: str, *, wait: float | None = None,
 # -- status and down -------------------------------------------------------------------------
 def controller_rows(state: S.State) -> list[dict]:
     """What ``hyper status`` shows of each controller known here: ``{"controller", "status"
-    ("up", "not answering", "down"), "pid", "workflows": [ids it drives], "error"}``."""
+    ("up", "not answering", "down"), "pid", "workflows": [ids it drives], "error", "cloud":
+    its cluster's name or None, "cost": (USD so far, USD per hour now) of a cloud's
+    instance (:mod:`hypercli.controller.cloud`), else None}``."""
+    from hypercli.controller.cloud import cost
     rows = []
     for c in state.controllers():
         row = {"controller": c["name"], "status": c["status"], "pid": None, "workflows": [],
-               "error": None}
+               "error": None, "cloud": (c["spec"].get("cloud") or {}).get("cluster"),
+               "cost": cost(state, c["spec"])}
         if c["status"] == "up":
             try:
                 ctl = connect(c["spec"])
                 try:
-                    st = ctl.request("status", timeout=30)
+                    st = ctl.request("status", timeout=30) if ctl.installed() else \
+                        {"pid": None, "workflows": []}
                 finally:
                     ctl.close()
                 row["pid"] = st["pid"]
@@ -492,27 +521,62 @@ def controller_rows(state: S.State) -> list[dict]:
     return rows
 
 
-def down(state: S.State, name: str, *, yes: bool = False) -> list[str]:
+def find(state: S.State, ref: str) -> str:
+    """The name of the controller ``ref`` names: its ``user@host:port`` (``user@host`` as
+    :class:`~hypercli.ssh.conn.Target` reads it), or a cloud controller's cluster name
+    (``ctl-aws-...``, as ``hyper status`` shows it). Raises UsageError: none such."""
+    from hypercli.ssh.conn import Target
+    for c in state.controllers():
+        if c["status"] == "up" and (c["spec"].get("cloud") or {}).get("cluster") == ref:
+            return c["name"]
+    try:
+        return str(Target.parse(ref))
+    except ValueError:
+        raise UsageError(f"no controller {ref!r} is known here",
+                         "`hyper status` lists them") from None
+
+
+def down(state: S.State, name: str, *, yes: bool = False,
+         removed: Callable[[str], None] = lambda s: None) -> list[str]:
     """Stop a controller's service (its tasks stay on their nodes) and remove what hypercli
-    made there (``~/.hyper/controller``); forget it here. Returns the workflows it drove.
+    made there (``~/.hyper/controller``); a cloud's controller (:mod:`hypercli.controller.
+    cloud`) is then removed whole, instance and every resource tagged for it (one line per
+    resource to ``removed``), also when it does not answer. Forget it here. Returns the
+    workflows it drove.
 
     Raises:
         UsageError: no such controller; it drives a workflow and ``yes`` is not given.
-        Unreachable: it does not answer.
+        Unreachable: it does not answer (a named host).
+        CloudError, CredentialsError: a cloud's controller could not be removed.
     """
     spec = _spec(state, name)
-    ctl = connect(spec)
+    driving: list[str] = []
     try:
-        st = ctl.request("status", timeout=30)
-        driving = [w["id"] for w in st["workflows"]
-                   if w["status"] in ("running", "cancelling") and not w["lost"]]
-        if driving and not yes:
-            raise UsageError(f"controller {name} drives {', '.join(driving)}",
-                             "`hyper attach WORKFLOW` first, or --yes to stop it anyway "
-                             "(its tasks go on; `hyper attach` takes them over)")
-        ctl.request("stop", timeout=60)
-        ctl.conn.run(f"rm -rf -- $HOME/{REL_HOME}", timeout=120)
-    finally:
-        ctl.close()
+        ctl = connect(spec)
+    except Unreachable:
+        if not spec.get("cloud"):
+            raise
+        ctl = None  # the instance is removed anyway
+    if ctl is not None:
+        try:
+            if not ctl.installed():  # never handed a workflow: nothing runs there
+                st = {"workflows": []}
+            else:
+                st = ctl.request("status", timeout=30)
+            driving = [w["id"] for w in st["workflows"]
+                       if w["status"] in ("running", "cancelling") and not w["lost"]]
+            if driving and not yes:
+                raise UsageError(f"controller {name} drives {', '.join(driving)}",
+                                 "`hyper attach WORKFLOW` first, or --yes to stop it anyway "
+                                 "(its tasks go on; `hyper attach` takes them over)")
+            if "pid" in st:
+                ctl.request("stop", timeout=60)
+            ctl.conn.run(f"rm -rf -- $HOME/{REL_HOME}", timeout=120)
+        finally:
+            ctl.close()
+    if spec.get("cloud"):
+        from hypercli.controller.cloud import remove
+        for line in remove(state, spec):
+            removed(line)
     state.put_controller(name, spec, status="down")  # kept: its workflows' links name it
     return driving

@@ -115,9 +115,12 @@ def submit(data: dict) -> dict:
     wid, name = wf["id"], cluster["name"]
     home = S.home()
     key = S.folder("keys") / name
-    fd = os.open(key, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(data["key"])
+    if data.get("keys") is not None:  # a cloud cluster: its folder of keys, as made there
+        key = _cloud_cluster(data, export)
+    else:
+        fd = os.open(key, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(data["key"])
     kh = home / "known_hosts"
     kh.mkdir(exist_ok=True, mode=0o700)
     (kh / name).write_text(data["known_hosts"])
@@ -159,6 +162,41 @@ def submit(data: dict) -> dict:
     finally:
         state.close()
     return {"workflow": wid, "pid": ensure_service()}
+
+
+def _cloud_cluster(data: dict, export: dict) -> Path:
+    """Put a cloud cluster's key folder here (``keys/<cluster>/``: its key, the host keys of
+    its nodes, the places it was launched in: :mod:`hypercli.providers.cloud_provider`), set
+    its options so that a launch from here uses the cluster's instance profile as it is
+    (``iam_role``: the controller makes no role), and keep the user's owner tag for what it
+    launches (``owner``, :func:`_owner`). Returns the key's path."""
+    name = export["cluster"]["name"]
+    top = S.folder("keys") / name
+    for rel, text in data["keys"].items():
+        path = (top / rel).resolve()
+        if top.resolve() not in path.parents:
+            raise HyperError(f"a key file outside keys/{name}: {rel!r}")
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+    spec = json.loads(export["cluster"]["spec"] or "{}")
+    options = spec.setdefault("options", {})
+    if data.get("iam_role"):
+        options["iam_role"] = data["iam_role"]
+    export["cluster"]["spec"] = json.dumps(spec)
+    if data.get("owner"):
+        (S.home() / "owner").write_text(data["owner"])
+        os.environ["HYPER_OWNER"] = data["owner"]
+    return top / "id_ed25519"
+
+
+def _owner() -> None:
+    """``HYPER_OWNER`` from the owner tag a handover left (:func:`_cloud_cluster`)."""
+    try:
+        os.environ["HYPER_OWNER"] = (S.home() / "owner").read_text().strip()
+    except OSError:
+        pass
 
 
 # -- answers to the user's machine ----------------------------------------------------------
@@ -392,6 +430,38 @@ class _Drive(threading.Thread):
             plain.close()
 
 
+def _used() -> None:
+    """Mark this host as in use for a cloud node's idle watchdog (:mod:`hypercli.node.watch`
+    reads ``<root>/contact``; the controller's home is ``<root>/controller``), so that a
+    cloud controller removes itself only once it has driven nothing for its idle limit. Only
+    a file that is there already (the node agent's: the controller is a node) is touched:
+    nothing is made on a host the user named."""
+    try:
+        os.utime(S.home().parent / "contact")
+    except OSError:
+        pass
+
+
+def _uncollected(state: S.State) -> bool:
+    """Whether a workflow driven here has ended and the user's machine has not copied its
+    records yet (:func:`collected`): a cloud controller is then not idle, since its instance
+    removing itself would take the only whole copy of those records with it."""
+    return any(w["status"] not in ("running", "cancelling") and lease_of(w)
+               and not lease_of(w).get("collected") and not lease_of(w).get("lost")
+               for w in state.workflows(limit=1000))
+
+
+def collected(wid: str) -> dict:
+    """Record that the user's machine has copied the records of ended workflow ``wid``
+    (:func:`hypercli.controller.client.refresh`). Returns ``{"workflow"}``."""
+    state = S.State()
+    try:
+        _set_spec(state, state.workflow(wid)["id"], collected=True)
+        return {"workflow": wid}
+    finally:
+        state.close()
+
+
 def _to_drive(state: S.State) -> list[str]:
     return [w["id"] for w in state.workflows(limit=1000)
             if w["status"] in ("running", "cancelling") and lease_of(w)
@@ -414,9 +484,11 @@ def serve() -> int:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda signum, frame: stopping.append(signum))
     log.info("started for %s", S.home())
+    _owner()
     state = S.State()
     drives: dict[str, _Drive] = {}
     idle = renewed = time.monotonic()
+    on_node = (S.home().parent / "contact").exists()  # a cloud controller (_used)
     try:
         while not stopping:
             for wid in _to_drive(state):
@@ -429,8 +501,9 @@ def serve() -> int:
                     if d.is_alive():
                         d.renew()
             drives = {w: d for w, d in drives.items() if d.is_alive()}
-            if drives:
+            if drives or (on_node and _uncollected(state)):
                 idle = time.monotonic()
+                _used()
             elif time.monotonic() - idle > IDLE_EXIT:
                 break
             time.sleep(LOOK_EVERY)

@@ -177,6 +177,69 @@ def storage_policy(grants, account: str | None = None) -> dict:
     return {"Version": "2012-10-17", "Statement": statements}
 
 
+CONTROLLER_POLICY = "hyper-controller"  # a controller's role's inline policy
+#: what a controller's instances, disks and interfaces carry, and may be acted on by
+LAUNCHED = ("instance", "volume", "network-interface", "spot-instances-request")
+
+
+def controller_policy(owner_tag: str, account: str, grants=()) -> dict:
+    """The IAM policy document of a controller instance's role: what driving a workflow on
+    EC2 needs and nothing else.
+
+    * ``ec2:Describe*`` (EC2 has no resource-level permissions for its Describe actions);
+    * ``ec2:RunInstances`` creating instances, volumes, network interfaces and spot requests
+      only when the request tags them ``hyper:owner`` = ``owner_tag`` and ``hyper:cluster``
+      (``aws:RequestTag``), from any image and subnet and with security groups and key
+      pairs tagged ``hyper:owner`` = ``owner_tag`` (a cluster's, made by ``hyper up``);
+      ``ec2:CreateTags`` only within that launch (``ec2:CreateAction`` = RunInstances);
+    * ``ec2:TerminateInstances``, ``ec2:DeleteVolume`` and ``ec2:CancelSpotInstanceRequests``
+      only on resources tagged ``hyper:owner`` = ``owner_tag`` and ``hyper:cluster``;
+    * ``iam:PassRole`` of the clusters' roles (path ``/hyper/``, :data:`IAM_PATH`) to EC2
+      alone (``iam:PassedToService``), so that a replacement node gets its cluster's
+      storage role; no other IAM action (a controller never makes or widens a role);
+    * reads (``s3:GetObject``, ``s3:ListBucket`` under the prefixes) of the ``s3`` grants of
+      ``grants`` (:func:`storage_policy` with every grant read-only).
+
+    Args:
+        owner_tag: the ``hyper:owner`` value of the user's clusters
+            (:func:`hypercli.providers.cloud.owner` where they were brought up).
+        account: the account id (the ARN of the clusters' roles).
+
+    Sources: EC2 API Reference, "Actions, resources, and condition keys for Amazon EC2"
+    (RunInstances resource types, ``ec2:CreateAction``); IAM User Guide, "Granting a user
+    permissions to pass a role" (``iam:PassedToService``).
+    """
+    from hypercli.recipe.access import Grant
+    arn = "arn:aws:ec2:*:*:"
+    mine = {"StringEquals": {"ec2:ResourceTag/" + TAG_OWNER: owner_tag},
+            "StringLike": {"ec2:ResourceTag/" + TAG_CLUSTER: "*"}}
+    made = [f"{arn}{kind}/*" for kind in LAUNCHED]
+    st = [
+        {"Sid": "Describe", "Effect": "Allow", "Action": "ec2:Describe*", "Resource": "*"},
+        {"Sid": "LaunchTagged", "Effect": "Allow", "Action": "ec2:RunInstances",
+         "Resource": made, "Condition": {
+             "StringEquals": {"aws:RequestTag/" + TAG_OWNER: owner_tag},
+             "StringLike": {"aws:RequestTag/" + TAG_CLUSTER: "*"}}},
+        {"Sid": "LaunchFrom", "Effect": "Allow", "Action": "ec2:RunInstances",
+         "Resource": ["arn:aws:ec2:*::image/*", f"{arn}subnet/*"]},
+        {"Sid": "LaunchWith", "Effect": "Allow", "Action": "ec2:RunInstances",
+         "Resource": [f"{arn}security-group/*", f"{arn}key-pair/*"],
+         "Condition": {"StringEquals": mine["StringEquals"]}},
+        {"Sid": "TagAtLaunch", "Effect": "Allow", "Action": "ec2:CreateTags",
+         "Resource": made, "Condition": {"StringEquals": {"ec2:CreateAction": "RunInstances"}}},
+        {"Sid": "EndTagged", "Effect": "Allow",
+         "Action": ["ec2:TerminateInstances", "ec2:DeleteVolume",
+                    "ec2:CancelSpotInstanceRequests"],
+         "Resource": made, "Condition": mine},
+        {"Sid": "PassClusterRoles", "Effect": "Allow", "Action": "iam:PassRole",
+         "Resource": f"arn:aws:iam::{account}:role{IAM_PATH}*",
+         "Condition": {"StringEquals": {"iam:PassedToService": "ec2.amazonaws.com"}}}]
+    reads = [Grant(g.scheme, g.bucket, g.prefix) for g in grants]
+    st += [{**x, "Sid": "Storage" + x["Sid"]}
+           for x in storage_policy(reads)["Statement"]]
+    return {"Version": "2012-10-17", "Statement": st}
+
+
 @contextmanager
 def aws_errors(what: str):
     """Turn boto3's errors raised inside the block into hypercli's (module docstring).
@@ -384,8 +447,27 @@ class AWSAPI:
             return {"instance_profile": spec.identity}
         if not any(g.scheme == "s3" for g in spec.grants):
             return {}
-        import json
         account = self._account()  # before anything is made
+        return self._role(spec, STORAGE_POLICY, storage_policy(spec.grants, account),
+                          f"hypercli cluster {spec.cluster}: its storage")
+
+    def controller_identity(self, spec: CloudSpec, owner_tag: str) -> dict:
+        """Make or update, idempotently, the role and instance profile of a controller
+        instance (:mod:`hypercli.controller`), named and kept as a cluster's are (module
+        docstring: ``spec.cluster`` is the controller's name), with one inline policy,
+        ``hyper-controller`` = :func:`controller_policy` for ``owner_tag`` and the read
+        grants of ``spec.grants``.
+
+        Returns ``{"instance_profile": name}``. Raises as :meth:`identity`."""
+        account = self._account()
+        return self._role(spec, CONTROLLER_POLICY, controller_policy(
+            owner_tag, account, spec.grants), f"hypercli controller {spec.cluster}")
+
+    def _role(self, spec: CloudSpec, policy: str, doc: dict, description: str) -> dict:
+        """Make or update the role ``role_name(spec)`` under ``/hyper/<cluster>/`` with the
+        one inline policy ``policy`` = ``doc`` (none while ``doc`` has no statement), and its
+        instance profile. Returns ``{"instance_profile": name}``. Raises as :meth:`identity`."""
+        import json
         name, path = role_name(spec), f"{IAM_PATH}{spec.cluster}/"
         tags = [t for t in _tags(spec.cluster) if t["Key"] != "Name"] + [
             {"Key": TAG_CLUSTER_ID, "Value": spec.tag}]
@@ -395,19 +477,18 @@ class AWSAPI:
             try:
                 iam.create_role(RoleName=name, Path=path, Tags=tags,
                                 AssumeRolePolicyDocument=json.dumps(EC2_TRUST),
-                                Description=f"hypercli cluster {spec.cluster}: its storage")
+                                Description=description)
                 made = True
             except iam.exceptions.EntityAlreadyExistsException:
-                self._check_role(spec, name, path)
-        doc = storage_policy(spec.grants, account)
+                self._check_role(spec, name, path, policy)
         if doc["Statement"]:
             with self._denied("iam:PutRolePolicy", f"setting the policy of the role {name}"):
-                iam.put_role_policy(RoleName=name, PolicyName=STORAGE_POLICY,
+                iam.put_role_policy(RoleName=name, PolicyName=policy,
                                     PolicyDocument=json.dumps(doc))
         else:  # nothing to allow yet (no workflow has started): no policy
             with self._denied("iam:DeleteRolePolicy", f"clearing the policy of role {name}"):
                 try:
-                    iam.delete_role_policy(RoleName=name, PolicyName=STORAGE_POLICY)
+                    iam.delete_role_policy(RoleName=name, PolicyName=policy)
                 except iam.exceptions.NoSuchEntityException:
                     pass
         with self._denied("iam:CreateInstanceProfile",
@@ -449,7 +530,8 @@ class AWSAPI:
                                  code=e.code) from None
         return self._account_id
 
-    def _check_role(self, spec: CloudSpec, name: str, path: str) -> None:
+    def _check_role(self, spec: CloudSpec, name: str, path: str,
+                    policy: str = STORAGE_POLICY) -> None:
         """Refuse a role found under the computed name unless it is the cluster's own as
         hypercli leaves it (module docstring). Raises IdentityConflict."""
         import json
@@ -474,9 +556,9 @@ class AWSAPI:
         if attached:
             why.append("it has managed policies attached: "
                        + ", ".join(p["PolicyName"] for p in attached))
-        if set(inline) - {STORAGE_POLICY}:
+        if set(inline) - {policy}:
             why.append("it has other inline policies: "
-                       + ", ".join(sorted(set(inline) - {STORAGE_POLICY})))
+                       + ", ".join(sorted(set(inline) - {policy})))
         if why:
             raise IdentityConflict(
                 f"an IAM role named {name} exists and is not cluster {spec.cluster}'s own: "

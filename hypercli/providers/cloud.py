@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import getpass
 import hashlib
+import os
 import re
 import socket
 from dataclasses import dataclass, field
@@ -40,8 +41,11 @@ TAG_IMAGE, TAG_VARIANT, TAG_VERSION = "hyper:image", "hyper:variant", "hyper:ver
 
 
 def owner() -> str:
-    """``user@host`` of the caller, lower case, in ``[a-z0-9_.@-]`` (fits GCP labels too)."""
-    text = f"{getpass.getuser()}@{socket.gethostname()}".lower()
+    """``user@host`` of the caller, lower case, in ``[a-z0-9_.@-]`` (fits GCP labels too);
+    ``HYPER_OWNER`` when set (a controller tags what it launches with its user's owner:
+    :mod:`hypercli.controller.host`)."""
+    text = os.environ.get("HYPER_OWNER") or f"{getpass.getuser()}@{socket.gethostname()}"
+    text = text.lower()
     return re.sub(r"[^a-z0-9_.@-]", "-", text)[:63]
 
 

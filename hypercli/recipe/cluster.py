@@ -151,7 +151,10 @@ _PROVIDER_KEYS: dict[str, dict[str, _Check]] = {
             "controller": _controller, "controller_python": _str},
     # iam_role, service_account, identity: an existing storage identity for the nodes
     # instead of one made per cluster (hypercli.recipe.access)
-    "aws": {**_CLOUD_KEYS, "iam_role": _str},
+    # controller: a controller instance of this user drives its workflows (hypercli.
+    # controller.cloud), removed after controller_idle_minutes with nothing to drive
+    "aws": {**_CLOUD_KEYS, "iam_role": _str, "controller": _bool,
+            "controller_idle_minutes": _minutes, "controller_python": _str},
     "gcp": {**_CLOUD_KEYS, "project": _str, "service_account": _str},
     # adopt_group: use a resource_group hypercli did not make (hypercli.providers.azure)
     "azure": {**_CLOUD_KEYS, "resource_group": _str, "identity": _str, "adopt_group": _bool},

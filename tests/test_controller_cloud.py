@@ -1,0 +1,342 @@
+"""The cloud identity of a controller instance (hypercli/providers/aws.py,
+:func:`~hypercli.providers.aws.controller_policy`): a role scoped like the nodes' storage
+roles, that may launch, describe and terminate only instances tagged for its user's
+clusters, pass only the clusters' roles to EC2, and read the recipe's storage; checked with
+the role's own credentials against moto with its IAM enforcement on (EC2's resources and
+condition keys evaluated as AWS does: tests/awsiam.py), as the nodes' roles are in
+tests/test_aws_identity.py."""
+
+from __future__ import annotations
+
+import json
+
+import boto3
+import pytest
+
+moto = pytest.importorskip("moto")
+
+from moto.core import set_initial_no_auth_action_count  # noqa: E402
+
+from awsiam import enforced  # noqa: E402
+from test_aws import KEY, REGION, boot, fake_credentials, instance, spec  # noqa: E402
+from test_aws_identity import ADMIN  # noqa: E402
+
+from hypercli.providers.aws import AWSAPI, controller_policy, role_name  # noqa: E402
+from hypercli.providers.cloud import TAG_CLUSTER, TAG_OWNER, CloudSpec, owner  # noqa: E402
+from hypercli.providers.cloud_provider import remove_all  # noqa: E402
+from hypercli.recipe.access import Grant  # noqa: E402
+
+STORAGE = (Grant("s3", "outs", "runs", True, True),)
+CONTROLLER = CloudSpec(cluster="ctl-me", cluster_id="id-ctl", region=REGION, grants=STORAGE)
+
+
+def test_policy_reads_storage_and_acts_on_tagged_resources_only():
+    doc = controller_policy("me@laptop", "123456789012", STORAGE)
+    by_sid = {s["Sid"]: s for s in doc["Statement"]}
+    assert by_sid["EndTagged"]["Condition"] == {
+        "StringEquals": {f"ec2:ResourceTag/{TAG_OWNER}": "me@laptop"},
+        "StringLike": {f"ec2:ResourceTag/{TAG_CLUSTER}": "*"}}
+    assert by_sid["PassClusterRoles"]["Resource"] == "arn:aws:iam::123456789012:role/hyper/*"
+    actions = {a for s in doc["Statement"] for a in
+               (s["Action"] if isinstance(s["Action"], list) else [s["Action"]])}
+    assert not {a for a in actions if a.startswith("iam:")} - {"iam:PassRole"}
+    assert "s3:PutObject" not in actions and "s3:GetObject" in actions  # reads only
+
+
+def test_the_controllers_role_drives_its_users_clusters_and_nothing_else(monkeypatch):
+    fake_credentials(monkeypatch)
+
+    @set_initial_no_auth_action_count(3)
+    def run():
+        root = boto3.client("iam", region_name=REGION)
+        root.create_user(UserName="admin")
+        root.put_user_policy(UserName="admin", PolicyName="all",
+                             PolicyDocument=json.dumps(ADMIN))
+        key = root.create_access_key(UserName="admin")["AccessKey"]
+        admin = boto3.Session(aws_access_key_id=key["AccessKeyId"],
+                              aws_secret_access_key=key["SecretAccessKey"], region_name=REGION)
+        s3, ec2, iam = admin.client("s3"), admin.client("ec2"), admin.client("iam")
+        s3.create_bucket(Bucket="outs")
+        s3.put_object(Bucket="outs", Key="runs/wf-1/t-0/manifest.json", Body=b"out")
+        image = ec2.register_image(Name="base-image", Architecture="x86_64")["ImageId"]
+        api = AWSAPI(REGION, session=admin)
+        c1 = spec(image, grants=STORAGE)
+        prepared = api.prepare(c1, KEY)  # the cluster as `hyper up` leaves it
+        [node], _ = api.create(c1, ["c1-0"], boot(["c1-0"]), prepared)
+        untagged = ec2.run_instances(ImageId=image, MinCount=1, MaxCount=1)["Instances"][0]
+        theirs = ec2.run_instances(ImageId=image, MinCount=1, MaxCount=1, TagSpecifications=[{
+            "ResourceType": "instance", "Tags": [{"Key": TAG_OWNER, "Value": "someone@else"},
+                                                 {"Key": TAG_CLUSTER, "Value": "c9"}]}])[
+            "Instances"][0]
+        assert api.controller_identity(CONTROLLER, owner()) == {
+            "instance_profile": role_name(CONTROLLER)}
+        name = role_name(CONTROLLER)
+        sts = admin.client("sts")
+        iam.update_assume_role_policy(RoleName=name, PolicyDocument=json.dumps({
+            "Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Principal": {
+                "AWS": sts.get_caller_identity()["Arn"]}, "Action": "sts:AssumeRole"}]}))
+        creds = sts.assume_role(RoleArn=iam.get_role(RoleName=name)["Role"]["Arn"],
+                                RoleSessionName="controller")["Credentials"]
+        ctl = boto3.Session(aws_access_key_id=creds["AccessKeyId"],
+                            aws_secret_access_key=creds["SecretAccessKey"],
+                            aws_session_token=creds["SessionToken"], region_name=REGION)
+        with enforced():
+            ctl_api = AWSAPI(REGION, session=ctl)
+            assert [v.id for v in ctl_api.describe("c1")] == [node.id]
+            # a replacement node: launched tagged, with the cluster's key, group and role
+            [new], errors = ctl_api.create(c1, ["c1-1"], boot(["c1-1"]), prepared)
+            assert errors == {}
+            got = instance(ec2, new.id)
+            assert got["IamInstanceProfile"]["Arn"].endswith("/" + prepared["instance_profile"])
+            ctl_api.terminate("c1", [node.id])  # its user's cluster's node
+            assert instance(ec2, node.id)["State"]["Name"] in ("shutting-down", "terminated")
+            assert ctl.client("s3").get_object(
+                Bucket="outs", Key="runs/wf-1/t-0/manifest.json")["Body"].read() == b"out"
+            c_ec2, c_iam, c_s3 = ctl.client("ec2"), ctl.client("iam"), ctl.client("s3")
+            beyond = {
+                "terminate an untagged instance": lambda: c_ec2.terminate_instances(
+                    InstanceIds=[untagged["InstanceId"]]),
+                "terminate another user's node": lambda: c_ec2.terminate_instances(
+                    InstanceIds=[theirs["InstanceId"]]),
+                "launch untagged": lambda: c_ec2.run_instances(
+                    ImageId=image, MinCount=1, MaxCount=1),
+                "launch as another user": lambda: c_ec2.run_instances(
+                    ImageId=image, MinCount=1, MaxCount=1, TagSpecifications=[{
+                        "ResourceType": "instance", "Tags": [
+                            {"Key": TAG_OWNER, "Value": "someone@else"},
+                            {"Key": TAG_CLUSTER, "Value": "c9"}]}]),
+                "widen its own role": lambda: c_iam.put_role_policy(
+                    RoleName=name, PolicyName="more", PolicyDocument=json.dumps(ADMIN)),
+                "make an access key": lambda: c_iam.create_access_key(UserName="admin"),
+                "write the storage": lambda: c_s3.put_object(
+                    Bucket="outs", Key="runs/wf-1/t-0/manifest.json", Body=b"mine"),
+                "read outside the storage": lambda: c_s3.list_objects_v2(Bucket="outs"),
+            }
+            for what, call in beyond.items():
+                with pytest.raises(Exception, match="AccessDenied|UnauthorizedOperation"):
+                    call()
+                    pytest.fail(what)
+        for inst in (untagged, theirs):
+            assert instance(ec2, inst["InstanceId"])["State"]["Name"] == "running"
+        # `hyper down --controller`: its role and profile go as a cluster's do (its trust
+        # as hypercli made it: EC2's alone)
+        from hypercli.providers.aws import EC2_TRUST
+        iam.update_assume_role_policy(RoleName=name, PolicyDocument=json.dumps(EC2_TRUST))
+        removed = remove_all(api, CONTROLLER.cluster, timeout=60)
+        assert {f"role {name}", f"instance_profile {name}"} <= set(removed)
+        assert name not in [r["RoleName"] for r in iam.list_roles()["Roles"]]
+        assert name not in [p["InstanceProfileName"]
+                            for p in iam.list_instance_profiles()["InstanceProfiles"]]
+    with moto.mock_aws():
+        run()
+
+
+@pytest.mark.slow
+def test_a_cloud_controller_is_on_demand_tagged_scoped_reused_listed_and_removed(
+        aws, ssh_hosts, tmp_path, hyper_home, hyper):
+    """On the AWS stand-in (moto_server; the instance booted onto an SSH test host,
+    tests/cloudhosts.py): the controller is the cheapest on-demand offer of the catalog in
+    the recipe's region, tagged for its user, launched with the controller's role and its
+    idle limit; a second workflow reuses it; `hyper status` lists it with its cost; `hyper
+    down --controller` leaves nothing of it (instance, role, instance profile, security
+    group, key pair)."""
+    from cloudhosts import Booter, tagged_left
+
+    from hypercli.controller.client import Controller
+    from hypercli.controller.cloud import ensure, name_of, offers_for
+    from hypercli.state import State
+    hosts = ssh_hosts.start(1)
+    booter = Booter(aws, hosts, tmp_path / "addresses.json")
+    booter.start()
+    image = aws.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+    options = {"region": REGION, "image": image, "ssh_cidr": "10.213.0.0/24",
+               "instance_type": "p3.2xlarge", "spot": True}  # the nodes', not its own
+    iam = boto3.client("iam", region_name=REGION, endpoint_url=aws.meta.endpoint_url)
+    name = name_of("aws")
+    try:
+        state = State()
+        ctl = ensure(state, "aws", options, STORAGE, idle_minutes=7)
+        assert ctl["cloud"]["cluster"] == name
+        [node] = state.nodes(name, status="up")
+        inst = instance(aws, node["provider_id"])
+        assert "InstanceLifecycle" not in inst  # on-demand
+        assert inst["InstanceType"] == offers_for("aws", REGION)[0].instance_type
+        tags = {t["Key"]: t["Value"] for t in inst["Tags"]}
+        assert tags[TAG_CLUSTER] == name and tags[TAG_OWNER] == owner()
+        cs = CloudSpec(cluster=name, cluster_id=state.cluster_uid(name))
+        role = role_name(cs)
+        assert inst["IamInstanceProfile"]["Arn"].endswith(f"/{role}")
+        doc = iam.get_role_policy(RoleName=role, PolicyName="hyper-controller")[
+            "PolicyDocument"]
+        doc = json.loads(doc) if isinstance(doc, str) else doc
+        assert doc == controller_policy(owner(), "123456789012", STORAGE)
+        user_data = aws.describe_instance_attribute(InstanceId=inst["InstanceId"],
+                                                    Attribute="userData")
+        import base64
+        assert '"idle_minutes": 7' in base64.b64decode(
+            user_data["UserData"]["Value"]).decode()  # removes itself when idle
+        c = Controller(ctl)  # reached over SSH with its pinned host key
+        try:
+            assert c.conn.run("echo up").stdout.strip() == b"up"
+        finally:
+            c.close()
+        again = ensure(State(), "aws", options, ())  # a later workflow: the same one
+        assert again["name"] == ctl["name"] and again["cloud"]["grants"]
+        live = [i for r in aws.describe_instances(Filters=[
+            {"Name": f"tag:{TAG_CLUSTER}", "Values": [name]}])["Reservations"]
+            for i in r["Instances"] if i["State"]["Name"] != "terminated"]
+        assert len(live) == 1
+        r = hyper("status", timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        line = next(x for x in r.stdout.splitlines() if x.startswith("controller "))
+        assert ctl["name"] in line and f"{name} $" in line and "/h" in line, line
+        assert "$0.1040/h" in line  # the offer's on-demand price
+        r = hyper("down", "--controller", name, timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "removed instance" in r.stdout and f"controller {ctl['name']} removed" in \
+            r.stdout, r.stdout
+        assert tagged_left(aws, name) == []
+        assert role not in [x["RoleName"] for x in iam.list_roles()["Roles"]]
+        assert role not in [p["InstanceProfileName"] for p in
+                            iam.list_instance_profiles()["InstanceProfiles"]]
+        r = hyper("status", timeout=60)
+        assert "controller " not in r.stdout, r.stdout
+        assert not booter.errors, booter.errors
+    finally:
+        booter.stopping.set()
+        booter.join(10)
+
+
+@pytest.mark.slow
+def test_a_cloud_controller_drives_the_workflow_after_the_run_is_killed_and_leaves_nothing(
+        ssh_hosts, tmp_path, hyper_home, hyper, monkeypatch):
+    """`hyper run --controller` of an aws recipe on the AWS stand-in (moto_server on the
+    test hosts' bridge; instances booted onto SSH test hosts): the cluster comes up here,
+    the controller instance is launched (on-demand) and given the workflow, and the run is
+    SIGKILLed right after; then one of the two spot nodes is taken by the cloud mid-task.
+    The controller, whose only credentials are its role's (an IMDSv2 stand-in on its host),
+    asks EC2, launches a replacement tagged for this user, goes on backing up on the node
+    left (the one the cloud took is pruned from the replicas) and drives every task to one
+    success; `hyper down --controller` then leaves nothing of it."""
+    import signal
+    import subprocess
+
+    from cloudhosts import Booter, tagged_left
+    from conftest import ROOT, hyper_cmd, wait_for
+    from imds import IMDS
+    from s3server import CREDENTIALS, S3Server
+    from test_controller import COMMAND, PACKAGES, open_gate
+
+    from hypercli.controller.cloud import name_of
+    hosts = ssh_hosts.start(4, share=(ROOT, PACKAGES, tmp_path))
+    server = S3Server(host="10.213.0.1").start()  # EC2, IAM and STS, reached by the hosts
+    imds = IMDS("hyper-ctl", {"AccessKeyId": "ASIACONTROLLER", "SecretAccessKey": "ctl",
+                              "SessionToken": "ctl-session",
+                              "Expiration": "2099-01-01T00:00:00Z"},
+                host="10.213.0.1").__enter__()
+    for k, v in CREDENTIALS.items():
+        monkeypatch.setenv(k, v)
+    seam = tmp_path / "addresses.json"
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("HYPER_AWS_ENDPOINT_URL", server.endpoint)
+    monkeypatch.setenv("HYPER_CLOUD_ADDRESSES", str(seam))
+    # the controller's Python: this checkout's packages, the stand-ins' addresses, and no
+    # credentials but its role's, from the metadata service (as on an instance)
+    wrapper = (f"#!/bin/sh\nexport PYTHONPATH=\"$PYTHONPATH:{PACKAGES}\"\n"
+               f"export HYPER_AWS_ENDPOINT_URL={server.endpoint}\n"
+               f"export HYPER_CLOUD_ADDRESSES={seam}\n"
+               f"export AWS_EC2_METADATA_SERVICE_ENDPOINT={imds.endpoint}\n"
+               "export AWS_METADATA_SERVICE_TIMEOUT=5 AWS_METADATA_SERVICE_NUM_ATTEMPTS=3\n"
+               "exec /usr/bin/python3 \"$@\"\n")
+    for h in hosts:
+        h.run(
+            f"cat > /root/py3 <<'EOF'\n{wrapper}EOF\nchmod +x /root/py3", check=True)
+    ec2 = boto3.client("ec2", region_name=REGION, endpoint_url=server.endpoint)
+    iam = boto3.client("iam", region_name=REGION, endpoint_url=server.endpoint)
+    booter = Booter(ec2, hosts, seam)
+    booter.start()
+    image = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+    import yaml
+    path = tmp_path / "far.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": "far", "workdir": "none",
+        "cluster": {"provider": "aws", "region": REGION, "zone": [f"{REGION}a"],
+                    "instance_type": "m5.large", "workers": 2, "image": image,
+                    "ssh_cidr": "10.213.0.0/24", "controller": True,
+                    "controller_idle_minutes": 5, "controller_python": "/root/py3"},
+        "experiments": {"work": {"parameters": {"i": list(range(6))}, "retries": 2,
+                                 "command": COMMAND % 0}}}, sort_keys=False))
+    name = name_of("aws")
+    try:
+        p = subprocess.Popen([*hyper_cmd(), "run", str(path), "--controller"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            line = wait_for(lambda: (lambda s: s if "driven by the controller" in s else None)(
+                p.stdout.readline()), timeout=400, what="the handover", proc=p)
+        finally:
+            p.send_signal(signal.SIGKILL)
+            p.communicate()
+        wid = line.split()[0]
+        workers = [h for iid, h in booter.booted.items() if h is not None and any(
+            t["Key"] == "hyper:cluster" and t["Value"] == "far" for t in instance(
+                ec2, iid).get("Tags", []))]
+        assert len(workers) == 2
+        ctl_host = next(h for iid, h in booter.booted.items() if h is not None and
+                        any(t["Value"] == name for t in instance(ec2, iid)["Tags"]))
+        # a spot node taken by the cloud mid-run, the laptop away: the controller asks EC2
+        # (its role's credentials) and launches a replacement tagged for this user
+        victim = wait_for(lambda: next((r["nodes"][0] for r in json.loads(hyper(
+            "ps", wid, "--json", timeout=120).stdout) if r["status"] == "running"), None),
+            timeout=300, interval=0.5, what="a task running")
+        from hypercli.state import State
+        node = next(n for n in State().nodes("far") if n["name"] == victim)
+        ec2.terminate_instances(InstanceIds=[node["provider_id"]])
+        booter.booted[node["provider_id"]].kill()
+        open_gate(h for h in hosts if h is not booter.booted[node["provider_id"]])
+        from test_controller import attempts_there, on_controller
+
+        def ended() -> bool:  # seen inside the controller's host: nothing of hyper runs here
+            return on_controller(ctl_host, "from hypercli.state import State; print(State()."
+                                 f"workflow({wid!r})['status'])").strip() == "succeeded"
+        wait_for(ended, timeout=600, interval=1, what="the workflow done by the controller")
+        r = hyper("attach", wid, timeout=600)  # ended there: its records come here
+        if r.returncode != 0:
+            print("CONTROLLER LOG", ctl_host.run(
+                "cat /root/.hyper/controller/controller.log").stdout[-5000:])
+        assert r.returncode == 0, r.stdout + r.stderr
+        r = hyper("ps", wid, "--json", timeout=120)
+        rows = json.loads(r.stdout)
+        assert [row["status"] for row in rows] == ["succeeded"] * 6
+        assert on_controller(ctl_host, "from hypercli.state import State; print(State()."
+                             f"workflow({wid!r})['spec']['lease'].get('collected'))").strip() \
+            == "True"  # copied here: the controller may now remove itself when idle
+        there = attempts_there(ctl_host, wid)  # the controller's own records
+        for i in range(6):
+            mine = [a["status"] for a in there if a["task"] == f"work-{i:04d}"]
+            assert mine.count("succeeded") == 1, mine
+        assert any(a["status"] == "lost" for a in there)
+        new = [i for r in ec2.describe_instances(Filters=[
+            {"Name": "tag:hyper:cluster", "Values": ["far"]}])["Reservations"]
+            for i in r["Instances"] if i["InstanceId"] != node["provider_id"]
+            and i["State"]["Name"] == "running"]
+        assert len(new) == 2  # the replacement, launched by the controller
+        assert all({t["Key"]: t["Value"] for t in i["Tags"]}["hyper:owner"] == owner()
+                   for i in new)
+        assert ctl_host.ip in {r[3] for r in imds.requests}  # its role's credentials
+        [ctl_node] = State().nodes(name, status="up")
+        assert "InstanceLifecycle" not in instance(ec2, ctl_node["provider_id"])
+        r = hyper("down", "--controller", name, timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert tagged_left(ec2, name) == []
+        assert not [x for x in iam.list_roles()["Roles"] if x["Path"] == f"/hyper/{name}/"]
+        assert not [x for x in iam.list_instance_profiles()["InstanceProfiles"]
+                    if x["Path"] == f"/hyper/{name}/"]
+        r = hyper("down", "far", "--yes", timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert tagged_left(ec2, "far") == []
+        assert not booter.errors, booter.errors
+    finally:
+        booter.stopping.set()
+        booter.join(10)
+        imds.__exit__(None, None, None)
+        server.stop()
