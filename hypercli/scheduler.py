@@ -619,7 +619,10 @@ class Scheduler:
         gpus = list(claim.get("gpus") or [])
         g = self.gangs.get((task["id"], number))
         size = len(g["nodes"]) if g else 1
-        env = dict(task["env"])
+        # Python's output reaches `hyper logs -f` as it is printed, not when an 8 KiB pipe
+        # buffer fills (torchrun's log tee writes to its stdout with no flush), as SkyPilot's
+        # tasks get it; the recipe's env may set it to "" to turn it off
+        env = {"PYTHONUNBUFFERED": "1", **task["env"]}
         env.update({
             "HYPER_TASK_ID": task["id"], "HYPER_EXPERIMENT": task["experiment"],
             "HYPER_WORKFLOW": self.wid, "HYPER_ATTEMPT": str(number), "HYPER_NODE": node,

@@ -223,3 +223,37 @@ def test_merger_follows_without_ever_showing_a_line_early():
     got += m.step(final=True)
     assert b"".join(d for _, d in got) == b"a\nb\nx\npart-ended\n"
     assert [s for s, _ in got if _] == ["stdout", "stderr", "stdout"]
+
+
+def test_python_prints_are_followed_as_they_are_made(tmp_path, hyper_home, hyper, monkeypatch):
+    """A Python task's print, to a pipe, reaches ``hyper logs`` while the task still runs
+    (PYTHONUNBUFFERED is 1 unless the recipe says otherwise); with the recipe's
+    ``PYTHONUNBUFFERED: ""`` it stays in Python's buffer until the task ends."""
+    import time
+    monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)  # not from this environment
+    flag = tmp_path / "go"
+    (tmp_path / "s.py").write_text(
+        "import os, time\n"
+        "print('early', os.environ.get('PYTHONUNBUFFERED'))\n"
+        f"while not os.path.exists({str(flag)!r}): time.sleep(0.02)\n")
+    for n, env, shown in ((1, {}, "early 1\n"), (2, {"PYTHONUNBUFFERED": ""}, "")):
+        flag.unlink(missing_ok=True)
+        path = _recipe(tmp_path, f"python3 {tmp_path}/s.py", env=env)
+        run = subprocess.Popen([*hyper_cmd(), "run", str(path), "--new"], cwd=ROOT, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            wait_for(lambda: State().attempts(f"order-{n}", status=["running"]), timeout=120,
+                     what="the attempt running", proc=run)
+            if shown:
+                wait_for(lambda: hyper("logs", "t").stdout == shown, timeout=60,
+                         what="the print in the logs while the task runs")
+            else:
+                time.sleep(1.5)  # it would be in the log by now, were it written
+                assert hyper("logs", "t").stdout == ""
+            flag.touch()
+            out, err = run.communicate(timeout=120)
+            assert run.returncode == 0, out + err
+        finally:
+            if run.poll() is None:
+                run.kill()
+        assert hyper("logs", "t").stdout == "early " + ("1\n" if shown else "\n")
