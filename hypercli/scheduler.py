@@ -735,6 +735,11 @@ class Scheduler:
         batches: dict[str, list] = {}
         waits: dict[str, str] = {}
         with self.state.tx():  # placed under the write lock: no other driver places meanwhile
+            # a `hyper cancel` recorded since the last look is seen before anything is placed
+            # (it takes the same lock): a cancelled task is never launched, and one cancelled
+            # after this finds its attempt recorded and stops it on its node
+            if self._cancelled_elsewhere():
+                return  # the whole workflow: the run's loop cancels it
             free = self._free()
             rows = []
             for name in ready:

@@ -206,12 +206,16 @@ def test_cancel_from_another_process_and_ps_while_running(hyper_home, write_reci
     assert r.returncode == 2 and "already ended" in r.stderr
 
 
-def test_cancel_one_task(hyper_home, write_recipe, hyper):
-    path = write_recipe(RECIPE.replace("until [ -e @GATE@ ]; do sleep 0.05; done", "sleep 1.2"))
+def test_cancel_one_task(hyper_home, write_recipe, tmp_path, hyper):
+    """A queued task cancelled from another process is never launched, even when a node
+    frees up right after the cancel (the driver looks for cancels before it places)."""
+    recipe, open_gate = gated(tmp_path)
+    path = write_recipe(recipe)
     p = start_run(path)
-    wait_for(lambda: live_attempts(), what="running")
+    wait_for(lambda: len(live_attempts()) == 2, what="running")
     r = hyper("cancel", "slow-1/work-0004")  # still pending: never launched
     assert r.returncode == 0, r.stderr
+    open_gate()  # nodes free up at once
     out, err = p.communicate(timeout=60)
     assert p.returncode == 1, out + err
     state = State()
@@ -221,6 +225,31 @@ def test_cancel_one_task(hyper_home, write_recipe, hyper):
         (hyper_home / "local" / "tasks" / a["id"] / "stderr").read_text()
         for a in state.attempts("slow-1") if a["status"] == "failed"])
     assert state.attempts("slow-1", "work-0004") == []
+
+
+def test_a_task_cancelled_by_another_process_is_never_placed(hyper_home, write_recipe,
+                                                            tmp_path):
+    """`hyper cancel` of a queued task recorded just before the driver places work (before its
+    periodic look for cancels): the task gets no attempt, the others run."""
+    from hypercli.stop import cancel_task
+    recipe, open_gate = gated(tmp_path)
+    state = State()
+    wid, _, provider, nodes, lock = prepare_run(state, str(write_recipe(recipe)))
+    try:
+        sched = Scheduler(state, wid, provider, nodes)
+        assert cancel_task(state, wid, "work-0000", provider) == 1  # queued: marked only
+        sched._recover()  # the queue, as the run loads it (it does so again: idempotent)
+        sched._dispatch()  # what the run does as a node frees up
+        assert state.attempts(wid, "work-0000") == []
+        assert sorted(a["task"] for a in state.attempts(wid)) == ["work-0001", "work-0002"]
+        open_gate()
+        summary = sched.run()
+    finally:
+        lock.release()
+    assert summary.exit_code == 1
+    status = {t["id"]: t["status"] for t in state.tasks(wid)}
+    assert status.pop("work-0000") == "cancelled" and set(status.values()) == {"succeeded"}
+    assert state.attempts(wid, "work-0000") == []
 
 
 def test_down_cancels_a_detached_workflow(hyper_home, write_recipe, tmp_path, hyper):
