@@ -11,8 +11,10 @@ Where a cloud's table comes from, first found wins:
    2026-11-27 (``data/snapshot.json``) by ``scripts/catalog_snapshot.py``: the readers below
    run against the test stand-ins — AWS's instance types and zone offerings as moto ships
    them (Apache-2.0), GCP and Azure machine types of tests/cloudcatalog.py — so its shapes
-   are real but its prices are illustrative, not the clouds'. Licence Apache-2.0; details in
-   ``data/NOTICE.md``.
+   are real; the prices of a curated set of instance types and regions are public ones
+   (skypilot-org/skypilot-catalog, Apache-2.0; rows marked ``price_source`` = ``public``,
+   put in by ``scripts/public_prices.py``), the rest illustrative, not the clouds'.
+   Details in ``data/NOTICE.md``.
 
 Then ``$HYPER_HOME/catalog/custom.csv`` (same columns as below, plus ``cloud`` first) adds
 rows, or replaces the row of the same (cloud, instance type, region, zone).
