@@ -65,7 +65,7 @@ def main(regions: list[str]) -> None:
         arm.close()
     import public_prices
     rows = public_prices.load()
-    public_prices.apply({"aws": aws, "gcp": gcp}, rows)
+    public_prices.apply({"aws": aws, "gcp": gcp, "azure": azure}, rows)
     now = time.time()
     for table in (aws, gcp, azure):
         table.read_at, table.source = now, "snapshot"

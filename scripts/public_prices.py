@@ -16,6 +16,8 @@ it was read), in its own terms:
   ``n1-standard-8/nvidia-tesla-v100:4`` is ``n1-standard-8`` plus ``V100`` × 4,
   ``a2-highgpu-1g`` plus ``A100`` × 1, ``g2-standard-4`` plus ``L4`` × 1. A type's rows in a
   region become those of the zones both the public rows and the snapshot list.
+* Azure (``catalogs/v6/azure/vms.csv``, the only Azure table of that catalog to be had
+  here, an older version; US regions only): one row per size and region, as the snapshot's.
 
 Only instance types and regions the snapshot already has are changed (their shapes stay
 as the snapshot's readers found them), except AWS types the snapshot lacks altogether (moto
@@ -125,12 +127,25 @@ def _gcp(table, rows: list[dict]) -> list[tuple]:
     return done
 
 
+def _azure(table, rows: list[dict]) -> list[tuple]:
+    done = []
+    for r in sorted(rows, key=lambda r: (r["instance_type"], r["region"])):
+        name, region = r["instance_type"], r["region"]
+        if not any(p[0] == region for p in table.prices.get(name, ())):
+            print(f"azure {name} {region}: not in the snapshot, left out", file=sys.stderr)
+            continue
+        table.replace_region(name, region, [(None, _usd(r["price"]), _usd(r["spot_price"]))],
+                             LABEL)
+        done.append((name, region))
+    return done
+
+
 def apply(tables: dict, rows: list[dict]) -> dict:
     """Put ``rows`` (:func:`load`) into ``tables`` (cloud → hypercli.offers.catalog.Table).
     Returns cloud → [(instance type, region)] changed. Raises ValueError for rows that
     disagree (an AWS type with two on-demand prices in one region)."""
     out = {}
-    for cloud, fn in (("aws", _aws), ("gcp", _gcp)):
+    for cloud, fn in (("aws", _aws), ("gcp", _gcp), ("azure", _azure)):
         mine = [r for r in rows if r["cloud"] == cloud]
         if cloud in tables and mine:
             out[cloud] = fn(tables[cloud], mine)
@@ -149,7 +164,7 @@ def main() -> None:
     meta_path = catalog.DATA / "snapshot.json"
     meta = json.loads(meta_path.read_text())
     tables = {c: catalog.read_csv(c, (catalog.DATA / f"{c}.csv.gz").read_bytes(), "snapshot",
-                                  meta["taken_at"]) for c in ("aws", "gcp")}
+                                  meta["taken_at"]) for c in ("aws", "gcp", "azure")}
     rows = load()
     done = apply(tables, rows)
     for cloud, table in tables.items():

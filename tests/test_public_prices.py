@@ -55,6 +55,13 @@ def test_a_few_rows_carry_the_figures_of_the_public_catalog(shipped):
     a2 = [p for p in gcp.prices["a2-highgpu-1g"] if p[1] == "europe-west4-a"]
     assert a2 == [("europe-west4", "europe-west4-a", pytest.approx(0.81406 + 1.61365),
                    pytest.approx(0.31824 + 1.1691))]
+    azure = shipped.tables["azure"]
+    assert ("westus2", None, 12.24, 1.41372) in azure.prices["Standard_NC24s_v3"]
+    assert ("eastus", None, 0.526, 0.062699) in azure.prices["Standard_NC4as_T4_v3"]
+    assert azure.price_sources["Standard_NC24s_v3", "westus2", None] == "public"
+    west = next(p for p in azure.prices["Standard_NC24s_v3"] if p[0] == "westeurope")
+    assert ("Standard_NC24s_v3", "westeurope", None) not in azure.price_sources  # no data
+    assert west[2] != 12.24
     for name, region, zone in (("p3.8xlarge", "us-east-1", None),
                                ("n1-standard-32/nvidia-tesla-v100:4", "us-central1",
                                 "us-central1-a"), ("g2-standard-4", "europe-west4",
@@ -107,8 +114,10 @@ def test_the_other_prices_stay_illustrative_and_say_so(shipped):
         "skypilot-org/skypilot-catalog:catalogs/v7/aws/vms.csv":
             "001367d22a0033fac286a8c71aeac7109e431bcb",
         "skypilot-org/skypilot-catalog:catalogs/v7/gcp/vms.csv":
-            "017e2502fb63c7a28757acd94002b2d6099d3e3d"}
-    assert meta["public_prices"]["rows"] == len(_rows("aws")) + len(_rows("gcp"))
+            "017e2502fb63c7a28757acd94002b2d6099d3e3d",
+        "skypilot-org/skypilot-catalog:catalogs/v6/azure/vms.csv":
+            "098741e70562f65d7af1cceb81e33b284f742604"}
+    assert meta["public_prices"]["rows"] == sum(len(_rows(c)) for c in ("aws", "gcp", "azure"))
 
 
 def test_v100x4_is_what_the_public_prices_imply(shipped):
@@ -152,4 +161,4 @@ def test_plan_shows_the_choice_and_that_its_price_is_public(hyper, hyper_home, w
     assert rows and {r["price_source"] for r in rows} == {"illustrative"}
     shown = {r["cloud"]: r for r in json.loads(hyper("catalog", "show", "--json",
                                                       check=True).stdout)}
-    assert shown["aws"]["public_prices"] == 24 and shown["azure"]["public_prices"] == 0
+    assert shown["aws"]["public_prices"] == 24 and shown["azure"]["public_prices"] == 25
