@@ -7,6 +7,7 @@ those prices imply, in `hyper plan` too."""
 from __future__ import annotations
 
 import csv
+import gzip
 import json
 from collections import defaultdict
 
@@ -162,3 +163,26 @@ def test_plan_shows_the_choice_and_that_its_price_is_public(hyper, hyper_home, w
     shown = {r["cloud"]: r for r in json.loads(hyper("catalog", "show", "--json",
                                                       check=True).stdout)}
     assert shown["aws"]["public_prices"] == 24 and shown["azure"]["public_prices"] == 25
+
+
+def test_a_cached_table_without_the_column_reads_and_custom_rows_say_custom(hyper_home):
+    """A table written before the ``price_source`` column (a user's cache) still reads, its
+    prices from the API; a row of custom.csv says it is custom; a written table keeps the
+    column."""
+    folder = hyper_home / "catalog"
+    folder.mkdir(parents=True)
+    old = ("instance_type,vcpus,memory_gib,accelerator,accelerator_count,"
+           "accelerator_memory_gib,arch,region,zone,price,spot_price\n"
+           "p3.8xlarge,32,244,V100,4,16,x86_64,us-east-1,us-east-1a,12.24,3.9\n")
+    (folder / "aws.csv.gz").write_bytes(gzip.compress(old.encode()))
+    (folder / "aws.json").write_text(json.dumps({"read_at": 1.0, "source": "api"}))
+    (folder / "custom.csv").write_text(
+        "cloud,instance_type,vcpus,memory_gib,accelerator,accelerator_count,region,zone,price,"
+        "spot_price\naws,p3.8xlarge,32,244,V100,4,us-west-2,,12.24,4.0\n")
+    cat = C.Catalog(["aws"])
+    got = {o.region: cat.price_source(o) for o in cat.offers_of(cat.tables["aws"].types[
+        "p3.8xlarge"])}
+    assert got == {"us-east-1": "api", "us-west-2": "custom"}
+    C.write(cat.tables["aws"], folder)
+    back = C.load_table("aws")
+    assert back.price_sources == {("p3.8xlarge", "us-west-2", None): "custom"}
