@@ -186,3 +186,17 @@ def test_a_cached_table_without_the_column_reads_and_custom_rows_say_custom(hype
     C.write(cat.tables["aws"], folder)
     back = C.load_table("aws")
     assert back.price_sources == {("p3.8xlarge", "us-west-2", None): "custom"}
+
+
+def test_a_region_wide_offer_keeps_to_the_zones_a_cluster_allows(shipped):
+    """The public AWS rows hold for a whole region (zone IDs are per account): with
+    ``zones:`` the optimizer offers them in those zones only, one offer per allowed zone, so
+    a launch stays where the cluster allows; a zone of another region gets none of them."""
+    shape = Shape(instance_type="m5.large", spot=True)
+    got = choose(shape, shipped, zones=["us-east-1c", "us-east-1a"])
+    assert [(o.region, o.zone, o.price) for o in got] == [
+        ("us-east-1", "us-east-1a", 0.0291), ("us-east-1", "us-east-1c", 0.0291)]
+    assert {shipped.price_source(o) for o in got} == {"public"}
+    whole = choose(shape, shipped, zones=["us-west-2"])
+    assert [(o.zone, o.price) for o in whole] == [(None, 0.0356)]
+    assert all(o.region != "us-east-1" for o in choose(shape, shipped, zones=["eu-west-1a"]))

@@ -410,7 +410,8 @@ class Catalog:
         snapshot: not the clouds' prices), ``api`` (read by ``hyper catalog refresh``) or
         ``custom`` (``$HYPER_HOME/catalog/custom.csv``)."""
         table = self.tables[offer.cloud]
-        label = table.price_sources.get((offer.instance_type, offer.region, offer.zone))
+        label = table.price_sources.get((offer.instance_type, offer.region, offer.zone)) \
+            or table.price_sources.get((offer.instance_type, offer.region, None))  # region-wide
         if label:
             return label
         base = table.source.split("+")[0]
