@@ -410,8 +410,10 @@ class Catalog:
         snapshot: not the clouds' prices), ``api`` (read by ``hyper catalog refresh``) or
         ``custom`` (``$HYPER_HOME/catalog/custom.csv``)."""
         table = self.tables[offer.cloud]
-        label = table.price_sources.get((offer.instance_type, offer.region, offer.zone)) \
-            or table.price_sources.get((offer.instance_type, offer.region, None))  # region-wide
+        name, region, zone = offer.instance_type, offer.region, offer.zone
+        if zone and not any(r[:2] == (region, zone) for r in table.prices.get(name, ())):
+            zone = None  # a region-wide row offered in a zone (optimizer._in_zones)
+        label = table.price_sources.get((name, region, zone))
         if label:
             return label
         base = table.source.split("+")[0]
