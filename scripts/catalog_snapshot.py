@@ -1,8 +1,9 @@
 """Make the catalog snapshot shipped in the package (hypercli/offers/data/) by running the
 catalog readers (hypercli/offers/read_*.py, the code of `hyper catalog refresh`) against the
 test stand-ins: moto for AWS (AWS's own instance types and zone offerings) with the Price List
-stand-in, and the GCP and Azure stand-ins (tests/cloudcatalog.py). The prices are therefore
-the stand-ins' illustrative ones, not the clouds'; data/NOTICE.md says so.
+stand-in, and the GCP and Azure stand-ins (tests/cloudcatalog.py), then puts in the public
+prices of data/public_prices.csv (scripts/public_prices.py). The other prices are the
+stand-ins' illustrative ones, not the clouds'; data/NOTICE.md says which are which.
 
     .venv/bin/python scripts/catalog_snapshot.py [AWS_REGION ...]
 """
@@ -62,6 +63,9 @@ def main(regions: list[str]) -> None:
         azure = read_azure.read()
     finally:
         arm.close()
+    import public_prices
+    rows = public_prices.load()
+    public_prices.apply({"aws": aws, "gcp": gcp, "azure": azure}, rows)
     now = time.time()
     for table in (aws, gcp, azure):
         table.read_at, table.source = now, "snapshot"
@@ -73,7 +77,9 @@ def main(regions: list[str]) -> None:
     meta = {"taken_at": now,
             "date": datetime.fromtimestamp(now, timezone.utc).strftime("%Y-%m-%d"),
             "source": "catalog readers against the test stand-ins (moto for AWS)",
-            "prices": "illustrative (tests/cloudcatalog.py), not the clouds' prices",
+            "prices": "public for the rows marked price_source=public (public_prices.csv), "
+                      "illustrative (tests/cloudcatalog.py) for the rest",
+            "public_prices": public_prices.provenance(rows),
             "aws_regions": regions, "tables": counts}
     (out / "snapshot.json").write_text(json.dumps(meta, indent=2) + "\n")
     print(json.dumps(counts))

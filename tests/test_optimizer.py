@@ -438,8 +438,10 @@ def _reference(shape, cat, regions=(), zones=(), max_price=None, limit=None):
             if (max_price is not None and o.price > max_price) or \
                     (regions and o.region not in regions):
                 continue
-            if zones and (o.zone not in zones if o.zone else
-                          not any(z.startswith(o.region) for z in zones)):
+            if zones and not o.zone and o.region not in zones:  # region-wide: per zone
+                out += [o._replace(zone=z) for z in sorted(zones) if z.startswith(o.region)]
+                continue
+            if zones and o.zone and o.zone not in zones:
                 continue
             out.append(o)
     auto = shape.spot == "auto"

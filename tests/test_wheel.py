@@ -95,7 +95,8 @@ def test_installed_wheel_runs_a_recipe(venv, tmp_path):
 
 def test_installed_wheel_has_the_catalog_snapshot(wheel, venv, tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
-    for f in ("aws.csv.gz", "gcp.csv.gz", "azure.csv.gz", "snapshot.json", "NOTICE.md"):
+    for f in ("aws.csv.gz", "gcp.csv.gz", "azure.csv.gz", "snapshot.json", "NOTICE.md",
+              "public_prices.csv"):
         assert f"hypercli/offers/data/{f}" in names, f
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update(HYPER_HOME=str(tmp_path / "home"), COLUMNS="200")

@@ -45,6 +45,9 @@ def offers(shape, clouds, regions, kind, limit, as_json):
     ordered = sorted(rows.values(), key=lambda r: min(
         x.price for k, x in r.items() if k != "offer"))
     shown = ordered if limit == 0 else ordered[:limit]
+    def source(r) -> str:  # where the row's prices come from (Catalog.price_source)
+        return "+".join(sorted({catalog.price_source(o) for k, o in r.items() if k != "offer"}))
+
     if as_json:
         print_json([{"cloud": r["offer"].cloud, "instance_type": r["offer"].instance_type,
                      "accelerator": r["offer"].accelerator,
@@ -54,13 +57,14 @@ def offers(shape, clouds, regions, kind, limit, as_json):
                      "price": r["price"].price if "price" in r else None,
                      "price_zone": r["price"].where() if "price" in r else None,
                      "spot_price": r["spot"].price if "spot" in r else None,
-                     "spot_zone": r["spot"].where() if "spot" in r else None}
+                     "spot_zone": r["spot"].where() if "spot" in r else None,
+                     "price_source": source(r)}
                     for r in shown])
         return
     from rich.table import Table
     table = Table(box=None)
     for col in ("GPU", "QTY", "CLOUD", "INSTANCE_TYPE", "vCPUs", "MEM_GiB", "REGION",
-                "$/h", "SPOT $/h", "SPOT ZONE"):
+                "$/h", "SPOT $/h", "SPOT ZONE", "PRICES"):
         table.add_column(col, justify="right" if col in ("QTY", "vCPUs", "MEM_GiB", "$/h",
                                                           "SPOT $/h") else "left")
     for r in shown:
@@ -69,7 +73,7 @@ def offers(shape, clouds, regions, kind, limit, as_json):
                       text(o.instance_type), f"{o.vcpus:g}", f"{o.memory_gib:g}", o.region,
                       f"{r['price'].price:.4f}" if "price" in r else "-",
                       f"{r['spot'].price:.4f}" if "spot" in r else "-",
-                      (r["spot"].zone or "") if "spot" in r else "")
+                      (r["spot"].zone or "") if "spot" in r else "", source(r))
     con = console()
     con.print(table)
     if len(shown) < len(ordered):
@@ -121,11 +125,19 @@ def show(as_json):
     cat = Catalog()
     stale = cat.stale()
     rows = [{"cloud": c, "source": t.source, "read": _when(t.read_at),
-             "types": len(t.types), "stale": c in stale} for c, t in cat.tables.items()]
+             "types": len(t.types), "stale": c in stale,
+             "prices": sum(len(v) for v in t.prices.values()),
+             "public_prices": sum(1 for v in t.price_sources.values() if v == "public")}
+            for c, t in cat.tables.items()]
     if as_json:
         print_json(rows)
         return
     con = console()
     for r in rows:
+        note = ""
+        if r["source"].startswith("snapshot"):  # data/NOTICE.md: which prices are public
+            note = (f"; {r['public_prices']} of {r['prices']} prices from the public catalog"
+                    f" (data/NOTICE.md), the rest illustrative")
         con.print(text((r["cloud"], "bold"), f": {r['types']} instance types, {r['source']}, "
-                       f"read {r['read']}" + (" (older than a week)" if r["stale"] else "")))
+                       f"read {r['read']}" + (" (older than a week)" if r["stale"] else "")
+                       + note))

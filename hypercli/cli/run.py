@@ -68,6 +68,17 @@ def plan(recipe, as_json, env, env_files):
     _plan_machines(con, r, wf)
 
 
+def _price_note(catalog, offer) -> str:
+    """`` (illustrative price)`` and the like after an offer whose price is not one read from
+    the clouds' APIs (hypercli.offers.catalog.Catalog.price_source); empty for those."""
+    label = catalog.price_source(offer)
+    return "" if label == "api" else f" ({PRICE_WORDS.get(label, label)} price)"
+
+
+#: how `hyper plan` and `hyper offers` name a price source (Catalog.price_source)
+PRICE_WORDS = {"public": "public catalog", "illustrative": "illustrative", "custom": "custom"}
+
+
 def _plan_machines(con, r, wf) -> None:
     """The optimizer's choice per experiment, its alternatives and the workflow's estimate
     (cloud recipes only; hypercli.offers.estimate.plan_recipe)."""
@@ -87,9 +98,11 @@ def _plan_machines(con, r, wf) -> None:
         best = c.offers[0]
         nodes = f" × {c.shape.nodes} nodes" if c.shape.nodes > 1 else ""
         con.print(text((c.experiment, "bold"), f" [{c.shape.describe()}]: ",
-                       (best.describe(), "green"), nodes))
+                       (best.describe(), "green"), nodes,
+                       (_price_note(machines["catalog"], best), "dim")))
         for alt in c.offers[1:]:
-            con.print(text(f"    then {alt.describe()}"))
+            con.print(text(f"    then {alt.describe()}",
+                           (_price_note(machines["catalog"], alt), "dim")))
         if c.cost is None:
             known = False
             con.print(text(("    no estimate", "dim"), ": give minutes: (one task's minutes)"))

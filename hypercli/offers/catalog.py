@@ -11,8 +11,10 @@ Where a cloud's table comes from, first found wins:
    2026-11-27 (``data/snapshot.json``) by ``scripts/catalog_snapshot.py``: the readers below
    run against the test stand-ins — AWS's instance types and zone offerings as moto ships
    them (Apache-2.0), GCP and Azure machine types of tests/cloudcatalog.py — so its shapes
-   are real but its prices are illustrative, not the clouds'. Licence Apache-2.0; details in
-   ``data/NOTICE.md``.
+   are real; the prices of a curated set of instance types and regions are public ones
+   (skypilot-org/skypilot-catalog, Apache-2.0; rows marked ``price_source`` = ``public``,
+   put in by ``scripts/public_prices.py``), the rest illustrative, not the clouds'.
+   Details in ``data/NOTICE.md``.
 
 Then ``$HYPER_HOME/catalog/custom.csv`` (same columns as below, plus ``cloud`` first) adds
 rows, or replaces the row of the same (cloud, instance type, region, zone).
@@ -20,8 +22,10 @@ rows, or replaces the row of the same (cloud, instance type, region, zone).
 Columns of a table (one row per instance type and zone; ``zone`` empty where the cloud prices
 per region only), as SkyPilot's catalogs (skypilot-org/skypilot-catalog ``vms.csv``):
 ``instance_type, vcpus, memory_gib, accelerator, accelerator_count, accelerator_memory_gib,
-arch, region, zone, price, spot_price`` — prices in US dollars per node-hour, empty when the
-cloud sells none (no spot capacity of that type there).
+arch, region, zone, price, spot_price, price_source`` — prices in US dollars per node-hour,
+empty when the cloud sells none (no spot capacity of that type there); ``price_source`` says
+where a row's prices come from when it is not where the table comes from (``public``: the
+public catalog named in ``data/NOTICE.md``), and may be absent (older tables).
 """
 
 from __future__ import annotations
@@ -42,7 +46,10 @@ from hypercli.recipe.resources import normalise_gpu
 
 CLOUDS = ("aws", "gcp", "azure")
 COLUMNS = ("instance_type", "vcpus", "memory_gib", "accelerator", "accelerator_count",
-           "accelerator_memory_gib", "arch", "region", "zone", "price", "spot_price")
+           "accelerator_memory_gib", "arch", "region", "zone", "price", "spot_price",
+           "price_source")
+#: what :meth:`Catalog.price_source` calls a price from a table of each source
+TABLE_PRICES = {"snapshot": "illustrative", "cache": "api", "api": "api"}
 MAX_AGE_S = 7 * 24 * 3600  #: a cached table older than a week is stale (issue 23, item 1)
 DATA = Path(__file__).parent / "data"
 
@@ -80,6 +87,8 @@ class Table:
             spot $/h or None)].
         read_at: unix time (s) the data was read from the cloud (or the snapshot taken).
         source: where it came from (``snapshot``, ``cache``, ``api``), plus ``+custom``.
+        price_sources: (instance type, region, zone or None) → where that row's prices come
+            from when not from ``source`` (``public``, ``custom``).
     """
 
     cloud: str
@@ -87,6 +96,7 @@ class Table:
     prices: dict = field(default_factory=dict)
     read_at: float = 0.0
     source: str = ""
+    price_sources: dict = field(default_factory=dict)
 
     def add(self, row: dict, replace: bool = True) -> None:
         """Add (or, with ``replace``, replace: same type, region and zone) one row of the
@@ -113,7 +123,31 @@ class Table:
         self.__dict__.pop("_by_gpu", None)
         if replace:
             rows[:] = [p for p in rows if (p[0], p[1]) != (region, zone)]
+            self.price_sources.pop((name, region, zone), None)
         rows.append((region, zone, price, spot))
+        label = (row.get("price_source") or "").strip()
+        if label:
+            self.price_sources[name, region, zone] = label
+
+    def replace_region(self, name: str, region: str, rows, source: str = "") -> None:
+        """Replace every price row of instance type ``name`` in ``region`` by ``rows``
+        ([(zone or None, on-demand $/h or None, spot $/h or None)]), their prices labelled
+        ``source`` (``price_source``; empty: the table's own). Raises KeyError for a type the
+        table lacks."""
+        if name not in self.types:
+            raise KeyError(name)
+        old = self.prices.get(name, [])
+        for r in old:
+            if r[0] == region:
+                self.price_sources.pop((name, region, r[1]), None)
+        self.prices[name] = [r for r in old if r[0] != region] + [
+            (region, zone, price, spot) for zone, price, spot in rows]
+        for zone, _, _ in rows:
+            if source:
+                self.price_sources[name, region, zone] = source
+        split = self.__dict__.get("_split", {})
+        split.pop((name, True), None)
+        split.pop((name, False), None)
 
     def offers_of_kind(self, name: str, spot: bool) -> list[Offer]:
         """The spot (or on-demand) offers of instance type ``name`` in (region, zone)
@@ -165,8 +199,9 @@ class Table:
                        "accelerator_count": t.accelerator_count or "",
                        "accelerator_memory_gib": _num(t.accelerator_memory_gib) or "",
                        "arch": t.arch, "region": region, "zone": zone or "",
-                       "price": "" if price is None else f"{price:.6g}",
-                       "spot_price": "" if spot is None else f"{spot:.6g}"}
+                       "price": "" if price is None else f"{price:.10g}",
+                       "spot_price": "" if spot is None else f"{spot:.10g}",
+                       "price_source": self.price_sources.get((name, region, zone), "")}
 
 
 def _extra(t: InstanceType) -> tuple:
@@ -252,8 +287,10 @@ def read_csv(cloud: str, data: bytes, source: str, read_at: float) -> Table:
             if name not in types:
                 table.add(dict(zip(COLUMNS, row)), replace=False)
                 continue
-            prices[name].append((region, row[8].strip() or None, _price(row[9]),
-                                 _price(row[10])))
+            zone = row[8].strip() or None
+            prices[name].append((region, zone, _price(row[9]), _price(row[10])))
+            if row[11]:
+                table.price_sources[name, region, zone] = row[11].strip()
         except (IndexError, KeyError, ValueError, TypeError) as e:
             raise ValueError(f"line {n}: {e}") from None
     return table
@@ -332,7 +369,8 @@ def add_custom(tables: dict) -> None:
         if table is None:
             continue  # a cloud not asked for
         try:
-            table.add(row)
+            table.add({**row, "price_source": (row.get("price_source") or "").strip()
+                       or "custom"})
         except (KeyError, ValueError, TypeError) as e:
             raise UsageError(f"{path}:{n}: {e}",
                              "prices are dollars per node-hour; leave a column empty "
@@ -365,6 +403,21 @@ class Catalog:
     def offers_of(self, t: InstanceType) -> list[Offer]:
         """Every offer of one instance type."""
         return self.tables[t.cloud].offers(t.name)
+
+    def price_source(self, offer: Offer) -> str:
+        """Where ``offer``'s price comes from: ``public`` (the public catalog of
+        ``data/NOTICE.md``, in the shipped snapshot), ``illustrative`` (the rest of the shipped
+        snapshot: not the clouds' prices), ``api`` (read by ``hyper catalog refresh``) or
+        ``custom`` (``$HYPER_HOME/catalog/custom.csv``)."""
+        table = self.tables[offer.cloud]
+        name, region, zone = offer.instance_type, offer.region, offer.zone
+        if zone and not any(r[:2] == (region, zone) for r in table.prices.get(name, ())):
+            zone = None  # a region-wide row offered in a zone (optimizer._in_zones)
+        label = table.price_sources.get((name, region, zone))
+        if label:
+            return label
+        base = table.source.split("+")[0]
+        return TABLE_PRICES.get(base, base or "unknown")
 
     def stale(self, now: float | None = None) -> list[str]:
         """The clouds whose table was read more than :data:`MAX_AGE_S` ago."""

@@ -110,7 +110,8 @@ def measured_minutes(state, name: str) -> dict:
 def plan_recipe(recipe, workflow, state=None, catalog: Catalog | None = None) -> dict:
     """What ``hyper plan`` shows of machines for a recipe on a cloud (or with
     ``cluster.clouds``): ``{"choices": [Choice], "minutes_from": {experiment: "hint" |
-    "earlier run"}, "stale": [cloud]}``, or ``{}`` for the local and ssh providers.
+    "earlier run"}, "stale": [cloud], "catalog": Catalog}`` (the catalog tells where each
+    offer's price comes from), or ``{}`` for the local and ssh providers.
 
     Args:
         recipe: the validated Recipe; workflow: its plan (``build_plan``).
@@ -130,4 +131,4 @@ def plan_recipe(recipe, workflow, state=None, catalog: Catalog | None = None) ->
             minutes[name], source[name] = measured[name], "earlier run"
     catalog = catalog or Catalog(where_of(o, provider)["clouds"])
     return {"choices": plan(workflow.experiments, o, provider, catalog, minutes),
-            "minutes_from": source, "stale": catalog.stale()}
+            "minutes_from": source, "stale": catalog.stale(), "catalog": catalog}

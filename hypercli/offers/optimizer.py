@@ -136,6 +136,16 @@ def _key(o: Offer):
     return (o.price, o.cloud, o.instance_type, o.region, o.zone or "")
 
 
+def _in_zones(o: Offer, zones: set) -> list[Offer]:
+    """A region-wide offer (no zone: the catalog prices that region as a whole, as the
+    public AWS prices of the shipped snapshot) where ``zones`` are allowed: the offer
+    itself when they name its region, else one offer per allowed zone of its region, so a
+    launch stays in the zones the cluster allows; none when no allowed zone is there."""
+    if o.region in zones:
+        return [o]
+    return [o._replace(zone=z) for z in sorted(zones) if z.startswith(o.region)]
+
+
 def ranked_offers(shape: Shape, catalog: Catalog | None = None, *, clouds=None, regions=None,
                   zones=None, max_price: float | None = None,
                   limit: int | None = None) -> list[Offer]:
@@ -179,8 +189,10 @@ def ranked_offers(shape: Shape, catalog: Catalog | None = None, *, clouds=None, 
                 for o in offers:
                     if o[5] > cap or (regions and o[2] not in regions):
                         continue
-                    if zones and (o[3] not in zones if o[3] is not None else
-                                  not any(z.startswith(o[2]) for z in zones)):
+                    if zones and o[3] is None:  # region-wide: in the allowed zones only
+                        into += _in_zones(o, zones)
+                        continue
+                    if zones and o[3] not in zones:
                         continue
                     into.append(o)
     out: list = []
