@@ -193,10 +193,15 @@ class _LocalChannel:
         self.p.wait(timeout=10)
 
 
-def _local_replicas(tmp_path, holder: str, key: str | None, ttl=30.0):
+def _local_replicas(tmp_path, holder: str, key: str | None, ttl=30.0, stall=None):
     from hypercli.controller.backup import Replicas, _Replica
 
     class Local(_Replica):
+        def call(self, request):
+            if stall is not None and self.node["name"] == "n2":
+                stall.wait()  # this node's answers are held up until the test lets them go
+            return super().call(request)
+
         def _open(self):
             self.ch = _LocalChannel(tmp_path / self.node["name"])
             self.f = self.ch.p.stdout
@@ -206,6 +211,40 @@ def _local_replicas(tmp_path, holder: str, key: str | None, ttl=30.0):
     nodes = [{"name": f"n{i}", "cluster": "far"} for i in range(3)]
     wf = {"id": "far-1", "spec": {"token": "t0", "backup_key": key}}
     return LocalReplicas(None, nodes, wf, holder, ttl=ttl)
+
+
+def test_a_stalled_replica_holds_no_write_back_and_gets_them_all_in_order(tmp_path):
+    """One of three replicas stops answering for a while (a loaded node): the blobs and
+    intents still return once the other two took them (before, each waited for all
+    three), and the stalled one, once it answers again, gets them all in the order sent, so
+    it ends with the newest blob, not an older one written over it."""
+    import threading
+
+    from hypercli.controller.backup import new_key
+    key = new_key()
+    stall = threading.Event()
+    ctl = _local_replicas(tmp_path, "controller A", key, stall=stall)
+    blob = pack({"workflow": {"id": "far-1", "spec": "{}"}, "tasks": [], "attempts": []})
+    done = threading.Event()
+
+    def drive():
+        ctl.write(blob)
+        ctl.intend([("far-1.a-0000.1", "far-1", "a-0000", 1, "n1")])
+        ctl.write(blob + "")
+        done.set()
+    t = threading.Thread(target=drive, daemon=True)
+    try:
+        t.start()
+        assert done.wait(60), "a write waited for the stalled replica"
+        stall.set()
+        for r in ctl.replicas:  # the stalled one's queue runs out
+            r.queue.submit(lambda: None).result(timeout=60)
+        got = {g["node"]: g["seq"] for g in ctl.read()}
+        assert got == {"n0": 3, "n1": 3, "n2": 3}, got
+    finally:
+        stall.set()
+        t.join(timeout=60)
+        ctl.close()
 
 
 def test_a_backup_planted_by_a_task_on_one_node_neither_blocks_nor_is_taken(tmp_path):

@@ -42,6 +42,9 @@ LOOK_EVERY = 0.5  #: s between looks for workflows to drive
 RENEW_EVERY = LEASE_TTL / 4  #: s between lease renewals of a workflow being driven
 #: s at most between a change that launches nothing and its backup (several go in one)
 FLUSH_EVERY = 1.0
+#: s at most that a node thread which reported ends waits for the launches answering them
+#: (twice the intents' moving time: the scheduler's launch_delay), before it polls again
+MAX_DELAY = 0.25
 
 log = logging.getLogger("hypercli.controller")
 
@@ -237,17 +240,24 @@ def ensure_service() -> int:
     return service_pid() or p.pid
 
 
-def export(wid: str) -> dict:
+def export(wid: str, since: float | None = None) -> dict:
     """``{"export": the workflow's records, "driven": True while the service is alive and
-    holds its lease, "lost": why its lease was lost, or None}``."""
+    holds its lease, "lost": why its lease was lost, or None, "ledger": the cost ledger's
+    rows of its cluster (instances launched here too), "samples": the utilisation samples
+    of its cluster's nodes and their attempts taken at ``since`` (unix s) or later, oldest
+    first ([] when ``since`` is None)}``."""
     state = S.State()
     try:
         wf = state.workflow(wid)
         lease = lease_of(wf)
         if wf["status"] in ("running", "cancelling") and lease and not lease.get("lost"):
             ensure_service()  # a service that died is started again, as the driver is
+        samples = [] if since is None else sorted(
+            (s for n in state.nodes(wf["cluster"])
+             for s in state.samples(node=n["name"], since=since)), key=lambda s: s["ts"])
         return {"export": state.export_workflow(wid), "lost": lease.get("lost"),
-                "driven": bool(service_pid()) and not lease.get("lost")}
+                "driven": bool(service_pid()) and not lease.get("lost"),
+                "ledger": state.ledger(wf["cluster"]), "samples": samples}
     finally:
         state.close()
 
@@ -354,6 +364,8 @@ class _Drive(threading.Thread):
             provider = provider_of(plain, wf["cluster"])
             self.replicas = _replicas(plain, wf, provider)
             dirty = threading.Event()
+            ended = threading.Event()  # set when the drive ends: the last blob goes now
+            took = [0.0]  # s an intent takes to reach a majority (moving average)
 
             def write(st: S.State) -> None:
                 try:
@@ -370,20 +382,32 @@ class _Drive(threading.Thread):
                     write(state)
                     return
                 if rows:
+                    began = time.monotonic()
                     try:
                         self.replicas.intend(rows)
                     except LeaseLost as e:
                         self._lost(str(e))
                         raise
+                    took[0] = 0.8 * took[0] + 0.2 * (time.monotonic() - began)
+                    if self.scheduler is not None:  # node threads wait for launches this
+                        self.scheduler.launch_delay = min(2 * took[0], MAX_DELAY)  # long
                 dirty.set()
 
             def flush() -> None:  # the other changes, a batch at a time, on a connection
                 own = S.State()  # of its own
+                last = 0.0
                 try:
                     while not self.stopping or dirty.is_set():
                         if not dirty.wait(FLUSH_EVERY):
                             continue
+                        # one blob a FLUSH_EVERY at most, the changes meanwhile in it: a blob
+                        # is the whole records (O(tasks)), and the replicas' time spent on it
+                        # is time the next launch's intent waits
+                        rest = FLUSH_EVERY - (time.monotonic() - last)
+                        if rest > 0:
+                            ended.wait(rest)
                         dirty.clear()
+                        last = time.monotonic()
                         try:
                             write(own)
                         except HyperError as e:
@@ -407,6 +431,7 @@ class _Drive(threading.Thread):
                 log.info("%s: %s", self.wid, summary.counts)
             finally:
                 self.stopping = True  # the flusher writes what is left, then ends
+                ended.set()
                 flusher.join(timeout=60)
                 if dirty.is_set() and not self.lost:  # changed after the flusher ended
                     try:
