@@ -312,3 +312,32 @@ def test_a_cloud_controller_is_not_idle_while_ended_records_wait_to_be_copied(
     assert main(["collected", wid]) == 0
     assert not host._uncollected(state)
     assert state.workflow(wid)["spec"]["lease"]["collected"] is True
+
+
+def test_drop_removes_only_the_workflows_own_backup_files(tmp_path):
+    """Once the workflow's records are copied to the user's machine, its backups go from the
+    nodes: the files of its name only (another workflow's stay), a symlink a task put in
+    place of one is removed without touching what it points at, and a holder that is not
+    the lease's removes nothing while that lease is live."""
+    ctl = _local_replicas(tmp_path, "controller A", None)
+    other = None
+    try:
+        blob = pack({"workflow": {"id": "far-1", "spec": "{}"}, "tasks": [], "attempts": []})
+        ctl.write(blob)
+        ctl.intend([("far-1.a-0000.1", "far-1", "a-0000", 1, "n1")])
+        (tmp_path / "n0" / "far-2.t9.json").write_text("{}")  # another workflow's
+        precious = tmp_path / "precious"
+        precious.write_text("keep")
+        (tmp_path / "n1" / "far-1.t0.intents").unlink()
+        (tmp_path / "n1" / "far-1.t0.intents").symlink_to(precious)
+        other = _local_replicas(tmp_path, "here B", None, ttl=None)
+        assert other.drop() == 0  # controller A's lease is live on every replica
+        assert (tmp_path / "n0" / "far-1.t0.blob").exists()
+        assert ctl.drop() == 3
+        left = sorted(p.name for n in ("n0", "n1", "n2") for p in (tmp_path / n).iterdir())
+        assert left == ["far-2.t9.json"], left
+        assert precious.read_text() == "keep"
+    finally:
+        ctl.close()
+        if other is not None:
+            other.close()

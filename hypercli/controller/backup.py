@@ -118,6 +118,17 @@ for line in sys.stdin:
                 and q.get("handoff") != have.get("holder")):
             answer({"ok": False, "holder": have.get("holder"), "left": left(have, now)})
             continue
+        if q["op"] == "drop":  # the workflow's records are safe elsewhere: its files go;
+            gone = 0          # a symlink planted in their place is removed, never followed
+            for ext in (".json", ".blob", ".intents", ".json.tmp", ".blob.tmp",
+                        ".intents.tmp", ".lock"):
+                try:
+                    os.unlink(base + ext)
+                    gone += 1
+                except OSError:
+                    pass
+            answer({"ok": True, "removed": gone})
+            continue
         if q["op"] == "intent":
             if have is None or have.get("holder") != q["holder"]:
                 answer({"error": "no record of this holder yet"})  # counted as not taken
@@ -477,6 +488,15 @@ class Replicas:
                                   "mac": mac(self.key, self.name, "intent", self.seq,
                                              _rows_text(rows))})
         self._check(self._wait(futures, self.quorum))
+
+    def drop(self) -> int:
+        """Remove this workflow's backup files from every replica that answers (its records
+        are kept elsewhere now: the user's machine copied them), unless another holder's
+        live lease is there. Only the files of :data:`NODE_SCRIPT`'s names are removed, each
+        unlinked (a symlink a task put in one's place is removed, not followed). Returns how
+        many replicas removed them."""
+        answers = self._all({"op": "drop", "workflow": self.name, "holder": self.holder})
+        return sum(isinstance(a, dict) and a.get("ok") is True for a in answers)
 
     def read(self) -> list[dict]:
         """What each replica that answered holds: ``{"node", "found", "holder", "left" (s

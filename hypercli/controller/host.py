@@ -478,11 +478,26 @@ def _uncollected(state: S.State) -> bool:
 
 def collected(wid: str) -> dict:
     """Record that the user's machine has copied the records of ended workflow ``wid``
-    (:func:`hypercli.controller.client.refresh`). Returns ``{"workflow"}``."""
+    (:func:`hypercli.controller.client.refresh`), and remove its backups from the replica
+    nodes (:meth:`Replicas.drop`): they are needed no more, and nothing else would remove
+    them. Returns ``{"workflow", "dropped": replicas that removed them}``."""
+    from hypercli.cluster import provider_of
     state = S.State()
     try:
-        _set_spec(state, state.workflow(wid)["id"], collected=True)
-        return {"workflow": wid}
+        wf = state.workflow(wid)
+        _set_spec(state, wf["id"], collected=True)
+        lease, dropped = lease_of(wf), 0
+        if wf["status"] not in ("running", "cancelling") and lease.get("holder") and \
+                not lease.get("lost"):
+            try:
+                reps = _replicas(state, state.workflow(wid), provider_of(state, wf["cluster"]))
+                try:
+                    dropped = reps.drop()
+                finally:
+                    reps.close()
+            except HyperError as e:  # the nodes are gone: so are the backups on them
+                log.warning("%s: backups not removed: %s", wid, e)
+        return {"workflow": wid, "dropped": dropped}
     finally:
         state.close()
 
