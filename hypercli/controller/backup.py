@@ -410,26 +410,33 @@ class Replicas:
 
     def _write(self, blob: str | Callable[[], str] | None = None,
                handoff: str | None = None) -> None:
-        """Write ``blob`` (a function: called under this object's lock, so that backups
-        are made and written in one order; None: renew the lease, the blob kept as it is)
-        with this holder's lease, and return once a majority took it.
+        """Write ``blob`` (a function: called once the blob's number is taken, so that it
+        holds every row of the intents numbered before it; None: renew the lease, the blob
+        kept as it is) with this holder's lease, and return once a majority took it. Blobs
+        are written by one thread at a time (the caller's).
 
         Raises:
             LeaseLost: a replica has another holder's live lease.
             NoQuorum: fewer than a majority took it (replicas unreachable).
         """
+        seq = None
+        if callable(blob):  # its number first, then the blob, outside the lock: making it
+            with self.lock:  # takes O(tasks) time that intents must not wait for. An intent
+                self.seq += 1  # numbered before it has rows committed before it, which the
+                seq = self.seq  # blob holds; one numbered after it is kept beside it
+            blob = blob()
         with self.lock:
-            if callable(blob):
-                blob = blob()
             if blob is not None:
                 self.blob = blob
-            if blob is not None:
-                self.seq += 1  # the blob's number; a renewal keeps it
+                if seq is None:
+                    self.seq += 1  # the blob's number; a renewal keeps it
+                    seq = self.seq
             futures = self._send({"op": "write", "workflow": self.name,
-                                  "holder": self.holder, "ttl": self.ttl, "seq": self.seq,
+                                  "holder": self.holder, "ttl": self.ttl,
+                                  "seq": self.seq if seq is None else seq,
                                   "blob": blob, "handoff": handoff,
                                   "mac": None if blob is None else
-                                  mac(self.key, self.name, "blob", self.seq, blob)})
+                                  mac(self.key, self.name, "blob", seq, blob)})
         self._check(self._wait(futures, self.quorum))
 
     def _prune(self) -> bool:

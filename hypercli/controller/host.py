@@ -7,9 +7,10 @@ one SSH connection (:mod:`hypercli.controller.client`). The service (``serve``) 
 per controller home, holding an flock on ``locks/controller.lock`` (its pid inside), started
 in a session of its own so the SSH connection that started it may end. It drives every
 workflow of its state file whose lease it holds, each in a thread with a
-:class:`~hypercli.scheduler.Scheduler` over a :class:`BackedState`: every write transaction,
-once committed and *before* the scheduler acts on it (launches are recorded before they are
-sent), is written to the replicas (:mod:`hypercli.controller.backup`), so whoever takes the
+:class:`~hypercli.scheduler.Scheduler` over a :class:`BackedState`: the attempts a committed
+transaction is about to launch are written to the replicas (:mod:`hypercli.controller.backup`)
+before their launch is sent (a group commit, :class:`_Intents`: the node threads wait, not the
+scheduler), the whole records within FLUSH_EVERY s of any change, so whoever takes the
 workflow over knows every attempt that may have started. A lease it loses (another driver took
 the workflow) stops that thread at once, leaving the tasks running. It exits after IDLE_EXIT s
 with nothing to drive.
@@ -52,8 +53,8 @@ log = logging.getLogger("hypercli.controller")
 class BackedState(S.State):
     """A state file whose every committed write transaction is followed by
     ``after_commit(must, rows)``: ``rows`` are the attempts the transaction recorded as
-    about to be launched (``start_attempts`` rows), which must be backed up before the
-    caller goes on (write-ahead); ``must`` is True for the first transaction, whose whole
+    about to be launched (``start_attempts`` rows), which must be backed up before they are
+    launched (write-ahead); ``must`` is True for the first transaction, whose whole
     records must be; other changes may be written a moment later, several at once. An
     exception from it reaches the writer (the scheduler stops)."""
 
@@ -78,6 +79,85 @@ class BackedState(S.State):
             must, self.must = self.must, False
             rows, self.rows = self.rows, []
             self.after_commit(must, rows)
+
+
+class _Batch:
+    """One group of launch intents: ``done`` is set once they are on a majority of the
+    replicas, or ``error`` says why they are not."""
+
+    def __init__(self):
+        self.done = threading.Event()
+        self.error: HyperError | None = None
+
+
+class _Intents(threading.Thread):
+    """Group commit of launch intents (Gray and Reuter, *Transaction Processing*, 1993,
+    section 9.4.7; the DeWitt et al. group commit of 1984): the rows recorded while one
+    append is on its way to the replicas go together in the next one, so the replicas' time
+    per append (a round trip, an fsync on each) is shared by every launch placed meanwhile,
+    and the scheduler never waits for it. A launch waits for its batch in its node's thread
+    (:func:`_gated`) before it is sent: still write-ahead."""
+
+    def __init__(self, replicas: Replicas, failed, took):
+        super().__init__(name="intents", daemon=True)
+        self.replicas, self.failed, self.took = replicas, failed, took
+        self.cv = threading.Condition()
+        self.rows: list = []
+        self.batch = _Batch()
+        self.stopping = False
+
+    def add(self, rows: list) -> _Batch:
+        """Queue ``rows`` (``State.start_attempts`` rows); returns the batch they go in."""
+        with self.cv:
+            self.rows += rows
+            self.cv.notify()
+            return self.batch
+
+    def stop(self) -> None:
+        with self.cv:
+            self.stopping = True
+            self.cv.notify()
+
+    def run(self) -> None:
+        while True:
+            with self.cv:
+                while not self.rows and not self.stopping:
+                    self.cv.wait()
+                if not self.rows:
+                    return
+                rows, batch = self.rows, self.batch
+                self.rows, self.batch = [], _Batch()
+            began = time.monotonic()
+            try:
+                self.replicas.intend(rows)
+                self.took(time.monotonic() - began)
+            except HyperError as e:
+                batch.error = e
+                self.failed(e)
+            except Exception as e:  # a bug: nothing of this batch may be launched
+                batch.error = HyperError(f"backing up launches: {e}")
+                self.failed(batch.error)
+            finally:
+                batch.done.set()
+
+
+def _gated(worker, gates: dict) -> None:
+    """Make ``worker`` (a scheduler's NodeWorker) send a launch only once its attempts'
+    intents are on a majority of the replicas (``gates``: attempt id → :class:`_Batch`); a
+    launch whose batch failed is not sent (the drive stops, and the next one launches it
+    from the records: the agent's launch is idempotent per attempt id)."""
+    handle = worker._handle
+
+    def gated(op, payload):
+        if op == "launch":
+            for spec in payload:
+                batch = gates.pop(spec["id"], None)
+                if batch is not None:
+                    batch.done.wait()
+                    if batch.error is not None:
+                        return False
+        return handle(op, payload)
+    worker._handle = gated
 
 
 def lease_of(wf: dict) -> dict:
@@ -357,7 +437,6 @@ class _Drive(threading.Thread):
 
     def run(self) -> None:
         from hypercli.cluster import provider_of
-        from hypercli.scheduler import Scheduler
         plain = S.State()
         try:
             wf = plain.workflow(self.wid)
@@ -381,17 +460,26 @@ class _Drive(threading.Thread):
                     dirty.clear()  # this write takes every change so far
                     write(state)
                     return
-                if rows:
-                    began = time.monotonic()
-                    try:
-                        self.replicas.intend(rows)
-                    except LeaseLost as e:
-                        self._lost(str(e))
-                        raise
-                    took[0] = 0.8 * took[0] + 0.2 * (time.monotonic() - began)
-                    if self.scheduler is not None:  # node threads wait for launches this
-                        self.scheduler.launch_delay = min(2 * took[0], MAX_DELAY)  # long
+                if rows:  # sent by the node threads once their batch is backed up
+                    batch = intents.add(rows)
+                    for r in rows:
+                        gates[r[0]] = batch
                 dirty.set()
+
+            def failed(e: HyperError) -> None:
+                if isinstance(e, LeaseLost):
+                    self._lost(str(e))
+                else:
+                    log.warning("%s: launches not backed up, stopping: %s", self.wid, e)
+                    self.stop()
+
+            def took_(s: float) -> None:
+                took[0] = 0.8 * took[0] + 0.2 * s
+                if self.scheduler is not None:  # node threads wait for launches this long
+                    self.scheduler.launch_delay = min(2 * took[0], MAX_DELAY)
+            gates: dict = {}
+            intents = _Intents(self.replicas, failed, took_)
+            intents.start()
 
             def flush() -> None:  # the other changes, a batch at a time, on a connection
                 own = S.State()  # of its own
@@ -423,13 +511,14 @@ class _Drive(threading.Thread):
             flusher.start()
             try:
                 nodes = state.nodes(wf["cluster"], status="up")
-                self.scheduler = Scheduler(state, self.wid, provider, nodes)
+                self.scheduler = _Scheduler(state, self.wid, provider, nodes, gates=gates)
                 if self.stopping:
                     return
                 log.info("driving %s on %d nodes", self.wid, len(nodes))
                 summary = self.scheduler.run()
                 log.info("%s: %s", self.wid, summary.counts)
             finally:
+                intents.stop()
                 self.stopping = True  # the flusher writes what is left, then ends
                 ended.set()
                 flusher.join(timeout=60)
@@ -453,6 +542,19 @@ class _Drive(threading.Thread):
             if self.replicas is not None:
                 self.replicas.close()
             plain.close()
+
+
+def _Scheduler(*args, gates: dict, **kw):
+    """A :class:`~hypercli.scheduler.Scheduler` whose node threads, the ones it starts
+    with and those of replacement nodes, send launches as :func:`_gated` says."""
+    from hypercli.scheduler import Scheduler
+
+    class Gated(Scheduler):
+        def _worker(self, n):
+            w = super()._worker(n)
+            _gated(w, gates)
+            return w
+    return Gated(*args, **kw)
 
 
 def _used() -> None:
