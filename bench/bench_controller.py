@@ -6,8 +6,9 @@ test hosts (tests/sshhosts.py; needs root).
 default 300). Sides, each on a fresh HYPER_HOME, in alternating order per round:
   here        ``python -m hypercli run RECIPE --trust-new-hosts`` (the driver in this process)
   controller  ``python -m hypercli run RECIPE --controller --trust-new-hosts`` (the same
-              scheduler on host 0, every committed change backed up to a majority of hosts 1-3
-              before it acts on it; this process follows it)
+              scheduler on host 0, each launch's intent on a majority of hosts 1-3 before it
+              is sent, several in one append: a group commit; the whole records within a
+              second of a change; this process follows it)
 Rate = N / (last attempt's end - first attempt's creation), from the attempts' own times (the
 controller's records are copied here at the end): the dispatch rate, without start-up,
 bootstrap and handover. Every run is checked: N attempts, all succeeded. Ratio controller /

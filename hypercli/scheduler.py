@@ -130,10 +130,13 @@ class NodeWorker(threading.Thread):
             ({attempt id: state}), ``error`` (message), ``lost`` (message: the node has been
             unreachable for LOST_AFTER s), ``back`` (None: a lost node answers again).
         session: the provider's NodeSession for this node and workflow, or None.
+        delay: () → s the scheduler's launches take to come beyond DISPATCH_GRACE (a
+            controller's write-ahead backup of them), waited for as well after ends.
     """
 
     def __init__(self, node: dict, connect: Callable, events: queue.Queue, session=None,
-                 probe: Callable[[], str] | None = None):
+                 probe: Callable[[], str] | None = None,
+                 delay: Callable[[], float] = lambda: 0.0):
         super().__init__(name=f"node-{node['name']}", daemon=True)
         self.node = node["name"]
         #: the node's hypercli folder, where its agent keeps the attempt folders
@@ -141,6 +144,7 @@ class NodeWorker(threading.Thread):
             (node.get("info") or {}).get("root")
         self.connect = connect
         self.probe = probe  # the cloud's word on the node: running|preempted|gone|unknown
+        self.delay = delay  # s the scheduler's launches take beyond DISPATCH_GRACE
         self.events = events
         self.session = session
         self.inbox: queue.Queue = queue.Queue()
@@ -276,7 +280,7 @@ class NodeWorker(threading.Thread):
                     op, payload = self.inbox.get(timeout=POLL_WAIT)
                 elif self.freed:  # give the scheduler a moment to fill the freed slots
                     self.freed = False
-                    op, payload = self.inbox.get(timeout=DISPATCH_GRACE)
+                    op, payload = self.inbox.get(timeout=DISPATCH_GRACE + self.delay())
                 else:
                     op, payload = self.inbox.get_nowait()
             except queue.Empty:
@@ -445,6 +449,9 @@ class Scheduler:
         self.token = f"-{token}" if token else ""
         self.on_interrupt = on_interrupt or (lambda: "leave")
         self.events: queue.Queue = queue.Queue()
+        #: s a launch takes from its placement to its node thread beyond this process's own
+        #: work (a controller sets it to the time its write-ahead backup takes)
+        self.launch_delay = 0.0
         self.nodes = {n["name"]: n for n in nodes}
         self.up: set[str] = set(self.nodes)  # nodes that take work (not lost)
         self.workers = {n["name"]: self._worker(n) for n in nodes}
@@ -498,7 +505,8 @@ class Scheduler:
         probe = getattr(self.provider, "probe", None)
         return NodeWorker(n, lambda: self.provider.connect(n), self.events,
                           self.provider.session(n, self.wf),
-                          probe=(lambda: probe(n)) if probe else None)
+                          probe=(lambda: probe(n)) if probe else None,
+                          delay=lambda: self.launch_delay)
 
     def _replace(self, node: str, why: str) -> None:
         """Launch a replacement for a node the cloud took back, in a thread of its own; its

@@ -242,3 +242,93 @@ def test_cancel_is_done_by_the_controller(ssh_hosts, tmp_path, hyper, hyper_home
     assert "cancelled" in statuses and statuses <= {"cancelled", "succeeded"}, statuses
     for h in workers:  # nothing of it runs on the nodes
         assert "sleep 0.2" not in h.run("ps -eo args").stdout
+
+
+def _ui(path: str, base: str, jar, page: bool = False) -> dict | None:
+    """The dashboard's answer at ``path`` (JSON; a ``page`` is only read)."""
+    import urllib.request
+    opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(jar))
+    with opener.open(base + path, timeout=30) as r:
+        data = r.read()
+    return None if page else json.loads(data)
+
+
+def test_top_cost_and_ui_show_what_the_controller_knows(ssh_hosts, tmp_path, hyper,
+                                                        hyper_home):
+    """`hyper top`, `hyper cost` and `hyper ui` on a workflow a controller drives ask the
+    controller, each before anything else copied what it needs here: top shows the running
+    tasks under their nodes (nothing was copied since the handover), then the nodes'
+    utilisation samples; cost counts an instance in the controller's ledger (one it
+    launched, as a cloud controller does for a replacement); the dashboard shows its tasks
+    running, then all succeeded. Once the records are copied here at the
+    end, the workflow's backups are removed from the nodes."""
+    import http.cookiejar
+    import time
+    hosts = ssh_hosts.start(3, share=(ROOT, PACKAGES))
+    controller, workers = hosts[0], hosts[1:]
+    path = controller_recipe(tmp_path, ssh_hosts, controller, workers, gate=0)
+    r = hyper("run", path, "-d", "--trust-new-hosts", timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    wid = next(line.split()[0] for line in r.stdout.splitlines()
+               if "is driven by the controller" in line)
+    running = wait_for(lambda: sorted(a["task"] for a in attempts_there(controller, wid)
+                                      if a["status"] == "running"),
+                       timeout=300, interval=0.5, what="tasks running on the controller")
+
+    def top():
+        r = hyper("top", "--once", timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return r.stdout
+    out = top()
+    assert f"{wid}/{running[0]}" in out, out
+    sampled = wait_for(lambda: (lambda o: o if any(
+        line.split()[0].startswith("far-") and "%" in line.split()[2]
+        for line in o.splitlines() if len(line.split()) > 2) else None)(top()),
+        timeout=120, interval=1, what="a node's utilisation sample in hyper top")
+    assert "far-" in sampled
+
+    cluster = json.loads(on_controller(controller, (
+        "import json; from hypercli.state import State; "
+        f"print(json.dumps(State().workflow({wid!r})['cluster']))")))
+    node = next(a["node"] for a in attempts_there(controller, wid))
+    on_controller(controller, (
+        "from hypercli.state import State; State().ledger_launch("
+        f"{cluster!r}, {node!r}, 'i-0123', {{'cloud': 'aws', 'region': 'us-east-1', "
+        f"'instance_type': 'm5.large', 'spot': True, 'price': 3.6, "
+        f"'launched_at': {time.time() - 600}}})"))
+    r = hyper("cost", wid, "--json", timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = json.loads(r.stdout)
+    assert [(n["node"], n["price"]) for n in got["nodes"]] == [(node, 3.6)], got
+    assert got["total"] > 0 and [w["workflow"] for w in got["workflows"]] == [wid], got
+
+    p = subprocess.Popen([*hyper_cmd(), "ui", "--port", "0"], cwd=ROOT, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        url = wait_for(lambda: (lambda s: s.strip() if "http://" in s else None)(
+            p.stdout.readline()), timeout=60, what="the dashboard's URL", proc=p)
+        base, token = url.split("/?token=")
+        jar = http.cookiejar.CookieJar()
+        _ui(f"/?token={token}", base, jar, page=True)  # the cookie
+        shown = wait_for(lambda: (lambda d: d if {t["id"] for t in d["tasks"]
+                                                  if t["status"] == "running"} else None)(
+            _ui(f"/api/w/{wid}", base, jar)), timeout=60, interval=0.5,
+            what="the dashboard showing the controller's running tasks")
+        assert {t["id"] for t in shown["tasks"] if t["status"] == "running"} & set(running)
+
+        open_gate(workers)
+        wait_for(lambda: _ui(f"/api/w/{wid}", base, jar)["status"] == "succeeded",
+                 timeout=300, interval=1, what="the dashboard showing the workflow's end")
+        assert {t["status"] for t in _ui(f"/api/w/{wid}", base, jar)["tasks"]} == {"succeeded"}
+        # its records are here now: its backups went from the nodes, nothing else there did
+        wait_for(lambda: not any(wid in h.run("ls /root/.hyper/controller").stdout
+                                 for h in workers), timeout=60, interval=0.5,
+                 what="the workflow's backups removed from the nodes")
+        assert all(h.run("test -d /root/.hyper/controller").returncode == 0 for h in workers)
+    finally:
+        p.terminate()
+        try:
+            p.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

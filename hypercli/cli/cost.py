@@ -19,9 +19,14 @@ def _usd(v: float | None) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def cost(ref, show_nodes, as_json):
     """What the cloud nodes cost: per cluster, workflow and experiment (a node shared by
-    workflows is split by their tasks' time on it; a running node counts up to now)."""
+    workflows is split by their tasks' time on it; a running node counts up to now). The
+    nodes a controller launched for the workflows it drives are asked of it first."""
+    from hypercli.cli.tasks import _from_controller
     from hypercli.offers.ledger import costs
-    out = costs(open_state(), ref)
+    state = open_state()
+    # workflows a controller drives: their records and its ledger rows copied here first
+    _from_controller(state)
+    out = costs(state, ref)
     if as_json:
         print_json(out)
         return

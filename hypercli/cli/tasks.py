@@ -19,18 +19,20 @@ def _note(line: str) -> None:
     console(stderr=True).print(text(("note:", "yellow"), f" {line}"), soft_wrap=True)
 
 
-def _from_controller(state, wid: str | None = None) -> None:
+def _from_controller(state, wid: str | None = None, *, usage: bool = False,
+                     conns: dict | None = None, note=_note) -> None:
     """Copy here the records of the workflow ``wid`` (None: of every workflow) that a
-    controller drives (hypercli.controller.client); nothing to do, and nothing imported, for
-    the others."""
+    controller drives (hypercli.controller.client), with ``usage`` also its nodes'
+    utilisation samples, over ``conns`` (controller name → connection, kept open for the
+    next call: ``refresh_all``); nothing to do, and nothing imported, for the others."""
     wfs = [state.workflow(wid)] if wid else state.workflows()
     if not any((w.get("spec") or {}).get("controller") for w in wfs):
         return
     from hypercli.controller.client import refresh_all, refreshed
     if wid:
-        refreshed(state, wid, _note)
+        refreshed(state, wid, note)
     else:
-        refresh_all(state, _note)
+        refresh_all(state, note, usage=usage, conns=conns)
 
 
 # -- workflows and tasks ------------------------------------------------------------------

@@ -104,21 +104,35 @@ def top(cluster, once, every):
     """Live utilisation of CLUSTER's nodes (every cluster that is up when not given) and of
     their running tasks: CPU (a task's 100% is one core), memory, GPUs (utilisation and
     memory used), disk free and network, from the samples the nodes' agents take while they
-    have work (every HYPER_SAMPLE_EVERY seconds, default 5). Ctrl-C ends it.
+    have work (every HYPER_SAMPLE_EVERY seconds, default 5). Ctrl-C ends it. A workflow
+    that a controller drives is shown as it knows it: its records and samples are copied
+    from it at each refresh.
     """
+    from hypercli.cli.tasks import _from_controller, _note
     state = open_state()
     con = console()
-    if once:
-        con.print(top_table(state, cluster))
-        return
-    from rich.live import Live
+    conns: dict = {}  # one connection per controller, kept while this runs
+    said: set = set()
+
+    def table():
+        # workflows a controller drives: its records and samples copied here first
+        _from_controller(state, usage=True, conns=conns,
+                         note=lambda line: line in said or (said.add(line), _note(line)))
+        return top_table(state, cluster)
     try:
-        with Live(top_table(state, cluster), console=con, refresh_per_second=4) as live:
+        if once:
+            con.print(table())
+            return
+        from rich.live import Live
+        with Live(table(), console=con, refresh_per_second=4) as live:
             while True:
                 time.sleep(every)
-                live.update(top_table(state, cluster))
+                live.update(table())
     except KeyboardInterrupt:
         pass
+    finally:
+        for c in conns.values():
+            c.close()
 
 
 def task_stats(state, ref: str, number: int | None = None, rank: int = 0,

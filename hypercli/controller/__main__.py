@@ -4,7 +4,7 @@ folder). JSON answers go to stdout, one object; ``logs`` writes a tar. A HyperEr
 answered as ``{"error", "hint", "exit_code", "kind"}`` with exit status 3.
 
     submit        stdin: the handover (host.submit)      serve   the service (host.serve)
-    export WID    the workflow's records                 logs WID  tar of its logs and outputs
+    export WID [SINCE]  its records (and samples since)  logs WID  tar of its logs and outputs
     cancel REF    cancel a workflow or task              status  the service and its workflows
     stop          stop the service, tasks left running   collected WID  its records were copied
 """
@@ -29,7 +29,7 @@ def main(argv: list[str]) -> int:
         if op == "submit":
             out = host.submit(json.loads(sys.stdin.buffer.read()))
         elif op == "export":
-            out = host.export(args[0])
+            out = host.export(args[0], float(args[1]) if len(args) > 1 else None)
         elif op == "cancel":
             out = host.cancel(args[0])
         elif op == "collected":

@@ -47,7 +47,7 @@ import json
 import shlex
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Callable
 
 from hypercli.errors import HyperError, InfraError
@@ -55,6 +55,7 @@ from hypercli.errors import HyperError, InfraError
 LEASE_TTL = 20.0  #: s a controller's lease lasts unless renewed (renewed every TTL/4)
 RETRY_AFTER = 5.0  #: s before a replica that failed is tried again (a dead host costs time)
 CALL_TIMEOUT = 15.0  #: s a replica has to answer one request
+BEHIND = 16  #: requests queued for one replica beyond which it is skipped (Replicas._send)
 
 #: the replica's server (node side): one JSON request per line on stdin, one answer per line
 NODE_SCRIPT = r'''
@@ -116,6 +117,17 @@ for line in sys.stdin:
                 and (left(have, now) is None or left(have, now) > 0)
                 and q.get("handoff") != have.get("holder")):
             answer({"ok": False, "holder": have.get("holder"), "left": left(have, now)})
+            continue
+        if q["op"] == "drop":  # the workflow's records are safe elsewhere: its files go;
+            gone = 0          # a symlink planted in their place is removed, never followed
+            for ext in (".json", ".blob", ".intents", ".json.tmp", ".blob.tmp",
+                        ".intents.tmp", ".lock"):
+                try:
+                    os.unlink(base + ext)
+                    gone += 1
+                except OSError:
+                    pass
+            answer({"ok": True, "removed": gone})
             continue
         if q["op"] == "intent":
             if have is None or have.get("holder") != q["holder"]:
@@ -255,6 +267,10 @@ class _Replica:
         self.ch = self.f = None
         self.failed_at = 0.0
         self.lock = threading.Lock()
+        #: its requests, one at a time in the order sent (Replicas._send)
+        self.queue = ThreadPoolExecutor(1, thread_name_prefix=f"backup-{node['name']}")
+        self.pending = 0  # requests queued or under way
+        self.counting = threading.Lock()
 
     def _open(self) -> None:
         from hypercli.providers.ssh import _target_of
@@ -329,20 +345,58 @@ class Replicas:
         self.name = f"{workflow['id']}.{token}" if token else workflow["id"]
         self.quorum = len(nodes) // 2 + 1
         self.blob: str | None = None
+        #: orders the making of backups and their sending: every replica gets the requests
+        #: in one order (a blob never overwrites a newer one); answers are waited for
+        #: outside it, so one write's round trip does not hold the next one back
         self.lock = threading.Lock()
-        self.pool = ThreadPoolExecutor(max(1, len(nodes)), thread_name_prefix="backup")
 
-    def _all(self, request: dict) -> list:
-        """Answers (dict) or errors (InfraError) of every replica, in replica order."""
+    def _send(self, request: dict) -> list:
+        """Queue ``request`` on every replica's channel (in this order on each: the caller
+        holds this object's lock); returns a future per replica. A replica with BEHIND
+        requests queued already is skipped (an error in its place): a slow replica must not
+        hold the others up, and a majority still has every write."""
         def one(r):
             try:
                 got = r.call(request)
             except InfraError as e:
                 return e
+            finally:
+                with r.counting:
+                    r.pending -= 1
             if "error" in got:
                 return InfraError(f"replica {r.node['name']}: {got['error']}")
             return got
-        return list(self.pool.map(one, self.replicas))
+        out = []
+        for r in self.replicas:
+            if r.pending >= BEHIND:
+                f: Future = Future()
+                f.set_result(InfraError(f"replica {r.node['name']}: {r.pending} requests "
+                                        "behind"))
+            else:
+                with r.counting:
+                    r.pending += 1
+                f = r.queue.submit(one, r)
+            out.append(f)
+        return out
+
+    def _wait(self, futures: list, enough: int | None = None) -> list:
+        """Answers (dict) or errors (InfraError) of ``futures`` (:meth:`_send`), in replica
+        order; with ``enough``, as soon as that many answered ``ok`` (the others, still
+        on their way, as errors)."""
+        pending = set(futures)
+        while pending:
+            if enough is not None and sum(
+                    f.done() and isinstance(f.result(), dict) and f.result().get("ok") is True
+                    for f in futures) >= enough:
+                break
+            _, pending = wait(pending, return_when=FIRST_COMPLETED)
+        return [f.result() if f.done() else InfraError("no answer yet") for f in futures]
+
+    def _all(self, request: dict) -> list:
+        """Answers (dict) or errors (InfraError) of every replica, in replica order."""
+        with self.lock:
+            futures = self._send(request)
+        return self._wait(futures)
 
     def write(self, blob: str | Callable[[], str] | None = None,
               handoff: str | None = None) -> None:
@@ -356,27 +410,34 @@ class Replicas:
 
     def _write(self, blob: str | Callable[[], str] | None = None,
                handoff: str | None = None) -> None:
-        """Write ``blob`` (a function: called under this object's lock, so that backups
-        are made and written in one order; None: renew the lease, the blob kept as it is)
-        with this holder's lease, and return once a majority took it.
+        """Write ``blob`` (a function: called once the blob's number is taken, so that it
+        holds every row of the intents numbered before it; None: renew the lease, the blob
+        kept as it is) with this holder's lease, and return once a majority took it. Blobs
+        are written by one thread at a time (the caller's).
 
         Raises:
             LeaseLost: a replica has another holder's live lease.
             NoQuorum: fewer than a majority took it (replicas unreachable).
         """
+        seq = None
+        if callable(blob):  # its number first, then the blob, outside the lock: making it
+            with self.lock:  # takes O(tasks) time that intents must not wait for. An intent
+                self.seq += 1  # numbered before it has rows committed before it, which the
+                seq = self.seq  # blob holds; one numbered after it is kept beside it
+            blob = blob()
         with self.lock:
-            if callable(blob):
-                blob = blob()
             if blob is not None:
                 self.blob = blob
-            if blob is not None:
-                self.seq += 1  # the blob's number; a renewal keeps it
-            answers = self._all({"op": "write", "workflow": self.name,
-                                 "holder": self.holder, "ttl": self.ttl, "seq": self.seq,
-                                 "blob": blob, "handoff": handoff,
-                                 "mac": None if blob is None else
-                                 mac(self.key, self.name, "blob", self.seq, blob)})
-        self._check(answers)
+                if seq is None:
+                    self.seq += 1  # the blob's number; a renewal keeps it
+                    seq = self.seq
+            futures = self._send({"op": "write", "workflow": self.name,
+                                  "holder": self.holder, "ttl": self.ttl,
+                                  "seq": self.seq if seq is None else seq,
+                                  "blob": blob, "handoff": handoff,
+                                  "mac": None if blob is None else
+                                  mac(self.key, self.name, "blob", seq, blob)})
+        self._check(self._wait(futures, self.quorum))
 
     def _prune(self) -> bool:
         """Take out of the set the replicas that did not answer last and whose instance the
@@ -429,11 +490,20 @@ class Replicas:
         with self.lock:
             self.seq += 1
             rows = [list(r) for r in rows]
-            answers = self._all({"op": "intent", "workflow": self.name, "holder": self.holder,
-                                 "ttl": self.ttl, "seq": self.seq, "rows": rows,
-                                 "mac": mac(self.key, self.name, "intent", self.seq,
-                                            _rows_text(rows))})
-        self._check(answers)
+            futures = self._send({"op": "intent", "workflow": self.name, "holder": self.holder,
+                                  "ttl": self.ttl, "seq": self.seq, "rows": rows,
+                                  "mac": mac(self.key, self.name, "intent", self.seq,
+                                             _rows_text(rows))})
+        self._check(self._wait(futures, self.quorum))
+
+    def drop(self) -> int:
+        """Remove this workflow's backup files from every replica that answers (its records
+        are kept elsewhere now: the user's machine copied them), unless another holder's
+        live lease is there. Only the files of :data:`NODE_SCRIPT`'s names are removed, each
+        unlinked (a symlink a task put in one's place is removed, not followed). Returns how
+        many replicas removed them."""
+        answers = self._all({"op": "drop", "workflow": self.name, "holder": self.holder})
+        return sum(isinstance(a, dict) and a.get("ok") is True for a in answers)
 
     def read(self) -> list[dict]:
         """What each replica that answered holds: ``{"node", "found", "holder", "left" (s
@@ -471,4 +541,4 @@ class Replicas:
     def close(self) -> None:
         for r in self.replicas:
             r.close()
-        self.pool.shutdown(wait=False)
+            r.queue.shutdown(wait=False)

@@ -279,10 +279,14 @@ def _spec(state: S.State, name: str) -> dict:
     return row["spec"]
 
 
-def refresh(state: S.State, wid: str, ctl: Controller | None = None) -> dict | None:
-    """Copy the records of a workflow driven by a controller over this file's; when it has
-    ended there, its log copies and outputs too, and close the link. Returns the
-    controller's ``{"driven", "lost", "status"}``, or None for a workflow with no open link.
+def refresh(state: S.State, wid: str, ctl: Controller | None = None,
+            usage: bool = False) -> dict | None:
+    """Copy the records of a workflow driven by a controller over this file's, and the cost
+    ledger's rows of its cluster (:func:`_take_ledger`); with ``usage``, also the
+    utilisation samples of its cluster's nodes taken since the last copy (``hyper top``,
+    ``hyper ui``); when it has ended there, its log copies and outputs too, and close the
+    link. Returns the controller's ``{"driven", "lost", "status"}``, or None for a workflow
+    with no open link.
 
     Raises:
         Unreachable: the controller does not answer.
@@ -295,13 +299,20 @@ def refresh(state: S.State, wid: str, ctl: Controller | None = None) -> dict | N
     if own:
         ctl = connect(_spec(state, link["name"]))
     try:
-        out = ctl.request("export", wid)
+        since = link.get("samples_at") or 0.0
+        out = ctl.request("export", wid, *([repr(float(since))] if usage else []))
         ended = out["export"]["workflow"]["status"] not in ("running", "cancelling")
         if ended:
             _copy_files(state, wf, ctl.request("logs", wid, raw=True, timeout=600))
         spec = dict(wf.get("spec") or {})
-        if ended:
-            spec["controller"] = {**link, "done": True}
+        spec["controller"] = {**link, "done": True} if ended else dict(link)
+        names = {n["name"] for n in state.nodes(wf["cluster"])}
+        samples = [r for r in out.get("samples") or [] if r.get("node") in names
+                   and isinstance(r.get("ts"), (int, float)) and isinstance(r.get("data"), dict)]
+        if samples:  # the next copy asks for the ones after these
+            spec["controller"]["samples_at"] = max(r["ts"] for r in samples) + 1e-6
+            state.add_samples(samples)
+        _take_ledger(state, wf["cluster"], out.get("ledger") or [])
         state.import_workflow(_as_planned(state, wid, out["export"]), nodes=False,
                               driver_pid=None, detached=0, spec=json.dumps(spec))
         if ended:  # a cloud controller may now remove itself when idle
@@ -314,6 +325,20 @@ def refresh(state: S.State, wid: str, ctl: Controller | None = None) -> dict | N
             ctl.close()
     return {"driven": out["driven"], "lost": out["lost"],
             "status": out["export"]["workflow"]["status"]}
+
+
+def _take_ledger(state: S.State, cluster: str, rows: list[dict]) -> None:
+    """Add here the cost ledger's rows of ``cluster`` that a controller has (instances it
+    launched: replacements, pool nodes), and the ends it recorded (``hyper cost``). A row
+    recorded here already keeps its launch; an end recorded here is never overwritten."""
+    for r in rows:
+        if not isinstance(r, dict) or r.get("cluster") != cluster or not r.get("instance_id"):
+            continue
+        state.ledger_launch(cluster, str(r.get("node")), str(r["instance_id"]), r)
+        if r.get("ended_at") is not None:
+            state.ledger_end_instances(r.get("cloud") or "", [str(r["instance_id"])],
+                                       at=float(r["ended_at"]),
+                                       reason=r.get("end_reason") or "down")
 
 
 def _copy_files(state: S.State, wf: dict, data: bytes) -> None:
@@ -354,15 +379,34 @@ def refreshed(state: S.State, wid: str, note: Callable[[str], None]) -> None:
              "takes it over")
 
 
-def refresh_all(state: S.State, note: Callable[[str], None] = lambda s: None) -> None:
-    """:func:`refresh` every workflow with an open link; one that cannot be refreshed is
-    named through ``note`` and shown as last known."""
-    for wf in state.workflows():
-        if link_of(wf) is not None:
+def refresh_all(state: S.State, note: Callable[[str], None] = lambda s: None, *,
+                usage: bool = False, conns: dict | None = None) -> None:
+    """:func:`refresh` every workflow with an open link (with ``usage``: and the samples of
+    its nodes); one that cannot be refreshed is named through ``note`` and shown as last
+    known. ``conns``: controller name → :class:`Controller`, the connections to use and keep
+    open for the next call (``hyper top`` and ``hyper ui`` refresh every few seconds over
+    one connection per controller); the caller closes them. Without it, one connection per
+    controller is opened and closed here."""
+    own = conns is None
+    conns = {} if own else conns
+    try:
+        for wf in state.workflows():
+            link = link_of(wf)
+            if link is None:
+                continue
             try:
-                refresh(state, wf["id"])
+                if link["name"] not in conns:
+                    conns[link["name"]] = connect(_spec(state, link["name"]))
+                refresh(state, wf["id"], conns[link["name"]], usage=usage)
             except HyperError as e:
+                bad = conns.pop(link["name"], None)  # opened again next time
+                if bad is not None:
+                    bad.close()
                 note(f"{wf['id']}: states as last copied here ({e})")
+    finally:
+        if own:
+            for c in conns.values():
+                c.close()
 
 
 def cancel(state: S.State, ref: str) -> tuple[str, int] | None:

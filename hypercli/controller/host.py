@@ -7,9 +7,10 @@ one SSH connection (:mod:`hypercli.controller.client`). The service (``serve``) 
 per controller home, holding an flock on ``locks/controller.lock`` (its pid inside), started
 in a session of its own so the SSH connection that started it may end. It drives every
 workflow of its state file whose lease it holds, each in a thread with a
-:class:`~hypercli.scheduler.Scheduler` over a :class:`BackedState`: every write transaction,
-once committed and *before* the scheduler acts on it (launches are recorded before they are
-sent), is written to the replicas (:mod:`hypercli.controller.backup`), so whoever takes the
+:class:`~hypercli.scheduler.Scheduler` over a :class:`BackedState`: the attempts a committed
+transaction is about to launch are written to the replicas (:mod:`hypercli.controller.backup`)
+before their launch is sent (a group commit, :class:`_Intents`: the node threads wait, not the
+scheduler), the whole records within FLUSH_EVERY s of any change, so whoever takes the
 workflow over knows every attempt that may have started. A lease it loses (another driver took
 the workflow) stops that thread at once, leaving the tasks running. It exits after IDLE_EXIT s
 with nothing to drive.
@@ -42,6 +43,9 @@ LOOK_EVERY = 0.5  #: s between looks for workflows to drive
 RENEW_EVERY = LEASE_TTL / 4  #: s between lease renewals of a workflow being driven
 #: s at most between a change that launches nothing and its backup (several go in one)
 FLUSH_EVERY = 1.0
+#: s at most that a node thread which reported ends waits for the launches answering them
+#: (twice the intents' moving time: the scheduler's launch_delay), before it polls again
+MAX_DELAY = 0.25
 
 log = logging.getLogger("hypercli.controller")
 
@@ -49,8 +53,8 @@ log = logging.getLogger("hypercli.controller")
 class BackedState(S.State):
     """A state file whose every committed write transaction is followed by
     ``after_commit(must, rows)``: ``rows`` are the attempts the transaction recorded as
-    about to be launched (``start_attempts`` rows), which must be backed up before the
-    caller goes on (write-ahead); ``must`` is True for the first transaction, whose whole
+    about to be launched (``start_attempts`` rows), which must be backed up before they are
+    launched (write-ahead); ``must`` is True for the first transaction, whose whole
     records must be; other changes may be written a moment later, several at once. An
     exception from it reaches the writer (the scheduler stops)."""
 
@@ -75,6 +79,85 @@ class BackedState(S.State):
             must, self.must = self.must, False
             rows, self.rows = self.rows, []
             self.after_commit(must, rows)
+
+
+class _Batch:
+    """One group of launch intents: ``done`` is set once they are on a majority of the
+    replicas, or ``error`` says why they are not."""
+
+    def __init__(self):
+        self.done = threading.Event()
+        self.error: HyperError | None = None
+
+
+class _Intents(threading.Thread):
+    """Group commit of launch intents (Gray and Reuter, *Transaction Processing*, 1993,
+    section 9.4.7; the DeWitt et al. group commit of 1984): the rows recorded while one
+    append is on its way to the replicas go together in the next one, so the replicas' time
+    per append (a round trip, an fsync on each) is shared by every launch placed meanwhile,
+    and the scheduler never waits for it. A launch waits for its batch in its node's thread
+    (:func:`_gated`) before it is sent: still write-ahead."""
+
+    def __init__(self, replicas: Replicas, failed, took):
+        super().__init__(name="intents", daemon=True)
+        self.replicas, self.failed, self.took = replicas, failed, took
+        self.cv = threading.Condition()
+        self.rows: list = []
+        self.batch = _Batch()
+        self.stopping = False
+
+    def add(self, rows: list) -> _Batch:
+        """Queue ``rows`` (``State.start_attempts`` rows); returns the batch they go in."""
+        with self.cv:
+            self.rows += rows
+            self.cv.notify()
+            return self.batch
+
+    def stop(self) -> None:
+        with self.cv:
+            self.stopping = True
+            self.cv.notify()
+
+    def run(self) -> None:
+        while True:
+            with self.cv:
+                while not self.rows and not self.stopping:
+                    self.cv.wait()
+                if not self.rows:
+                    return
+                rows, batch = self.rows, self.batch
+                self.rows, self.batch = [], _Batch()
+            began = time.monotonic()
+            try:
+                self.replicas.intend(rows)
+                self.took(time.monotonic() - began)
+            except HyperError as e:
+                batch.error = e
+                self.failed(e)
+            except Exception as e:  # a bug: nothing of this batch may be launched
+                batch.error = HyperError(f"backing up launches: {e}")
+                self.failed(batch.error)
+            finally:
+                batch.done.set()
+
+
+def _gated(worker, gates: dict) -> None:
+    """Make ``worker`` (a scheduler's NodeWorker) send a launch only once its attempts'
+    intents are on a majority of the replicas (``gates``: attempt id → :class:`_Batch`); a
+    launch whose batch failed is not sent (the drive stops, and the next one launches it
+    from the records: the agent's launch is idempotent per attempt id)."""
+    handle = worker._handle
+
+    def gated(op, payload):
+        if op == "launch":
+            for spec in payload:
+                batch = gates.pop(spec["id"], None)
+                if batch is not None:
+                    batch.done.wait()
+                    if batch.error is not None:
+                        return False
+        return handle(op, payload)
+    worker._handle = gated
 
 
 def lease_of(wf: dict) -> dict:
@@ -237,17 +320,24 @@ def ensure_service() -> int:
     return service_pid() or p.pid
 
 
-def export(wid: str) -> dict:
+def export(wid: str, since: float | None = None) -> dict:
     """``{"export": the workflow's records, "driven": True while the service is alive and
-    holds its lease, "lost": why its lease was lost, or None}``."""
+    holds its lease, "lost": why its lease was lost, or None, "ledger": the cost ledger's
+    rows of its cluster (instances launched here too), "samples": the utilisation samples
+    of its cluster's nodes and their attempts taken at ``since`` (unix s) or later, oldest
+    first ([] when ``since`` is None)}``."""
     state = S.State()
     try:
         wf = state.workflow(wid)
         lease = lease_of(wf)
         if wf["status"] in ("running", "cancelling") and lease and not lease.get("lost"):
             ensure_service()  # a service that died is started again, as the driver is
+        samples = [] if since is None else sorted(
+            (s for n in state.nodes(wf["cluster"])
+             for s in state.samples(node=n["name"], since=since)), key=lambda s: s["ts"])
         return {"export": state.export_workflow(wid), "lost": lease.get("lost"),
-                "driven": bool(service_pid()) and not lease.get("lost")}
+                "driven": bool(service_pid()) and not lease.get("lost"),
+                "ledger": state.ledger(wf["cluster"]), "samples": samples}
     finally:
         state.close()
 
@@ -347,13 +437,14 @@ class _Drive(threading.Thread):
 
     def run(self) -> None:
         from hypercli.cluster import provider_of
-        from hypercli.scheduler import Scheduler
         plain = S.State()
         try:
             wf = plain.workflow(self.wid)
             provider = provider_of(plain, wf["cluster"])
             self.replicas = _replicas(plain, wf, provider)
             dirty = threading.Event()
+            ended = threading.Event()  # set when the drive ends: the last blob goes now
+            took = [0.0]  # s an intent takes to reach a majority (moving average)
 
             def write(st: S.State) -> None:
                 try:
@@ -369,21 +460,42 @@ class _Drive(threading.Thread):
                     dirty.clear()  # this write takes every change so far
                     write(state)
                     return
-                if rows:
-                    try:
-                        self.replicas.intend(rows)
-                    except LeaseLost as e:
-                        self._lost(str(e))
-                        raise
+                if rows:  # sent by the node threads once their batch is backed up
+                    batch = intents.add(rows)
+                    for r in rows:
+                        gates[r[0]] = batch
                 dirty.set()
+
+            def failed(e: HyperError) -> None:
+                if isinstance(e, LeaseLost):
+                    self._lost(str(e))
+                else:
+                    log.warning("%s: launches not backed up, stopping: %s", self.wid, e)
+                    self.stop()
+
+            def took_(s: float) -> None:
+                took[0] = 0.8 * took[0] + 0.2 * s
+                if self.scheduler is not None:  # node threads wait for launches this long
+                    self.scheduler.launch_delay = min(2 * took[0], MAX_DELAY)
+            gates: dict = {}
+            intents = _Intents(self.replicas, failed, took_)
+            intents.start()
 
             def flush() -> None:  # the other changes, a batch at a time, on a connection
                 own = S.State()  # of its own
+                last = 0.0
                 try:
                     while not self.stopping or dirty.is_set():
                         if not dirty.wait(FLUSH_EVERY):
                             continue
+                        # one blob a FLUSH_EVERY at most, the changes meanwhile in it: a blob
+                        # is the whole records (O(tasks)), and the replicas' time spent on it
+                        # is time the next launch's intent waits
+                        rest = FLUSH_EVERY - (time.monotonic() - last)
+                        if rest > 0:
+                            ended.wait(rest)
                         dirty.clear()
+                        last = time.monotonic()
                         try:
                             write(own)
                         except HyperError as e:
@@ -399,14 +511,16 @@ class _Drive(threading.Thread):
             flusher.start()
             try:
                 nodes = state.nodes(wf["cluster"], status="up")
-                self.scheduler = Scheduler(state, self.wid, provider, nodes)
+                self.scheduler = _Scheduler(state, self.wid, provider, nodes, gates=gates)
                 if self.stopping:
                     return
                 log.info("driving %s on %d nodes", self.wid, len(nodes))
                 summary = self.scheduler.run()
                 log.info("%s: %s", self.wid, summary.counts)
             finally:
+                intents.stop()
                 self.stopping = True  # the flusher writes what is left, then ends
+                ended.set()
                 flusher.join(timeout=60)
                 if dirty.is_set() and not self.lost:  # changed after the flusher ended
                     try:
@@ -428,6 +542,19 @@ class _Drive(threading.Thread):
             if self.replicas is not None:
                 self.replicas.close()
             plain.close()
+
+
+def _Scheduler(*args, gates: dict, **kw):
+    """A :class:`~hypercli.scheduler.Scheduler` whose node threads, the ones it starts
+    with and those of replacement nodes, send launches as :func:`_gated` says."""
+    from hypercli.scheduler import Scheduler
+
+    class Gated(Scheduler):
+        def _worker(self, n):
+            w = super()._worker(n)
+            _gated(w, gates)
+            return w
+    return Gated(*args, **kw)
 
 
 def _used() -> None:
@@ -453,11 +580,26 @@ def _uncollected(state: S.State) -> bool:
 
 def collected(wid: str) -> dict:
     """Record that the user's machine has copied the records of ended workflow ``wid``
-    (:func:`hypercli.controller.client.refresh`). Returns ``{"workflow"}``."""
+    (:func:`hypercli.controller.client.refresh`), and remove its backups from the replica
+    nodes (:meth:`Replicas.drop`): they are needed no more, and nothing else would remove
+    them. Returns ``{"workflow", "dropped": replicas that removed them}``."""
+    from hypercli.cluster import provider_of
     state = S.State()
     try:
-        _set_spec(state, state.workflow(wid)["id"], collected=True)
-        return {"workflow": wid}
+        wf = state.workflow(wid)
+        _set_spec(state, wf["id"], collected=True)
+        lease, dropped = lease_of(wf), 0
+        if wf["status"] not in ("running", "cancelling") and lease.get("holder") and \
+                not lease.get("lost"):
+            try:
+                reps = _replicas(state, state.workflow(wid), provider_of(state, wf["cluster"]))
+                try:
+                    dropped = reps.drop()
+                finally:
+                    reps.close()
+            except HyperError as e:  # the nodes are gone: so are the backups on them
+                log.warning("%s: backups not removed: %s", wid, e)
+        return {"workflow": wid, "dropped": dropped}
     finally:
         state.close()
 
