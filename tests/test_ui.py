@@ -31,6 +31,7 @@ experiments:
     samples: 8
     command: |
       echo 'line of {{x}}{{kind}} <img src=x onerror="window.__xss=1">'
+      while [ ! -e @GATE@ ]; do sleep 0.05; done
       sleep 0.6
       echo '{"score": '$(( {{x}} * 3 ))'}' >> "$HYPER_METRICS"
 """
@@ -104,7 +105,8 @@ def browser():
 
 def test_dashboard_in_a_browser(browser, hyper_home, tmp_path, hyper):
     js = browser.execute_script
-    (tmp_path / "r.yaml").write_text(RECIPE)
+    gate = tmp_path / "go"  # the tasks end only once the page has shown the run
+    (tmp_path / "r.yaml").write_text(RECIPE.replace("@GATE@", str(gate)))
     run = subprocess.Popen([*hyper_cmd(), "run", str(tmp_path / "r.yaml")], cwd=ROOT,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     ui, url = start_ui()
@@ -135,6 +137,7 @@ def test_dashboard_in_a_browser(browser, hyper_home, tmp_path, hyper):
                        "'#workflows tr td:nth-child(5)')].map(e => e.textContent)")
             if cells:
                 seen.append(cells[0])
+                gate.touch()
             return seen and seen[-1] == f"{TASKS}/{TASKS}"
         wait_for(done_counts, timeout=60, interval=0.2, what="the workflow done on the page")
         assert seen[0] != seen[-1], seen  # the page followed the run as it advanced
