@@ -177,6 +177,13 @@ LONG_FILES = ("test_engines.py", "test_recipes.py", "test_checkpoint_ssh.py",
               "test_pools.py", "test_cloud_e2e.py")
 
 
+def pytest_configure(config):
+    """pytest-xdist's ``--dist loadfile`` hands out the files with the most tests first
+    unless told not to (``--no-loadscope-reorder``): keep the order set below instead."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(config, items):
     """Run :data:`LONG_FILES` first, in that order; every other test keeps its place."""
     rank = {name: i for i, name in enumerate(LONG_FILES)}
