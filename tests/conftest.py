@@ -172,9 +172,9 @@ def _cmdline(pid: int) -> str:
 #: first: they run before all others, so that with ``-n 2 --dist loadfile`` (pytest-xdist
 #: hands out whole files in collection order) the short files fill in around them instead
 #: of one process running a long file alone at the end
-LONG_FILES = ("test_engines.py", "test_recipes.py", "test_checkpoint_ssh.py",
-              "test_controller_cloud.py", "test_controller.py", "test_bucket_mounts.py",
-              "test_pools.py", "test_cloud_e2e.py")
+LONG_FILES = ("test_engines.py", "test_recipes.py", "test_gang_ssh.py", "test_ssh.py",
+              "test_controller.py", "test_cloud_e2e.py", "test_pools.py",
+              "test_cli_defects.py", "test_checkpoint_ssh.py", "test_bucket_mounts.py")
 
 
 def pytest_configure(config):
