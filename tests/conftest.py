@@ -168,6 +168,28 @@ def _cmdline(pid: int) -> str:
         return "?"
 
 
+#: the test files that take longest (minutes each on 2 cores, from ``--durations``), longest
+#: first: they run before all others, so that with ``-n 2 --dist loadfile`` (pytest-xdist
+#: hands out whole files in collection order) the short files fill in around them instead
+#: of one process running a long file alone at the end
+LONG_FILES = ("test_engines.py", "test_recipes.py", "test_gang_ssh.py", "test_ssh.py",
+              "test_controller.py", "test_cloud_e2e.py", "test_pools.py",
+              "test_cli_defects.py", "test_checkpoint_ssh.py", "test_bucket_mounts.py")
+
+
+def pytest_configure(config):
+    """pytest-xdist's ``--dist loadfile`` hands out the files with the most tests first
+    unless told not to (``--no-loadscope-reorder``): keep the order set below instead."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items):
+    """Run :data:`LONG_FILES` first, in that order; every other test keeps its place."""
+    rank = {name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """Keep each phase's report on the item (``rep_call``) for fixtures' teardown."""

@@ -35,8 +35,11 @@ def cloud(request, monkeypatch, tmp_path):
         request.addfinalizer(mock.stop)
         import boto3
         from hypercli.providers.aws import AWSAPI
-        image = boto3.client("ec2", region_name="us-east-1").describe_images(
-            Owners=["amazon"])["Images"][0]["ImageId"]
+        # an image of its own, not one of moto's default catalogue: moto keeps its backends
+        # across mocks in one process (getmoto/moto#6592), so whether that catalogue is
+        # loaded depends on the tests this process ran before (MOTO_EC2_LOAD_DEFAULT_AMIS)
+        image = boto3.client("ec2", region_name="us-east-1").register_image(
+            Name="hyper-contract", Architecture="x86_64")["ImageId"]
         return AWSAPI("us-east-1"), CloudSpec(region="us-east-1", instance_type="m5.large",
                                               image=image, **base)
     if name == "gcp":

@@ -170,7 +170,7 @@ def test_engine_recipes_featurize_with_spark_and_ray(hyper_home, hyper, tmp_path
     and Spark's Python workers, their bin folder is on PATH after this Python's (the local
     provider puts hypercli's own first): every image featurized once, the same features from
     both engines."""
-    from test_engines import ENGINES, PY, need_engines
+    from test_engines import ENGINES, JAVA_OPTS, PY, need_engines
     need_engines()
     images, ds, mnt = tmp_path / "images", tmp_path / "dataset", tmp_path / "mnt"
     subprocess.run([sys.executable, ROOT / "recipes" / "inference" / "make_images.py", images],
@@ -184,7 +184,8 @@ def test_engine_recipes_featurize_with_spark_and_ray(hyper_home, hyper, tmp_path
             recipe = yaml.safe_load(path.read_text())
             for exp in recipe["experiments"].values():
                 exp["command"] = exp["command"].replace("python3 ", f"{PY} ")
-                exp["env"] = dict(exp.get("env") or {}, PYSPARK_PYTHON=str(PY))
+                exp["env"] = dict(exp.get("env") or {}, PYSPARK_PYTHON=str(PY),
+                                 JAVA_TOOL_OPTIONS=JAVA_OPTS)
             path.write_text(yaml.safe_dump(recipe))
             r = hyper("run", path, timeout=300)
             assert r.returncode == 0, r.stdout + r.stderr
