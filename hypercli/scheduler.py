@@ -1139,7 +1139,20 @@ class Scheduler:
         Raises:
             InfraError: every node of the cluster was lost with work left to do.
         """
-        self.state.set_workflow(self.wid, driver_pid=os.getpid(), status="running")
+        with self.state.tx():  # under the lock `hyper cancel` takes to mark it
+            before = self.state.workflow(self.wid)["status"]
+            if before not in ("cancelling", "cancelled"):
+                self.state.set_workflow(self.wid, driver_pid=os.getpid(), status="running")
+            elif before == "cancelling":  # its first look for cancels finishes the cancel
+                self.state.set_workflow(self.wid, driver_pid=os.getpid())
+        if before == "cancelled":
+            # cancelled after this driver was handed it but before it began (a detached
+            # workflow's background driver starting late): never driven, and the cancel's
+            # record is left as it is, not turned back into a running workflow
+            summary = Summary(self.wid, interrupted="cancel", exit_code=1)
+            for t in self.state.tasks(self.wid):
+                summary.counts[t["status"]] = summary.counts.get(t["status"], 0) + 1
+            return summary
         stop_checkpoints = self.state.checkpoint_in_background()
         interrupted = self.interrupted
         old = {}

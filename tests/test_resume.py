@@ -252,6 +252,27 @@ def test_a_task_cancelled_by_another_process_is_never_placed(hyper_home, write_r
     assert state.attempts(wid, "work-0000") == []
 
 
+def test_a_workflow_cancelled_before_its_driver_begins_stays_cancelled(hyper_home,
+                                                                      write_recipe, tmp_path):
+    """`hyper cancel` of a workflow whose driver has not begun yet (a detached workflow's
+    background driver starting late): the driver does not turn it back into a running
+    workflow nor launch anything; the cancel's record is kept as it was."""
+    from hypercli.stop import cancel_workflow
+    recipe, _ = gated(tmp_path)  # never opened: a task launched would never end
+    state = State()
+    wid, _, provider, nodes, lock = prepare_run(state, str(write_recipe(recipe)))
+    try:
+        cancel_workflow(state, wid, provider)
+        recorded = state.workflow(wid)
+        summary = Scheduler(state, wid, provider, nodes).run()
+    finally:
+        lock.release()
+    assert (summary.interrupted, summary.exit_code) == ("cancel", 1)
+    after = state.workflow(wid)
+    assert (after["status"], after["ended_at"]) == ("cancelled", recorded["ended_at"])
+    assert state.attempts(wid) == []
+
+
 def test_down_cancels_a_detached_workflow(hyper_home, write_recipe, tmp_path, hyper):
     path = write_recipe(gated(tmp_path)[0])  # never opened: none ends before `down`
     p = start_run(path, "--on-interrupt", "leave")
@@ -284,3 +305,21 @@ def test_resume_after_a_node_left_the_cluster(hyper_home, write_recipe, tmp_path
     attempts = state.attempts(wid, "work-0000")
     assert [(a["number"], a["status"]) for a in attempts] == [(1, "lost"), (2, "succeeded")]
     assert_each_task_ran_once(hyper_home, wid)
+
+
+def test_a_cancel_left_half_done_is_finished_by_the_next_driver(hyper_home, write_recipe,
+                                                                 tmp_path):
+    """A workflow left ``cancelling`` (the `hyper cancel` that marked it died): the next
+    driver finishes the cancel and launches nothing."""
+    recipe, _ = gated(tmp_path)
+    state = State()
+    wid, _, provider, nodes, lock = prepare_run(state, str(write_recipe(recipe)))
+    try:
+        state.set_workflow(wid, status="cancelling")
+        summary = Scheduler(state, wid, provider, nodes).run()
+    finally:
+        lock.release()
+    assert summary.interrupted == "cancel"
+    assert state.workflow(wid)["status"] == "cancelled"
+    assert {t["status"] for t in state.tasks(wid)} == {"cancelled"}
+    assert state.attempts(wid) == []
