@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from conftest import wait_for
 from hypercli.controller.backup import NODE_SCRIPT, pack, unpack
 from hypercli.errors import RecipeError
 from hypercli.recipe import parse_recipe
@@ -260,8 +261,12 @@ def test_a_backup_planted_by_a_task_on_one_node_neither_blocks_nor_is_taken(tmp_
     ctl = _local_replicas(tmp_path, "controller A", key)
     here = None
     try:
+        def settled():  # a write returns at a majority: the third replica may still be on it
+            wait_for(lambda: all(r.pending == 0 for r in ctl.replicas), timeout=60,
+                     what="every replica's requests answered")
         ctl.write(pack(mine))
         assert key not in unpack(ctl.blob)["workflow"]["spec"]  # never onto a node
+        settled()  # n0 has the controller's files, which the task then writes over
         forged = pack({**mine, "tasks": [{"id": "a-0000", "status": "succeeded"}]})
         node = tmp_path / "n0"  # the node's own files, written by the task
         (node / "far-1.t0.json").write_text(json.dumps(
@@ -273,6 +278,7 @@ def test_a_backup_planted_by_a_task_on_one_node_neither_blocks_nor_is_taken(tmp_
              "mac": "0" * 64}) + "\n")
         ctl.write(pack(mine))  # no LeaseLost: two of three took it
         ctl.intend([("far-1.a-0000.1", "far-1", "a-0000", 1, "n1")])
+        settled()
         here = _local_replicas(tmp_path, "here B", key, ttl=None)
         found = [g for g in here.read() if g["found"]]
         assert {g["node"]: g["holder"] for g in found} == {
