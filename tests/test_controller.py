@@ -222,9 +222,9 @@ def test_run_again_takes_over_from_a_dead_controller(ssh_hosts, tmp_path, hyper,
     assert sorted(starts(workers), key=int) == [str(i) for i in range(9)]  # none twice
 
 
-def test_cancel_is_done_by_the_controller(ssh_hosts, tmp_path, hyper, hyper_home):
-    """`hyper cancel` of a workflow a controller drives cancels it there: its running tasks
-    stop on their nodes, and the records copied here say so."""
+def _handed_over(ssh_hosts, tmp_path, hyper) -> tuple:
+    """(controller host, worker hosts, workflow id): a gated workflow on 2 worker hosts
+    handed to a controller on a third by ``hyper run -d``."""
     hosts = ssh_hosts.start(3, share=(ROOT, PACKAGES))
     controller, workers = hosts[0], hosts[1:]
     path = controller_recipe(tmp_path, ssh_hosts, controller, workers, gate=0)
@@ -232,6 +232,13 @@ def test_cancel_is_done_by_the_controller(ssh_hosts, tmp_path, hyper, hyper_home
     assert r.returncode == 0, r.stdout + r.stderr
     wid = next(line.split()[0] for line in r.stdout.splitlines()
                if "is driven by the controller" in line)
+    return controller, workers, wid
+
+
+def test_cancel_is_done_by_the_controller(ssh_hosts, tmp_path, hyper, hyper_home):
+    """`hyper cancel` of a workflow a controller drives cancels it there: its running tasks
+    stop on their nodes, and the records copied here say so."""
+    controller, workers, wid = _handed_over(ssh_hosts, tmp_path, hyper)
     wait_for(lambda: any(row["status"] == "running" for row in ps(hyper, wid)),
              timeout=300, interval=0.5, what="a task running")
     r = hyper("cancel", wid, timeout=120)
@@ -264,13 +271,7 @@ def test_top_cost_and_ui_show_what_the_controller_knows(ssh_hosts, tmp_path, hyp
     end, the workflow's backups are removed from the nodes."""
     import http.cookiejar
     import time
-    hosts = ssh_hosts.start(3, share=(ROOT, PACKAGES))
-    controller, workers = hosts[0], hosts[1:]
-    path = controller_recipe(tmp_path, ssh_hosts, controller, workers, gate=0)
-    r = hyper("run", path, "-d", "--trust-new-hosts", timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr
-    wid = next(line.split()[0] for line in r.stdout.splitlines()
-               if "is driven by the controller" in line)
+    controller, workers, wid = _handed_over(ssh_hosts, tmp_path, hyper)
     running = wait_for(lambda: sorted(a["task"] for a in attempts_there(controller, wid)
                                       if a["status"] == "running"),
                        timeout=300, interval=0.5, what="tasks running on the controller")
