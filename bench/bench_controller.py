@@ -56,17 +56,24 @@ from sshhosts import HostPool  # noqa: E402
 PACKAGES = sysconfig.get_paths()["purelib"]
 
 
-def one(pool, controller, workers, n: int, on_controller: bool) -> float:
-    from hypercli.state import State
-    home = tempfile.mkdtemp(prefix="bench-ctl-")
+def _recipe(pool, controller, workers, home: str, on_controller: bool, exp: dict) -> Path:
+    """Write ``home``/r.yaml: experiment ``t`` (``exp``) on the ssh cluster of ``workers``,
+    driven by ``controller`` when ``on_controller``; returns its path."""
     cluster = {"provider": "ssh", "hosts": [h.address() for h in workers],
                "identity_file": str(pool.client_key)}
     if on_controller:
         cluster.update(controller=controller.address(), controller_python="/root/py3")
     path = Path(home) / "r.yaml"
     path.write_text(yaml.safe_dump({"name": "b", "workdir": "none", "cluster": cluster,
-                                    "experiments": {"t": {"sampling": "grid", "samples": n,
-                                                          "command": "true"}}}))
+                                    "experiments": {"t": exp}}))
+    return path
+
+
+def one(pool, controller, workers, n: int, on_controller: bool) -> float:
+    from hypercli.state import State
+    home = tempfile.mkdtemp(prefix="bench-ctl-")
+    path = _recipe(pool, controller, workers, home, on_controller,
+                   {"sampling": "grid", "samples": n, "command": "true"})
     cmd = [sys.executable, "-m", "hypercli", "run", str(path), "--trust-new-hosts"]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800,
                        env=dict(os.environ, HYPER_HOME=home, COLUMNS="200"))
@@ -113,15 +120,9 @@ def recovery(on_controller: bool) -> dict:
         hosts = pool.start(4, share=(ROOT, PACKAGES))
         controller, workers = hosts[0], hosts[1:]
         _py3(controller)
-        cluster = {"provider": "ssh", "hosts": [h.address() for h in workers],
-                   "identity_file": str(pool.client_key)}
-        if on_controller:
-            cluster.update(controller=controller.address(), controller_python="/root/py3")
-        path = Path(home) / "r.yaml"
-        path.write_text(yaml.safe_dump({"name": "b", "workdir": "none", "cluster": cluster,
-                                        "experiments": {"t": {
-                                            "parameters": {"i": list(range(6))},
-                                            "retries": 2, "command": RECOVERY_CMD}}}))
+        path = _recipe(pool, controller, workers, home, on_controller,
+                       {"parameters": {"i": list(range(6))}, "retries": 2,
+                        "command": RECOVERY_CMD})
         cmd = [sys.executable, "-m", "hypercli", "run", str(path), "--trust-new-hosts"]
         if on_controller:  # handed over, then nothing of hyper runs here until the end
             subprocess.run(cmd + ["-d"], cwd=ROOT, env=env, check=True, capture_output=True,
