@@ -1214,8 +1214,15 @@ class Scheduler:
             ok = summary.counts.get("succeeded", 0) == len(self.tasks)
             status = "cancelled" if summary.interrupted else ("succeeded" if ok else "failed")
             summary.exit_code = 0 if ok else 1
-            self.state.set_workflow(self.wid, status=status, ended_at=time.time(),
-                                    driver_pid=None)
+            with self.state.tx():
+                stored = self.state.workflow(self.wid)
+                if status == "cancelled" and stored["status"] == "cancelled" \
+                        and stored["ended_at"]:
+                    # `hyper cancel` from another process recorded the end: its time is kept
+                    self.state.set_workflow(self.wid, driver_pid=None)
+                else:
+                    self.state.set_workflow(self.wid, status=status, ended_at=time.time(),
+                                            driver_pid=None)
             self.state.event("workflow", f"{status}: {summary.counts}", workflow=self.wid)
         if progress:
             progress(self)

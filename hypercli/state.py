@@ -727,7 +727,9 @@ class State:
 
     def set_tasks(self, wid: str, updates: list[dict]) -> None:
         """Apply task changes (``id`` + status, metrics, ended_at) in one transaction. A task
-        that has succeeded is never changed to another status."""
+        that has succeeded is never changed to another status, and a change to ``cancelled``
+        applies only to a task not yet ended (a cancel recorded by another process keeps its
+        time)."""
         with self.tx() as db:
             for u in updates:
                 u = dict(u)
@@ -737,6 +739,8 @@ class State:
                 cols = ", ".join(f"{k}=?" for k in u)
                 # a task that succeeded stays succeeded (first success wins; cancel is late)
                 keep = " AND status != 'succeeded'" if u.get("status") != "succeeded" else ""
+                if u.get("status") == "cancelled":  # an ended task's record is left as it is
+                    keep = f" AND status NOT IN ({','.join(repr(s) for s in TERMINAL_TASK)})"
                 db.execute(f"UPDATE tasks SET {cols} WHERE workflow=? AND id=?{keep}",
                            (*u.values(), wid, tid))
 

@@ -9,6 +9,7 @@ import pty
 import select
 import signal
 import subprocess
+import threading
 import time
 
 from conftest import ROOT, hyper_cmd, wait_for
@@ -323,3 +324,50 @@ def test_a_cancel_left_half_done_is_finished_by_the_next_driver(hyper_home, writ
     assert state.workflow(wid)["status"] == "cancelled"
     assert {t["status"] for t in state.tasks(wid)} == {"cancelled"}
     assert state.attempts(wid) == []
+
+
+def test_a_cancel_from_another_process_keeps_its_recorded_times(hyper_home, write_recipe,
+                                                                tmp_path):
+    """`hyper cancel` of a running workflow records the workflow's and its tasks' end; the
+    driver that notices it afterwards stops, and leaves those records as they were (a recorded
+    result is never overwritten by a later command)."""
+    from hypercli.stop import cancel_workflow
+    recipe, _ = gated(tmp_path)  # never opened: the tasks run until cancelled
+    state = State()
+    wid, _, provider, nodes, lock = prepare_run(state, str(write_recipe(recipe)))
+    out = {}
+    try:
+        sched = Scheduler(state, wid, provider, nodes)
+        # the run loop's periodic look for cancels comes only after the whole cancel is
+        # recorded (the look before placing work is left as it is)
+        recorded_whole, placing = threading.Event(), []
+        look, dispatch = sched._cancelled_elsewhere, sched._dispatch
+        sched._cancelled_elsewhere = lambda: (bool(placing) or recorded_whole.is_set()) \
+            and look()
+
+        def placing_dispatch():
+            placing.append(1)
+            try:
+                return dispatch()
+            finally:
+                placing.pop()
+        sched._dispatch = placing_dispatch
+        t = threading.Thread(target=lambda: out.setdefault("summary", sched.run()))
+        t.start()
+        try:
+            wait_for(lambda: len(live_attempts(wid)) == 2, what="two tasks running")
+            other = State()  # another process's view of the state file
+            cancel_workflow(other, wid, provider)
+            recorded = other.workflow(wid)["ended_at"]
+            tasks = {t["id"]: t["ended_at"] for t in other.tasks(wid)}
+        finally:
+            recorded_whole.set()
+            t.join(timeout=60)
+    finally:
+        lock.release()
+    assert not t.is_alive() and out["summary"].interrupted == "cancel"
+    after = state.workflow(wid)
+    assert (after["status"], after["ended_at"]) == ("cancelled", recorded)
+    assert {t["status"] for t in state.tasks(wid)} == {"cancelled"}
+    assert None not in tasks.values() and len(tasks) == 5
+    assert {t["id"]: t["ended_at"] for t in state.tasks(wid)} == tasks
