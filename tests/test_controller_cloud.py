@@ -22,7 +22,8 @@ from test_aws import KEY, REGION, boot, fake_credentials, instance, spec  # noqa
 from test_aws_identity import ADMIN  # noqa: E402
 
 from hypercli.providers.aws import AWSAPI, controller_policy, role_name  # noqa: E402
-from hypercli.providers.cloud import TAG_CLUSTER, TAG_OWNER, CloudSpec, owner  # noqa: E402
+from hypercli.providers.cloud import (TAG_CLUSTER, TAG_OWNER, Boot, CloudSpec,  # noqa: E402
+                                      owner)
 from hypercli.providers.cloud_provider import remove_all  # noqa: E402
 from hypercli.recipe.access import Grant  # noqa: E402
 
@@ -340,3 +341,227 @@ def test_a_cloud_controller_drives_the_workflow_after_the_run_is_killed_and_leav
         booter.join(10)
         imds.__exit__(None, None, None)
         server.stop()
+
+
+# -- GCP and Azure: the controller's identity, checked with its own token against the
+# stand-ins' permission checks (tests/gcpfake.py, tests/azurefake.py: the real SDK clients
+# make the calls; the stand-ins evaluate the bindings and role assignments hypercli made)
+
+GS = (Grant("gs", "outs", "runs", True),)   # the recipe's storage (read/write for nodes)
+AZ = (Grant("az", "acct/outs", "runs", True),)
+
+
+@pytest.fixture
+def gcp(monkeypatch):
+    pytest.importorskip("google.cloud.compute_v1")
+    from gcpfake import ComputeFake
+    fake = ComputeFake()
+    monkeypatch.setenv("HYPER_GCP_ENDPOINT", fake.url)
+    try:
+        yield fake
+    finally:
+        fake.close()
+
+
+@pytest.fixture
+def azure(monkeypatch, tmp_path):
+    pytest.importorskip("azure.mgmt.compute")
+    from azurefake import ArmFake
+    fake = ArmFake(tmp_path)
+    monkeypatch.setenv("HYPER_AZURE_ENDPOINT", fake.url)
+    monkeypatch.setenv("HYPER_AZURE_CA_BUNDLE", str(fake.ca))
+    monkeypatch.delenv("HYPER_AZURE_TOKEN", raising=False)
+    try:
+        yield fake
+    finally:
+        fake.close()
+
+
+def test_the_gcp_controllers_account_drives_the_clusters_it_is_given_and_nothing_else(gcp):
+    """A service account of its own, with the custom roles hyperControllerRead (reads,
+    bound on the project without a condition) and hyperController (what driving does to
+    instances and disks, bound once per cluster under an IAM condition on their names),
+    read on the recipe's bucket prefix. With its token the real Compute client describes,
+    terminates and launches its clusters' instances; another cluster's instance, a
+    firewall rule, IAM (a role, an account, the project's or a bucket's policy) and writes
+    to the storage are refused. A second handover widens it to a second cluster; removing
+    the controller's cluster leaves no account and no binding of it."""
+    from google.auth.credentials import AnonymousCredentials, Credentials
+
+    from test_gcp import launch
+    from test_gcp import spec as gspec
+
+    from hypercli.providers.cloud import CloudError, CredentialsError
+    from hypercli.providers.gcp import (CONTROLLER_PERMISSIONS, CONTROLLER_READ_PERMISSIONS,
+                                        GCPAPI, controller_condition)
+    gcp.add_bucket("outs")
+    api = GCPAPI("proj", "us-central1", credentials=AnonymousCredentials())
+    launch(api, gspec())                                       # c1-0, c1-1: it drives c1
+    launch(api, gspec(cluster="c9", count=1), nodes=("c9-0",))  # not given to it
+    ctl = CloudSpec(cluster="ctl-me", cluster_id="id-ctl", region="us-central1", grants=GS)
+    email = api.controller_identity(ctl, owner(), {"c1": {}})["service_account"]
+    member = f"serviceAccount:{email}"
+    assert email in gcp.service_accounts
+    assert sorted(gcp.roles["hyperController"]["includedPermissions"]) == \
+        CONTROLLER_PERMISSIONS
+    assert sorted(gcp.roles["hyperControllerRead"]["includedPermissions"]) == \
+        CONTROLLER_READ_PERMISSIONS
+    perms = set(CONTROLLER_PERMISSIONS) | set(CONTROLLER_READ_PERMISSIONS)
+    assert all(p.startswith("compute.") for p in perms)
+    assert not {p for p in perms if p.endswith(("setIamPolicy", ".create")) and
+                not p.startswith(("compute.instances.", "compute.disks."))}
+    mine = [b for b in gcp.project_policy["bindings"] if member in b["members"]]
+    assert sorted((b["role"].rsplit("/", 1)[1], (b.get("condition") or {}).get("expression"))
+                  for b in mine) == sorted([
+        ("hyperControllerRead", None),
+        ("hyperController", controller_condition("c1")["expression"]),
+        ("hyperController", controller_condition("ctl-me")["expression"])])
+    assert gcp.allowed(member, "outs", "storage.objects.get", "runs/wf-1/t-0/out")
+    assert not gcp.allowed(member, "outs", "storage.objects.create", "runs/wf-1/t-0/out")
+    assert not gcp.allowed(member, "outs", "storage.objects.get", "elsewhere/x")
+
+    class Tok(Credentials):  # the token its metadata server hands out
+        def refresh(self, request):
+            self.token = "ya29.controller"
+    gcp.tokens["ya29.controller"] = member
+    mine_api = GCPAPI("proj", "us-central1", credentials=Tok())
+    assert sorted(v.node for v in mine_api.describe("c1")) == ["c1-0", "c1-1"]
+    mine_api.terminate("c1", ["c1-0"])
+    assert gcp.instances["us-central1-a"]["c1-0"]["status"] == "STOPPING"
+    node_sa = next(iter(gcp.service_accounts))  # a replacement runs as a node's account
+    boot = Boot({"c1-2": "#cloud-config\n"}, "root", "ssh-ed25519 AAAA k")
+    [vm], errors = mine_api.create(gspec(), ["c1-2"], boot, {
+        "network_tag": "hyper-c1", "service_account": node_sa})
+    assert errors == {} and vm.node == "c1-2"
+    beyond = {
+        "delete another cluster's instance": lambda: mine_api.instances.delete_unary(
+            project="proj", zone="us-central1-a", instance="c9-0"),
+        "launch outside its clusters": lambda: mine_api.create(
+            gspec(cluster="c9"), ["c9-1"], Boot({"c9-1": "#cloud-config\n"}, "root", "k"),
+            {"network_tag": "hyper-c9", "service_account": node_sa}),
+        "open a firewall rule": lambda: mine_api._firewall(__import__(
+            "google.cloud.compute_v1", fromlist=["Firewall"]).Firewall(
+            name="hyper-evil", network="global/networks/default", source_ranges=["0.0.0.0/0"],
+            allowed=[{"I_p_protocol": "all"}])),
+        "widen its own role": lambda: mine_api._rest(
+            "PATCH", f"{gcp.url}/v1/projects/proj/roles/hyperController?updateMask="
+            "includedPermissions", "x", {"includedPermissions": ["iam.roles.update"]}),
+        "bind itself in the project": lambda: mine_api._rest(
+            "POST", f"{gcp.url}/v1/projects/proj:setIamPolicy", "x",
+            {"policy": {"bindings": [{"role": "roles/owner", "members": [member]}]}}),
+        "make a service account": lambda: mine_api._rest(
+            "POST", f"{gcp.url}/v1/projects/proj/serviceAccounts", "x",
+            {"accountId": "evil-account"}),
+        "bind itself on the bucket": lambda: mine_api._rest(
+            "PUT", f"{gcp.url}/storage/v1/b/outs/iam", "x", {"bindings": []}),
+    }
+    for what, call in beyond.items():
+        try:
+            made = call()
+        except Exception as e:  # CredentialsError / CloudError, or the client's Forbidden
+            assert isinstance(e, (CredentialsError, CloudError)) or "403" in str(e), (what, e)
+            assert "forbidden" in str(e).lower() or "permission" in str(e).lower(), (what, e)
+        else:
+            assert isinstance(made, tuple) and made[0] == [] and made[1], what  # create
+    assert gcp.instances["us-central1-a"]["c9-0"]["status"] == "RUNNING"
+    assert "c9-1" not in gcp.instances["us-central1-a"] and "hyper-evil" not in gcp.firewalls
+    assert sorted(gcp.roles["hyperController"]["includedPermissions"]) == \
+        CONTROLLER_PERMISSIONS
+    # a later handover: the same account, widened to that cluster too
+    assert api.controller_identity(ctl, owner(), {"c9": {}}) == {"service_account": email}
+    assert mine_api.describe("c9")
+    mine_api.terminate("c9", ["c9-0"])
+    assert gcp.instances["us-central1-a"]["c9-0"]["status"] == "STOPPING"
+    # `hyper down --controller`: its account, its bindings in the project and on the bucket
+    removed = remove_all(api, "ctl-me", timeout=60)
+    assert f"service_account {email}" in removed
+    assert email not in gcp.service_accounts
+    assert not [b for b in gcp.project_policy["bindings"] if member in b["members"]]
+    assert not [b for b in gcp.buckets["outs"]["policy"]["bindings"]
+                if member in b["members"]]
+
+
+def test_the_azure_controllers_identity_acts_in_its_clusters_groups_and_nothing_else(azure):
+    """A user-assigned identity in the controller's own group with the custom role
+    ``controller`` (VMs, disks, NICs, public IPs; no authorization or identity write)
+    assigned on the resource group of each cluster it drives and nowhere else, and
+    ``blob-reader`` on the recipe's container prefix. With its token the real azure-mgmt
+    clients describe and terminate its cluster's VMs; another cluster's VM and group are
+    invisible and refused, as are a role assignment, an identity write and blob writes.
+    A second handover widens it to a second group; removing the controller's cluster
+    leaves no identity and no assignment of it."""
+    import uuid
+
+    from azure.core.credentials import AccessToken
+
+    from test_azure import launch
+    from test_azure import spec as aspec
+
+    from hypercli.providers.azure import ROLES, AzureAPI
+    from hypercli.providers.cloud import CloudError, CredentialsError
+
+    class Tok:
+        def __init__(self, token):
+            self.token = token
+
+        def get_token(self, *scopes, **kw):
+            import time
+            return AccessToken(self.token, int(time.time()) + 3600)
+    azure.add_account("acct")
+    api = AzureAPI("sub-1", "eastus", credential=Tok("token-1"))
+    launch(api, aspec())                                    # group hyper-c1: it drives c1
+    launch(api, aspec(cluster="c9"), nodes=("c9-0",))      # hyper-c9: not given to it
+    ctl = CloudSpec(cluster="ctl-me", cluster_id="id-ctl", region="eastus", grants=AZ)
+    rid = api.controller_identity(ctl, owner(), {"c1": {}})["identity"]
+    assert "/resourceGroups/hyper-ctl-me/" in rid
+    principal = azure.res[rid.lower()]["properties"]["principalId"]
+    guid = str(uuid.uuid5(uuid.NAMESPACE_URL, "hypercli|sub-1|controller"))
+    [perm] = azure.role_defs[guid]["permissions"]
+    assert sorted(perm["actions"]) == sorted(ROLES["controller"][0]) and not perm["dataActions"]
+    assert not [a for a in perm["actions"] if a.startswith("Microsoft.Authorization/")
+                or a.endswith("userAssignedIdentities/write")]
+    held = {(a["properties"]["scope"], a["properties"]["roleDefinitionId"].rsplit("/", 1)[1])
+            for a in azure.assignments.values() if a["properties"]["principalId"] == principal}
+    reader = str(uuid.uuid5(uuid.NAMESPACE_URL, "hypercli|sub-1|blob-reader"))
+    assert held == {("/subscriptions/sub-1/resourceGroups/hyper-c1", guid),
+                    (azure.accounts["acct"] + "/blobServices/default/containers/outs", reader)}
+    assert azure.allowed(principal, "acct", "outs", "read", "runs/wf-1/t-0/out")
+    assert not azure.allowed(principal, "acct", "outs", "write", "runs/wf-1/t-0/out")
+    assert not azure.allowed(principal, "acct", "outs", "read", "elsewhere/x")
+
+    azure.principal_tokens["controller-token"] = principal
+    mine = AzureAPI("sub-1", "eastus", credential=Tok("controller-token"))
+    assert sorted(v.node for v in mine.describe("c1")) == ["c1-0", "c1-1"]
+    assert mine.describe("c9") == []  # its group is not one it may read
+    mine.terminate("c1", ["c1-0"])
+    azure.wait()
+    assert azure.vm("hyper-c1", "c1-0") is None
+    vms = mine.compute.virtual_machines
+    beyond = {
+        "delete another cluster's VM": lambda: vms.begin_delete("hyper-c9", "c9-0").result(),
+        "delete another cluster's group": lambda: mine.rm.resource_groups.begin_delete(
+            "hyper-c9").result(),
+        "give itself a role": lambda: mine._assign(
+            "/subscriptions/sub-1", guid, principal, None),
+        "make an identity": lambda: mine._arm(
+            "PUT", "/subscriptions/sub-1/resourceGroups/hyper-c1/providers/Microsoft."
+            "ManagedIdentity/userAssignedIdentities/evil?api-version=2023-01-31", "x",
+            {"location": "eastus"}),
+        "list the storage account's keys": lambda: mine._arm(
+            "POST", azure.accounts["acct"] + "/listKeys?api-version=2023-01-01", "x"),
+    }
+    for what, call in beyond.items():
+        with pytest.raises((CredentialsError, CloudError, Exception),
+                           match="AuthorizationFailed|may not"):
+            call()
+            pytest.fail(what)
+    assert azure.vm("hyper-c9", "c9-0") is not None and "hyper-c9" in azure.groups
+    # a later handover: the same identity, widened to that cluster's group too
+    assert api.controller_identity(ctl, owner(), {"c9": {}}) == {"identity": rid}
+    assert sorted(v.node for v in mine.describe("c9")) == ["c9-0"]
+    # `hyper down --controller`: its assignments, then its group with the identity
+    remove_all(api, "ctl-me", timeout=60)
+    azure.wait()
+    assert "hyper-ctl-me" not in azure.groups and rid.lower() not in azure.res
+    assert not [a for a in azure.assignments.values()
+                if a["properties"]["principalId"] == principal]

@@ -146,6 +146,19 @@ TAG_CLUSTER_ID = "hyper:cluster-id"  # the identity tag of the cluster a group w
 ROLES = {
     "self-delete": (["Microsoft.Compute/virtualMachines/read",
                      "Microsoft.Compute/virtualMachines/delete"], []),
+    # a controller's identity (AzureAPI.controller_identity), on its clusters' groups only
+    "controller": (["Microsoft.Compute/virtualMachines/*", "Microsoft.Compute/disks/*",
+                    "Microsoft.Network/networkInterfaces/*",
+                    "Microsoft.Network/publicIPAddresses/*",
+                    "Microsoft.Network/virtualNetworks/read",
+                    "Microsoft.Network/virtualNetworks/subnets/read",
+                    "Microsoft.Network/virtualNetworks/subnets/join/action",
+                    "Microsoft.Network/networkSecurityGroups/read",
+                    "Microsoft.Network/networkSecurityGroups/join/action",
+                    "Microsoft.ManagedIdentity/userAssignedIdentities/read",
+                    "Microsoft.ManagedIdentity/userAssignedIdentities/assign/action",
+                    "Microsoft.Resources/subscriptions/resourceGroups/read",
+                    "Microsoft.Resources/subscriptions/resourceGroups/resources/read"], []),
     "blob-reader": ([], [f"{BLOB}/read"]),
     "blob-writer": ([], [f"{BLOB}/read", f"{BLOB}/write", f"{BLOB}/add/action",
                          f"{BLOB}/delete"]),
@@ -189,6 +202,12 @@ def identity_name(spec: CloudSpec) -> str:
     valid managed identity name (``[A-Za-z0-9][A-Za-z0-9_-]{2,127}``)."""
     return re.sub(r"[^A-Za-z0-9_-]", "-", f"hyper-{spec.cluster}")[:110] + \
         f"-{spec.tag}-storage"
+
+
+def controller_identity_name(spec: CloudSpec) -> str:
+    """The name of a controller's identity: ``hyper-<cluster>-<tag>-controller`` (as
+    :func:`identity_name`; ``spec.cluster`` is the controller's cluster)."""
+    return identity_name(spec)[:-len("-storage")] + "-controller"
 
 
 def vm_name(text: str) -> str:
@@ -694,6 +713,79 @@ class AzureAPI:
         self._set_assignments(principal, wanted)
         return {"identity": rid,
                 "node_env": {"AZURE_CLIENT_ID": made["properties"]["clientId"]}}
+
+    def controller_identity(self, spec: CloudSpec, owner_tag: str,
+                            clusters: dict | None = None) -> dict:
+        """Make or update, idempotently, the identity of a controller instance
+        (:mod:`hypercli.controller`; ``spec.cluster`` is the controller's cluster, whose
+        group is made here if missing): the user-assigned identity
+        :func:`controller_identity_name` in that group, with the custom role ``controller``
+        (:data:`ROLES`: VMs, their disks, NICs and public IPs, joining the cluster's subnet
+        and security group, assigning the cluster's storage identity to a VM; no role
+        assignment, no identity write) assigned on the resource group of each cluster it
+        drives and of nothing else, and ``blob-reader`` on the ``az`` containers of
+        ``spec.grants`` (read only, each limited to its grant's prefix). The groups it was
+        given before are kept (a controller keeps its clusters while it lives); ``hyper
+        down`` of the controller's cluster deletes the assignments and then the group with
+        the identity.
+
+        Args:
+            owner_tag: the user's owner tag (on the identity).
+            clusters: the clusters it drives, name → their ``cluster:`` options (its group:
+                ``resource_group``, default ``hyper-<name>``).
+        Returns:
+            ``{"identity": ARM id}`` for the VM to carry.
+        Raises:
+            CredentialsError: the caller may not make the identity, define the roles or
+                assign them (the message names the permission). IdentityConflict: an
+                identity of that name that is not the controller's own. UsageError: a
+                storage account of the recipe is not in the subscription. CloudError.
+        """
+        rg = spec.resource_group or f"hyper-{spec.cluster}"
+        self._own_group(spec, rg)
+        name = controller_identity_name(spec)
+        rid = (f"/subscriptions/{self.subscription}/resourceGroups/{rg}/providers/"
+               f"Microsoft.ManagedIdentity/userAssignedIdentities/{name}")
+        try:
+            found = self._arm("GET", f"{rid}?api-version={MSI_API}", f"reading {name}")
+        except CloudError as e:
+            if e.code not in ("ResourceNotFound", "NotFound", "404"):
+                raise
+            found = None
+        if found is not None:
+            self._check_identity(spec, rid, found)
+        try:
+            made = self._arm("PUT", f"{rid}?api-version={MSI_API}",
+                             f"creating the managed identity {name}",
+                             {"location": self.region,
+                              "tags": {**self._tags(spec.cluster), TAG_CLUSTER_ID: spec.tag,
+                                       TAG_OWNER: owner_tag}})
+        except CloudError as e:
+            self._refused(e, "Microsoft.ManagedIdentity/userAssignedIdentities/write",
+                          f"create the managed identity {name}")
+            raise
+        principal = made["properties"]["principalId"]
+        roles = self._roles(["controller", "blob-reader"], required=True)
+        sub = f"/subscriptions/{self.subscription}/resourceGroups/"
+        scopes = {f"{sub}{(o or {}).get('resource_group') or f'hyper-{c}'}"
+                  for c, o in (clusters or {}).items()}
+        scopes |= {(ra.get("properties") or {}).get("scope", "") for ra in self._ours(principal)
+                   if (ra.get("properties") or {}).get("roleDefinitionId", "").endswith(
+                       "/" + roles["controller"])}
+        wanted = [(sc, roles["controller"], None) for sc in sorted(scopes) if sc]
+        grants = [g for g in rights(spec.grants) if g.scheme == "az"]
+        accounts = self._account_ids() if grants else {}
+        for g in grants:
+            account, container = g.bucket.split("/", 1)
+            if account not in accounts:
+                raise UsageError(f"storage account {account} (az://{g.bucket}) not found "
+                                 f"in subscription {self.subscription}",
+                                 "check the recipe's storage and mounts")
+            wanted.append((f"{accounts[account]}/blobServices/default/containers/{container}",
+                           roles["blob-reader"],
+                           prefix_condition(g.prefix) if g.prefix else None))
+        self._set_assignments(principal, list(dict.fromkeys(wanted)))
+        return {"identity": rid}
 
     def _client_id(self, rid: str) -> str | None:
         """The client id of a user-assigned identity (for the node's SDK), or None with a
