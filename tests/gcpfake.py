@@ -34,7 +34,8 @@ Compute Engine call only when its member holds the permission that call needs
 project's IAM policy, where a binding's IAM condition is evaluated for the resource's name
 (``resource.name``, ``extract``, ``startsWith``); anything else it asks, of Compute Engine or
 of another API, is refused (HTTP 403 ``forbidden``, ``Required 'compute.instances.delete'
-permission for ...``, as Compute Engine answers).
+permission for ...``, as Compute Engine answers); Resource Manager's
+``testIamPermissions`` answers it the permissions it holds on the project.
 
 Faults: ``fail(zone, fault)`` with ``exhausted`` / ``exhausted-details`` (the insert operation
 ends in ZONE_RESOURCE_POOL_EXHAUSTED[_WITH_DETAILS], HTTP 503), ``quota`` (it ends in
@@ -243,6 +244,10 @@ class ComputeFake(IAMFake):
         the 403 answer: the permission Compute Engine checks (:meth:`compute_permission`)
         held on the instance (its instance-level policy) or in the project's IAM policy
         (:meth:`may_in_project`, IAM conditions evaluated); any other API is refused."""
+        if path == f"/v1/projects/{self.project}:testIamPermissions" and method == "POST":
+            held = [p for p in (body or {}).get("permissions", [])  # anyone may ask
+                    if self.may_in_project(member, p, f"projects/{self.project}")]
+            return 200, {"permissions": held}
         rest = path[len(BASE + self.project) + 1:] if path.startswith(BASE) else path
         perm, resource = self.compute_permission(method, rest, body) \
             if path.startswith(BASE + self.project + "/") else (None, None)

@@ -463,6 +463,8 @@ def test_the_gcp_controllers_account_drives_the_clusters_it_is_given_and_nothing
             assert "forbidden" in str(e).lower() or "permission" in str(e).lower(), (what, e)
         else:
             assert isinstance(made, tuple) and made[0] == [] and made[1], what  # create
+    with pytest.raises(CredentialsError):  # a new node's own account: beyond it (docs)
+        mine_api.prepare(gspec(), "ssh-ed25519 AAAA k")
     assert gcp.instances["us-central1-a"]["c9-0"]["status"] == "RUNNING"
     assert "c9-1" not in gcp.instances["us-central1-a"] and "hyper-evil" not in gcp.firewalls
     assert sorted(gcp.roles["hyperController"]["includedPermissions"]) == \
@@ -555,6 +557,8 @@ def test_the_azure_controllers_identity_acts_in_its_clusters_groups_and_nothing_
                            match="AuthorizationFailed|may not"):
             call()
             pytest.fail(what)
+    with pytest.raises((CredentialsError, CloudError)):  # writing the network: beyond it
+        mine.prepare(aspec(), "ssh-ed25519 AAAA k")
     assert azure.vm("hyper-c9", "c9-0") is not None and "hyper-c9" in azure.groups
     # a later handover: the same identity, widened to that cluster's group too
     assert api.controller_identity(ctl, owner(), {"c9": {}}) == {"identity": rid}
@@ -565,3 +569,140 @@ def test_the_azure_controllers_identity_acts_in_its_clusters_groups_and_nothing_
     assert "hyper-ctl-me" not in azure.groups and rid.lower() not in azure.res
     assert not [a for a in azure.assignments.values()
                 if a["properties"]["principalId"] == principal]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cloud", ["gcp", "azure"])
+def test_a_gcp_or_azure_controller_is_on_demand_labelled_scoped_reused_listed_and_removed(
+        ssh_hosts, tmp_path, hyper_home, hyper, monkeypatch, request, cloud):
+    """On the GCP and Azure stand-ins (the instance booted onto an SSH test host,
+    tests/cloudhosts.py): the controller is the cheapest on-demand offer of the catalog in
+    the recipe's first region, labelled/tagged for its user, running as the controller's
+    own identity (the service account bound as the identity test above shows; the managed
+    identity assigned on the driven cluster's group), with its idle limit; a second
+    workflow reuses it (its identity widened to that cluster); `hyper status` lists it with
+    its cost; `hyper down --controller` leaves nothing of it on the cloud."""
+    import base64
+    import time
+
+    from cloudhosts import Booter, azure_source, gcp_publisher, gcp_source
+
+    from hypercli.controller.client import Controller
+    from hypercli.controller.cloud import ensure, name_of, offers_for
+    from hypercli.offers import catalog as C
+    from hypercli.providers.cloud import label_key
+    from hypercli.state import State
+    monkeypatch.setenv("HYPER_CLOUD_ADDRESSES", str(tmp_path / "addresses.json"))
+    if cloud == "gcp":
+        fake = request.getfixturevalue("gcp")
+        monkeypatch.setenv("GOOGLE_CLOUD_PROJECT", fake.project)
+        fake.add_image("hyper-node-cpu-1-a", {"hyper-image": "node", "hyper-variant": "cpu"},
+                       "2026-06-01T10:00:00.000-07:00")
+        fake.add_bucket("outs")
+        source, publish, region, zone = gcp_source(fake), gcp_publisher(fake), \
+            "us-central1", "us-central1-a"
+    else:
+        fake = request.getfixturevalue("azure")
+        monkeypatch.setenv("HYPER_AZURE_TOKEN", "token")
+        monkeypatch.setenv("AZURE_SUBSCRIPTION_ID", "sub-1")
+        fake.add_image("hyper-node-cpu-1-a", {"hyper:image": "node", "hyper:variant": "cpu"})
+        fake.add_account("acct")
+        source, publish, region, zone = azure_source(fake), None, "eastus", ""
+    # (type, vCPUs, GiB, $/h): too small, the cheapest that fits, and dearer ones
+    rows = {"gcp": [("e2-small", 2, 2, 0.017), ("e2-medium", 2, 4, 0.05),
+                    ("e2-standard-2", 2, 8, 0.067), ("e2-standard-4", 4, 16, 0.134)],
+            "azure": [("Standard_B1s", 1, 1, 0.0104), ("Standard_F2s_v2", 2, 4, 0.05),
+                      ("Standard_D2s_v5", 2, 8, 0.096), ("Standard_D4s_v5", 4, 16, 0.192)]}
+    fits = rows[cloud][1][0]
+    t = C.Table(cloud, read_at=time.time(), source="test")
+    for name, cpus, mem, price in rows[cloud]:
+        t.add({"instance_type": name, "vcpus": str(cpus), "memory_gib": str(mem),
+               "region": region, "zone": zone, "price": str(price),
+               "spot_price": str(price / 4)})
+    C.write(t)
+    [best] = offers_for(cloud, region)[:1]
+    assert best.instance_type == fits  # the cheapest with 2 vCPUs and 4 GiB, on demand
+    hosts = ssh_hosts.start(1)
+    booter = Booter(source, hosts, tmp_path / "addresses.json", publish=publish)
+    booter.start()
+    options = {"region": region, "ssh_cidr": "10.213.0.0/24", "instance_type": rows[cloud][3][0],
+               "spot": True}  # the nodes', not its own
+    name = name_of(cloud)
+    try:
+        state = State()
+        ctl = ensure(state, cloud, options, GS if cloud == "gcp" else AZ,
+                     clusters={"c1": {}}, idle_minutes=7)
+        assert ctl["cloud"]["cluster"] == name
+        [node] = state.nodes(name, status="up")
+        if cloud == "gcp":
+            [inst] = [i for z in fake.instances.values() for i in z.values()]
+            assert inst["scheduling"]["provisioningModel"] == "STANDARD"  # on demand
+            assert inst["machineType"].endswith(f"/{fits}")
+            assert inst["labels"][label_key(TAG_CLUSTER)] == name
+            assert inst["labels"][label_key(TAG_OWNER)] == \
+                __import__("hypercli.providers.gcp", fromlist=["x"]).label_value(owner())
+            [sa] = inst["serviceAccounts"]
+            member = f"serviceAccount:{sa['email']}"
+            assert sa["email"].split("@")[0].endswith(tuple("0123456789abcdef")) and \
+                "controller" in fake.service_accounts[sa["email"]]["description"]
+            held = sorted(((b.get("condition") or {}).get("title", ""))
+                          for b in fake.project_policy["bindings"] if member in b["members"])
+            assert held == ["", "drives c1", f"drives {name}"]
+            doc = {i["key"]: i["value"] for i in inst["metadata"]["items"]}["user-data"]
+        else:
+            [vm] = [r for r in fake.res.values() if r["type"].endswith("/virtualMachines")]
+            assert vm["properties"].get("priority", "Regular") == "Regular"  # on demand
+            assert vm["properties"]["hardwareProfile"]["vmSize"] == fits
+            assert vm["tags"][TAG_CLUSTER] == name and vm["tags"][TAG_OWNER] == owner()
+            [rid] = list(vm["identity"]["userAssignedIdentities"])
+            principal = fake.res[rid.lower()]["properties"]["principalId"]
+            scopes = sorted(a["properties"]["scope"] for a in fake.assignments.values()
+                            if a["properties"]["principalId"] == principal)
+            assert len(scopes) == 2 and scopes[1] == \
+                "/subscriptions/sub-1/resourceGroups/hyper-c1"  # the driven cluster's group
+            assert scopes[0] == fake.accounts["acct"] + "/blobServices/default/containers/outs"
+            doc = base64.b64decode(vm["properties"]["osProfile"]["customData"]).decode()
+        assert '"idle_minutes": 7' in doc  # removes itself when idle
+        c = Controller(ctl)  # reached over SSH with its pinned host key
+        try:
+            assert c.conn.run("echo up").stdout.strip() == b"up"
+        finally:
+            c.close()
+        again = ensure(State(), cloud, options, (), clusters={"c2": {}})
+        assert again["name"] == ctl["name"] and set(again["cloud"]["clusters"]) == {"c1", "c2"}
+        if cloud == "gcp":
+            assert sum(len(z) for z in fake.instances.values()) == 1
+            assert "drives c2" in {(b.get("condition") or {}).get("title") for b in
+                                   fake.project_policy["bindings"] if member in b["members"]}
+        else:
+            assert len([r for r in fake.res.values()
+                        if r["type"].endswith("/virtualMachines")]) == 1
+            assert "/subscriptions/sub-1/resourceGroups/hyper-c2" in {
+                a["properties"]["scope"] for a in fake.assignments.values()
+                if a["properties"]["principalId"] == principal}
+        r = hyper("status", timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        line = next(x for x in r.stdout.splitlines() if x.startswith("controller "))
+        assert ctl["name"] in line and f"{name} $" in line and "$0.0500/h" in line, line
+        r = hyper("down", "--controller", name, timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert f"controller {ctl['name']} removed" in r.stdout, r.stdout
+        if cloud == "gcp":
+            assert fake.instances == {z: {} for z in fake.zones}
+            assert not any(fake.disks.values()) and not fake.firewalls
+            assert not fake.service_accounts
+            assert not [b for b in fake.project_policy["bindings"] if member in b["members"]]
+            assert not [b for b in fake.buckets["outs"]["policy"]["bindings"]
+                        if member in b["members"]]
+        else:
+            fake.wait()
+            assert fake.groups == {} and fake.res == {}
+            assert not [a for a in fake.assignments.values()
+                        if a["properties"]["principalId"] == principal]
+        r = hyper("status", timeout=60)
+        assert "controller " not in r.stdout, r.stdout
+        assert not booter.errors, booter.errors
+        assert node["name"]
+    finally:
+        booter.stopping.set()
+        booter.join(10)
