@@ -31,8 +31,9 @@ other request is the caller's, who may do everything but ``deny``.
 :func:`storage_request` names the permission, bucket and object of a Cloud Storage JSON API
 request, for a proxy that enforces the bucket policies in front of a storage emulator.
 
-Faults: ``races[bucket] = n``: the next n policy reads are each followed by another writer's
-change (the etag read is stale: 412); ``deny`` holds the permissions the caller lacks
+Faults: ``races[bucket] = n`` (``project_races = n`` for the project's policy): the next n
+policy reads are each followed by another writer's change (the etag read is stale: 412, or
+409 ABORTED for the project's); ``deny`` holds the permissions the caller lacks
 (``iam.serviceAccounts.create``,
 ``storage.buckets.setIamPolicy``, ...): such a call is answered 403 with the real body.
 :meth:`IAMFake.allowed` evaluates the bucket policies as Cloud Storage would for one member,
@@ -112,6 +113,7 @@ class IAMFake:
         self.sa_policies: dict[str, dict] = {}  # e-mail → its own IAM policy
         self.tokens: dict[str, str] = {}  # bearer token → member (a node's identity)
         self.project_policy: dict = {"bindings": []}  # the project's IAM policy
+        self.project_races = 0  # project policy reads followed by another writer
 
     def role_permissions(self, role: str) -> set:
         """The permissions of a predefined role known here or a custom role of the project
@@ -217,9 +219,14 @@ class IAMFake:
             if conditional and asked < 3:  # the real API leaves such bindings out: refuse
                 return self._status_error(400, "INVALID_ARGUMENT", "conditional bindings "
                                           "need requestedPolicyVersion 3")
-            return 200, json.loads(json.dumps(dict(
+            answer = json.loads(json.dumps(dict(
                 self.project_policy, version=3 if conditional else 1,
                 etag=self.project_policy.get("etag", "BwYP="))))
+            if self.project_races:  # someone else writes the policy right after
+                self.project_races -= 1
+                self._etag += 1
+                self.project_policy["etag"] = f"BwP{self._etag}="
+            return 200, answer
         if path == f"/v1/projects/{self.project}:setIamPolicy" and method == "POST":
             return self._set_project_policy(body.get("policy") or {})
         if path == f"/v1/projects/{self.project}:testIamPermissions" and method == "POST":

@@ -469,8 +469,13 @@ def test_the_gcp_controllers_account_drives_the_clusters_it_is_given_and_nothing
     assert "c9-1" not in gcp.instances["us-central1-a"] and "hyper-evil" not in gcp.firewalls
     assert sorted(gcp.roles["hyperController"]["includedPermissions"]) == \
         CONTROLLER_PERMISSIONS
-    # a later handover: the same account, widened to that cluster too
+    # a later handover: the same account, widened to that cluster too (while someone else
+    # changes the project's policy between its read and its write: read again, then set)
+    gcp.project_races = 2  # its own-roles check reads the policy first, then the binding
+    n = len(gcp.requests)
     assert api.controller_identity(ctl, owner(), {"c9": {}}) == {"service_account": email}
+    assert [p for m, p, _ in gcp.requests[n:] if p.endswith(":setIamPolicy")] == [
+        "/v1/projects/proj:setIamPolicy"] * 2  # refused once (stale etag), then set
     assert mine_api.describe("c9")
     mine_api.terminate("c9", ["c9-0"])
     assert gcp.instances["us-central1-a"]["c9-0"]["status"] == "STOPPING"

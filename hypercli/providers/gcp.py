@@ -1000,7 +1000,7 @@ class GCPAPI:
             except CloudError as e:
                 self._denied(e, "resourcemanager.projects.setIamPolicy",
                              f"bind the controller's roles in project {self.project}")
-                if e.code not in ("409", "412", "aborted") or attempt == 2:
+                if e.code not in ("alreadyExists", "412") or attempt == 2:  # a concurrent change
                     raise
 
     def _unbind_project(self, email: str) -> None:
