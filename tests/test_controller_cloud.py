@@ -493,8 +493,9 @@ def test_the_azure_controllers_identity_acts_in_its_clusters_groups_and_nothing_
     ``controller`` (VMs, disks, NICs, public IPs; no authorization or identity write)
     assigned on the resource group of each cluster it drives and nowhere else, and
     ``blob-reader`` on the recipe's container prefix. With its token the real azure-mgmt
-    clients describe and terminate its cluster's VMs; another cluster's VM and group are
-    invisible and refused, as are a role assignment, an identity write and blob writes.
+    clients describe, terminate and launch its cluster's VMs (the cluster's network read and
+    joined, not written); another cluster's VM and group are invisible and refused, as are
+    a role assignment, an identity write and blob writes.
     A second handover widens it to a second group; removing the controller's cluster
     leaves no identity and no assignment of it."""
     import uuid
@@ -516,7 +517,7 @@ def test_the_azure_controllers_identity_acts_in_its_clusters_groups_and_nothing_
             return AccessToken(self.token, int(time.time()) + 3600)
     azure.add_account("acct")
     api = AzureAPI("sub-1", "eastus", credential=Tok("token-1"))
-    launch(api, aspec())                                    # group hyper-c1: it drives c1
+    launch(api, aspec(grants=AZ))  # group hyper-c1, with a storage identity: it drives c1
     launch(api, aspec(cluster="c9"), nodes=("c9-0",))      # hyper-c9: not given to it
     ctl = CloudSpec(cluster="ctl-me", cluster_id="id-ctl", region="eastus", grants=AZ)
     rid = api.controller_identity(ctl, owner(), {"c1": {}})["identity"]
@@ -562,8 +563,20 @@ def test_the_azure_controllers_identity_acts_in_its_clusters_groups_and_nothing_
                            match="AuthorizationFailed|may not"):
             call()
             pytest.fail(what)
-    with pytest.raises((CredentialsError, CloudError)):  # writing the network: beyond it
-        mine.prepare(aspec(), "ssh-ed25519 AAAA k")
+    # a replacement node of its cluster: the cluster's network read and joined as it is
+    writes = len(azure.requests)
+    storage = api.prepare(aspec(grants=AZ), "ssh-ed25519 AAAA k")["identity"]
+    as_given = aspec(grants=AZ, identity=storage)  # as the handover gives it (handover_data)
+    prepared = mine.prepare(as_given, "ssh-ed25519 AAAA k")
+    [vm], errors = mine.create(as_given, ["c1-2"], Boot({"c1-2": "#cloud-config\n"}, "root",
+                                                       "ssh-ed25519 AAAA k"), prepared)
+    assert errors == {} and vm.node == "c1-2"
+    assert azure.vm("hyper-c1", "c1-2")["tags"][TAG_OWNER] == owner()
+    assert storage in azure.vm("hyper-c1", "c1-2")["identity"]["userAssignedIdentities"]
+    assert not [p for m, p, _ in azure.requests[writes:] if m == "PUT" and (
+        "networkSecurityGroups" in p or "virtualNetworks" in p)]
+    with pytest.raises((CredentialsError, CloudError)):  # another cluster's: beyond it
+        mine.prepare(aspec(cluster="c9"), "ssh-ed25519 AAAA k")
     assert azure.vm("hyper-c9", "c9-0") is not None and "hyper-c9" in azure.groups
     # a later handover: the same identity, widened to that cluster's group too
     assert api.controller_identity(ctl, owner(), {"c9": {}}) == {"identity": rid}
@@ -711,3 +724,23 @@ def test_a_gcp_or_azure_controller_is_on_demand_labelled_scoped_reused_listed_an
     finally:
         booter.stopping.set()
         booter.join(10)
+
+
+def test_an_azure_clusters_storage_identity_is_handed_to_the_controller_as_it_is(
+        hyper_home, monkeypatch):
+    """The controller may not make or change an identity, so the handover names the
+    cluster's storage identity for its launches to use as it is (as the instance profile
+    on AWS); a cluster without ``az://`` storage has none."""
+    from hypercli.controller.cloud import handover_data
+    from hypercli.providers.azure import identity_name
+    from hypercli.state import State
+    monkeypatch.setenv("AZURE_SUBSCRIPTION_ID", "sub-1")
+    st = State()
+    st.put_cluster("c1", "azure", {"options": {"region": "eastus"},
+                                   "given": [g.as_dict() for g in AZ]})
+    st.put_cluster("c2", "azure", {"options": {"region": "eastus"}, "given": []})
+    name = identity_name(CloudSpec(cluster="c1", cluster_id=st.cluster_uid("c1")))
+    assert handover_data(st, "c1")["identity"] == (
+        "/subscriptions/sub-1/resourceGroups/hyper-c1/providers/Microsoft.ManagedIdentity/"
+        f"userAssignedIdentities/{name}")
+    assert handover_data(st, "c2")["identity"] is None

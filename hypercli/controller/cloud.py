@@ -165,7 +165,9 @@ def handover_data(state: S.State, cluster: str) -> dict:
     """What a controller needs of a cloud cluster beyond a workflow's records
     (:func:`hypercli.controller.client.handover`): ``{"key": its private key, "keys":
     {path under keys/<cluster>/: text} (its key, its nodes' host keys, its places), "owner":
-    the owner tag its resources carry, "iam_role": its instance profile or None}``."""
+    the owner tag its resources carry, "iam_role": its instance profile or None, "identity":
+    its Azure storage identity or None}`` (what the controller's launches use as they are:
+    it may not make or change an identity)."""
     from hypercli.providers.cloud import owner
     from hypercli.providers.cloud_provider import keys_dir
     top = keys_dir(cluster)
@@ -179,8 +181,20 @@ def handover_data(state: S.State, cluster: str) -> dict:
         from hypercli.providers.aws import role_name
         from hypercli.providers.cloud import CloudSpec
         profile = role_name(CloudSpec(cluster=cluster, cluster_id=state.cluster_uid(cluster)))
+    ident = (spec.get("options") or {}).get("identity")
+    if not ident and row.get("provider") == "azure" and any(
+            g.get("scheme") == "az" for g in spec.get("given") or spec.get("grants") or []):
+        import os
+
+        from hypercli.providers.azure import identity_name
+        from hypercli.providers.cloud import CloudSpec
+        rg = (spec.get("options") or {}).get("resource_group") or f"hyper-{cluster}"
+        ident = (f"/subscriptions/{os.environ.get('AZURE_SUBSCRIPTION_ID', '')}/resourceGroups/"
+                 f"{rg}/providers/Microsoft.ManagedIdentity/userAssignedIdentities/"
+                 + identity_name(CloudSpec(cluster=cluster,
+                                           cluster_id=state.cluster_uid(cluster))))
     return {"key": keys.get("id_ed25519", ""), "keys": keys, "owner": owner(),
-            "iam_role": profile}
+            "iam_role": profile, "identity": ident}
 
 
 def remove(state: S.State, ctl: dict) -> list[str]:

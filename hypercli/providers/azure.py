@@ -228,6 +228,14 @@ def prefix_condition(prefix: str) -> str:
             f"(@Request[{BLOB}:prefix] StringStartsWith '{p}'))")
 
 
+def _rules_key(rules) -> list[tuple]:
+    """Security rules in a form to compare (what :meth:`AzureAPI.prepare` writes)."""
+    return sorted((r.name, (r.protocol or "").lower(), r.direction, r.access, r.priority,
+                   r.source_address_prefix, r.source_port_range,
+                   r.destination_address_prefix, r.destination_port_range)
+                  for r in rules or [])
+
+
 def error_class(code: str, message: str) -> type[CloudError]:
     """The hypercli error for an ARM error code and message: CapacityError (try another zone),
     QuotaError (``QuotaExceeded``, or ``OperationNotAllowed`` about a quota) or CloudError."""
@@ -450,7 +458,8 @@ class AzureAPI:
     def prepare(self, spec: CloudSpec, ssh_public_key: str) -> dict:
         """Create or update the group, network security group and virtual network (module
         docstring; the security group's rules are written whole, so a rule added by hand or an
-        old caller address goes).
+        old caller address goes). Each is written only when it is missing or differs, so a
+        caller who may only read and join them (a controller) can launch into the cluster.
 
         Returns:
             ``{"resource_group": name, "nsg": id, "subnet": id, "adopted": bool}`` and what
@@ -476,31 +485,49 @@ class AzureAPI:
             for kind, name in (("networkSecurityGroups", f"hyper-{spec.cluster}-nsg"),
                                ("virtualNetworks", f"hyper-{spec.cluster}-vnet")):
                 self._not_theirs(spec, rg, f"Microsoft.Network/{kind}", name)
-        with _calls("creating the network security group"):
-            nsg = self.net.network_security_groups.begin_create_or_update(
-                rg, f"hyper-{spec.cluster}-nsg", nm.NetworkSecurityGroup(
-                    location=self.region, tags=tags,
-                    security_rules=[
-                        nm.SecurityRule(
-                            name="ssh", protocol="Tcp", direction="Inbound", access="Allow",
-                            priority=SSH_PRIORITY, source_address_prefix=spec.ssh_cidr,
-                            source_port_range="*", destination_address_prefix="*",
-                            destination_port_range="22"),
-                        nm.SecurityRule(
-                            name="cluster", protocol="*", direction="Inbound", access="Allow",
-                            priority=CLUSTER_PRIORITY, source_address_prefix=SUBNET,
-                            source_port_range="*", destination_address_prefix=SUBNET,
-                            destination_port_range="*")]),
-                polling_interval=self.poll).result()
-        with _calls("creating the virtual network"):
-            vnet = self.net.virtual_networks.begin_create_or_update(
-                rg, f"hyper-{spec.cluster}-vnet", nm.VirtualNetwork(
-                    location=self.region, tags=tags,
-                    address_space=nm.AddressSpace(address_prefixes=[VNET_SPACE]),
-                    subnets=[nm.Subnet(name="nodes", address_prefix=SUBNET)]),
-                polling_interval=self.poll).result()
+        rules = [nm.SecurityRule(
+                     name="ssh", protocol="Tcp", direction="Inbound", access="Allow",
+                     priority=SSH_PRIORITY, source_address_prefix=spec.ssh_cidr,
+                     source_port_range="*", destination_address_prefix="*",
+                     destination_port_range="22"),
+                 nm.SecurityRule(
+                     name="cluster", protocol="*", direction="Inbound", access="Allow",
+                     priority=CLUSTER_PRIORITY, source_address_prefix=SUBNET,
+                     source_port_range="*", destination_address_prefix=SUBNET,
+                     destination_port_range="*")]
+        name = f"hyper-{spec.cluster}-nsg"
+        nsg = self._found(lambda: self.net.network_security_groups.get(rg, name))
+        if nsg is None or (nsg.tags or {}) != tags or \
+                _rules_key(nsg.security_rules) != _rules_key(rules):
+            with _calls("creating the network security group"):
+                nsg = self.net.network_security_groups.begin_create_or_update(
+                    rg, name, nm.NetworkSecurityGroup(location=self.region, tags=tags,
+                                                      security_rules=rules),
+                    polling_interval=self.poll).result()
+        name = f"hyper-{spec.cluster}-vnet"
+        vnet = self._found(lambda: self.net.virtual_networks.get(rg, name))
+        if vnet is None or (vnet.tags or {}) != tags or \
+                list(vnet.address_space.address_prefixes or []) != [VNET_SPACE] or \
+                [(x.name, x.address_prefix) for x in vnet.subnets or []] != [("nodes", SUBNET)]:
+            with _calls("creating the virtual network"):
+                vnet = self.net.virtual_networks.begin_create_or_update(
+                    rg, name, nm.VirtualNetwork(
+                        location=self.region, tags=tags,
+                        address_space=nm.AddressSpace(address_prefixes=[VNET_SPACE]),
+                        subnets=[nm.Subnet(name="nodes", address_prefix=SUBNET)]),
+                    polling_interval=self.poll).result()
         return {"resource_group": rg, "nsg": nsg.id, "subnet": vnet.subnets[0].id,
                 "adopted": adopted, **ident}
+
+    @staticmethod
+    def _found(call):
+        """What a get answers, or None when it is not there or cannot be read (the write
+        that follows then says why)."""
+        try:
+            with _calls("reading"):
+                return call()
+        except CloudError:
+            return None
 
     def create(self, spec: CloudSpec, nodes: list[str], boot: Boot,
                prepared: dict) -> tuple[list[VM], dict[str, Exception]]:
