@@ -744,3 +744,33 @@ def test_an_azure_clusters_storage_identity_is_handed_to_the_controller_as_it_is
         "/subscriptions/sub-1/resourceGroups/hyper-c1/providers/Microsoft.ManagedIdentity/"
         f"userAssignedIdentities/{name}")
     assert handover_data(st, "c2")["identity"] is None
+
+
+def test_a_squatted_controller_identity_is_refused_before_it_is_used(gcp, azure):
+    """An account or identity found under the controller's computed name that is not its
+    own (made by someone else; holding a role hypercli did not give it) is refused, with
+    nothing bound to it: every workflow the controller drives would run with its rights."""
+    from google.auth.credentials import AnonymousCredentials
+
+    from test_azure import Token
+
+    from hypercli.providers.azure import AzureAPI, controller_identity_name
+    from hypercli.providers.cloud import IdentityConflict
+    from hypercli.providers.gcp import GCPAPI, account_id
+    ctl = CloudSpec(cluster="ctl-me", cluster_id="id-ctl", region="us-central1")
+    email = f"{account_id(ctl, 'controller')}@proj.iam.gserviceaccount.com"
+    gcp.add_service_account(email)  # someone else's, under that name
+    gcp.project_policy["bindings"].append({"role": "roles/owner",
+                                           "members": [f"serviceAccount:{email}"]})
+    with pytest.raises(IdentityConflict, match="not the controller ctl-me's own"):
+        GCPAPI("proj", "us-central1", credentials=AnonymousCredentials()).controller_identity(
+            ctl, owner(), {"c1": {}})
+    assert [b["role"] for b in gcp.project_policy["bindings"]] == ["roles/owner"]
+    a = AzureAPI("sub-1", "eastus", credential=Token())
+    a.controller_identity(ctl, owner(), {"c1": {}})
+    rid = next(k for k in azure.res if k.endswith(controller_identity_name(ctl).lower()))
+    azure.res[rid]["tags"] = {"made-by": "someone"}  # no longer the controller's own
+    with pytest.raises(IdentityConflict, match="is not cluster ctl-me's own"):
+        a.controller_identity(ctl, owner(), {"c2": {}})
+    assert not [x for x in azure.assignments.values()
+                if x["properties"]["scope"].endswith("/hyper-c2")]
