@@ -20,10 +20,13 @@ header (resource group deletes: a ``Location`` header, as ARM does) that reads `
 on the first read and until ``lro_seconds`` have passed, then ``Succeeded`` (or ``Failed``
 with the error); the change is made when the operation ends, whether anyone polls or not.
 
-A request with a node's token (tests/azureiamfake.py, ``principal_tokens``) may only read or
-delete a VM, change it, run a command on it, or list a storage account's keys where that
-principal's role assignments allow it (403 ``AuthorizationFailed`` otherwise, with ARM's
-text). ``/subscriptions/S/resources`` lists resources of every group (``$filter`` on a tag).
+A request with a principal's token (a node's or a controller's identity:
+tests/azureiamfake.py, ``principal_tokens``) may make a call only where that principal's role
+assignments give the action ARM checks for it (:func:`arm_action`: read, write or delete of a
+resource of a group, a listing of a group, a command on a VM, a storage account's keys; 403
+``AuthorizationFailed`` otherwise, with ARM's text); its listings of the subscription's groups
+and resources hold only what it may read. ``/subscriptions/S/resources`` lists resources of
+every group (``$filter`` on a tag).
 The machines of tests/cloudcatalog.py: Resource SKUs (``providers/Microsoft.Compute/skus``,
 ``$filter=location eq '...'``) and, with no token as the public API, the Retail Prices API
 (``/api/retail/prices``, ``$filter`` of ``eq`` terms, 100 items a page).
@@ -163,6 +166,41 @@ def _check_rules(rules: list[dict]) -> None:
                                    f"invalid Port range. Value provided: {ports}. Value should "
                                    "be an integer OR integer range with '-' delimiter. Valid "
                                    "range 0-65535.")
+
+
+def arm_action(method: str, path: str) -> tuple[str | None, str]:
+    """(the action ARM checks, the resource or scope it checks it on) for a request
+    (learn.microsoft.com/azure/role-based-access-control/resource-provider-operations):
+    ``<namespace>/<type>/read|write|delete`` of a resource of a group (a listing: read on
+    the group), ``.../runCommand/action``, ``.../listKeys/action``, the group's own read and
+    its resources listing; (None, path) for anything else (refused)."""
+    m = re.fullmatch(r"(/subscriptions/[^/]+/resourceGroups/[^/]+)(?:/providers/([^/]+)/"
+                     r"([^/]+)(?:/([^/]+)(?:/([A-Za-z]+))?)?|/(resources))?", path, re.I)
+    if not m:
+        return None, path
+    group = m[1]
+    if m[6]:
+        return "Microsoft.Resources/subscriptions/resourceGroups/resources/read", group
+    if not m[2]:
+        verb = {"GET": "read", "PUT": "write", "PATCH": "write",
+                "DELETE": "delete"}.get(method)
+        return (f"Microsoft.Resources/subscriptions/resourceGroups/{verb}" if verb else None,
+                group)
+    kind = f"{m[2]}/{m[3]}"
+    if not m[4]:
+        return (f"{kind}/read" if method == "GET" else None), group
+    target = f"{group}/providers/{kind}/{m[4]}"
+    if m[5]:
+        sub = m[5].lower()
+        if sub == "runcommand" and method == "POST":
+            return f"{kind}/runCommand/action", target
+        if sub == "listkeys" and method == "POST":
+            return f"{kind}/listKeys/action", target
+        if sub == "instanceview" and method == "GET":
+            return f"{kind}/instanceView/read", target
+        return None, target
+    verb = {"GET": "read", "PUT": "write", "PATCH": "write", "DELETE": "delete"}.get(method)
+    return (f"{kind}/{verb}" if verb else None), target
 
 
 def _ref(obj: dict | None) -> str | None:
@@ -336,8 +374,9 @@ class ArmFake(IdentityFake):
             raise ArmError(401, "InvalidAuthenticationToken", "The access token is invalid.")
         token = auth.split(" ", 1)[1]
         self.tokens.add(token)
-        if token in self.principal_tokens:
-            self._node_request(self.principal_tokens[token], method, url.path.rstrip("/"))
+        reader = self.principal_tokens.get(token)
+        if reader is not None:
+            self._node_request(reader, method, url.path.rstrip("/"))
         if "api-version" not in q:
             raise ArmError(400, "MissingApiVersionParameter",
                            "The api-version query parameter (?api-version=) is required for "
@@ -359,11 +398,12 @@ class ArmFake(IdentityFake):
         if rest == "/providers/microsoft.compute/images":
             return self._page(self.images, base, p, q)
         if rest == "/resourcegroups":
-            return self._page(self._filter_groups(q.get("$filter")), base, p, q)
+            return self._page(self._readable(self._filter_groups(q.get("$filter")), reader),
+                              base, p, q)
         if rest == "/resources":
             return self._page([{k: r[k] for k in ("id", "name", "type", "location", "tags")}
-                               for r in self._filter_groups(q.get("$filter"),
-                                                            list(self.res.values()))],
+                               for r in self._readable(self._filter_groups(
+                                   q.get("$filter"), list(self.res.values())), reader)],
                               base, p, q)
         parts = p.split("/")  # '', subscriptions, S, resourcegroups, G, ...
         if len(parts) < 5 or parts[3].lower() != "resourcegroups":
@@ -422,28 +462,34 @@ class ArmFake(IdentityFake):
         return 200, page, {}
 
     def _node_request(self, principal: str, method: str, path: str) -> None:
-        """Raise 403 unless a node's ``principal`` may make this request (module
-        docstring)."""
-        m = re.fullmatch(r"(/subscriptions/[^/]+/resourceGroups/[^/]+/providers/"
-                         r"Microsoft\.Compute/virtualMachines/[^/]+)(?:/([A-Za-z]+))?", path,
-                         re.I)
-        action = None
-        if m and m[2] is None:
-            action = {"GET": "read", "DELETE": "delete", "PUT": "write",
-                      "PATCH": "write"}.get(method)
-            action = action and f"Microsoft.Compute/virtualMachines/{action}"
-        elif m and m[2].lower() == "runcommand" and method == "POST":
-            action = "Microsoft.Compute/virtualMachines/runCommand/action"
-        elif re.search(r"/providers/Microsoft\.Storage/storageAccounts/[^/]+/listKeys$", path,
-                       re.I) and method == "POST":
-            action = "Microsoft.Storage/storageAccounts/listKeys/action"
-        target = m[1] if m else re.sub(r"/listKeys$", "", path, flags=re.I)
+        """Raise 403 unless a principal (a node's or a controller's identity) may make this
+        request (module docstring): the action ARM checks (:func:`arm_action`) held on the
+        resource through a role assignment whose scope holds it. The subscription's listings
+        of groups and resources are let through and answered with what the principal may
+        read (:meth:`_readable`), as ARM filters them."""
+        if method == "GET" and (re.fullmatch(r"/subscriptions/[^/]+/(resourcegroups|resources)",
+                                             path, re.I) or "/operationresults/" in path.lower()
+                                or "/operations/" in path.lower()):
+            return  # filtered listings; polling an operation
+        action, target = arm_action(method, path)
         if action and self.may(principal, action, target):
             return
         raise ArmError(403, "AuthorizationFailed",
                        f"The client '{principal}' with object id '{principal}' does not have "
                        f"authorization to perform action '{action or method + ' ' + path}' "
                        f"over scope '{target}' or the scope is invalid.")
+
+    def _readable(self, items: list[dict], principal: str | None) -> list[dict]:
+        """``items`` (groups or resources), those ``principal`` may read when one asks."""
+        if principal is None:
+            return items
+        out = []
+        for r in items:
+            kind = "Microsoft.Resources/subscriptions/resourceGroups" if \
+                r["id"].count("/") == 4 else r["type"]
+            if self.may(principal, f"{kind}/read", r["id"]):
+                out.append(r)
+        return out
 
     def _filter_groups(self, flt: str | None, items: list[dict] | None = None) -> list[dict]:
         groups = list(self.groups.values()) if items is None else items

@@ -28,10 +28,14 @@ Guest attributes: ``publish(zone, name, namespace, key, value)`` is the guest wr
 ``getGuestAttributes?queryPath=ns/`` answers them, 404 while there are none. ``setLabels`` and
 ``setMetadata`` change an instance's labels or metadata.
 
-Principals (tests/gcpiamfake.py): a request with a node's token (``tokens``) may only read,
-delete, relabel, change the metadata of, stop or reset an instance whose instance-level policy
-gives its member that permission; anything else it asks is refused (HTTP 403 ``forbidden``,
-``Required 'compute.instances.delete' permission for ...``, as Compute Engine answers).
+Principals (tests/gcpiamfake.py): a request with a principal's token (``tokens``) may make a
+Compute Engine call only when its member holds the permission that call needs
+(:meth:`ComputeFake.compute_permission`) on the instance (its instance-level policy) or in the
+project's IAM policy, where a binding's IAM condition is evaluated for the resource's name
+(``resource.name``, ``extract``, ``startsWith``); anything else it asks, of Compute Engine or
+of another API, is refused (HTTP 403 ``forbidden``, ``Required 'compute.instances.delete'
+permission for ...``, as Compute Engine answers); Resource Manager's
+``testIamPermissions`` answers it the permissions it holds on the project.
 
 Faults: ``fail(zone, fault)`` with ``exhausted`` / ``exhausted-details`` (the insert operation
 ends in ZONE_RESOURCE_POOL_EXHAUSTED[_WITH_DETAILS], HTTP 503), ``quota`` (it ends in
@@ -55,7 +59,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, unquote, urlparse
 
 import cloudcatalog
-from gcpiamfake import IAMFake
+from gcpiamfake import IAMFake, cel_on_name
 
 BASE = "/compute/v1/projects/"
 LINK = "https://www.googleapis.com/compute/v1/projects/"
@@ -166,7 +170,7 @@ class ComputeFake(IAMFake):
                     try:
                         member = fake.tokens.get(auth)
                         code, obj = (member and fake.node_request(
-                            member, self.command, url.path, query)) or \
+                            member, self.command, url.path, query, body)) or \
                             fake.iam_route(self.command, unquote(url.path), query, body) or \
                             fake.route(self.command, url.path, query, body)
                     except ValueError as e:
@@ -235,22 +239,78 @@ class ComputeFake(IAMFake):
         with self._lock:
             self.guest[(zone, name)][f"{namespace}/{key}"] = value
 
-    def node_request(self, member: str, method: str, path: str, query: dict):
-        """None when a node's ``member`` may make this request (module docstring), else the
-        403 answer."""
+    def node_request(self, member: str, method: str, path: str, query: dict, body=None):
+        """None when a principal's ``member`` may make this request (module docstring), else
+        the 403 answer: the permission Compute Engine checks (:meth:`compute_permission`)
+        held on the instance (its instance-level policy) or in the project's IAM policy
+        (:meth:`may_in_project`, IAM conditions evaluated); any other API is refused."""
+        if path == f"/v1/projects/{self.project}:testIamPermissions" and method == "POST":
+            held = [p for p in (body or {}).get("permissions", [])  # anyone may ask
+                    if self.may_in_project(member, p, f"projects/{self.project}")]
+            return 200, {"permissions": held}
         rest = path[len(BASE + self.project) + 1:] if path.startswith(BASE) else path
+        perm, resource = self.compute_permission(method, rest, body) \
+            if path.startswith(BASE + self.project + "/") else (None, None)
         m = re.fullmatch(r"zones/([^/]+)/instances/([^/]+)(?:/([A-Za-z]+))?", rest)
-        perm = None
-        if m:
-            perm = {("GET", None): "get", ("DELETE", None): "delete",
-                    ("POST", "setLabels"): "setLabels", ("POST", "setMetadata"): "setMetadata",
-                    ("POST", "stop"): "stop", ("POST", "reset"): "reset",
-                    ("GET", "getGuestAttributes"): "getGuestAttributes"}.get((method, m[3]))
-        if perm and self.may_on_instance(member, m[1], m[2], f"compute.instances.{perm}"):
+        if perm and m and self.may_on_instance(member, m[1], m[2], perm):
             return None
-        what = f"compute.instances.{perm}" if perm else "the permission"
+        if perm and self.may_in_project(member, perm, resource):
+            return None
+        what = perm or "the permission"
         return self._error(403, "forbidden", f"Required '{what}' permission for "
                            f"'projects/{self.project}/{rest}'")
+
+    def compute_permission(self, method: str, rest: str, body) -> tuple:
+        """(the permission, the resource name IAM checks it on) of a Compute Engine call
+        (``rest``: the path after ``/compute/v1/projects/P/``), as in
+        cloud.google.com/compute/docs/reference/rest/v1 ("Authorization requires the
+        following IAM permission"); list calls are checked on the project; (None, None) for
+        a call not known here (refused)."""
+        proj = f"projects/{self.project}"
+        m = re.fullmatch(r"zones/([^/]+)/(instances|disks)/([^/]+)(?:/([A-Za-z]+))?", rest)
+        if m:
+            verb = {("GET", None): "get", ("DELETE", None): "delete",
+                    ("GET", "getGuestAttributes"): "getGuestAttributes"}.get(
+                (method, m[4])) or (m[4] if method == "POST" else None)
+            return (f"compute.{m[2]}.{verb}" if verb else None,
+                    f"{proj}/zones/{m[1]}/{m[2]}/{m[3]}")
+        m = re.fullmatch(r"zones/([^/]+)/(instances|disks)", rest)
+        if m:
+            if method == "POST":
+                return (f"compute.{m[2]}.create",
+                        f"{proj}/zones/{m[1]}/{m[2]}/{(body or {}).get('name', '')}")
+            return f"compute.{m[2]}.list", proj
+        m = re.fullmatch(r"aggregated/(instances|disks)", rest)
+        if m:
+            return f"compute.{m[1]}.list", proj
+        m = re.fullmatch(r"(zones/[^/]+|global)/operations(/[^/]+)?(?:/wait)?", rest)
+        if m:
+            kind = "zoneOperations" if m[1] != "global" else "globalOperations"
+            return f"compute.{kind}.{'get' if m[2] else 'list'}", f"{proj}/{rest}"
+        m = re.fullmatch(r"global/firewalls(?:/([^/]+))?", rest)
+        if m:
+            verb = {"GET": "get" if m[1] else "list", "POST": "create", "PUT": "update",
+                    "PATCH": "update", "DELETE": "delete"}[method]
+            return f"compute.firewalls.{verb}", f"{proj}/{rest}" if m[1] else proj
+        if re.fullmatch(r"regions/[^/]+", rest):
+            return "compute.regions.get", f"{proj}/{rest}"
+        if rest == "zones":
+            return "compute.zones.list", proj
+        if rest.startswith("global/images"):
+            return "compute.images.get" if method == "GET" else None, f"{proj}/{rest}"
+        return None, None
+
+    def may_in_project(self, member: str, permission: str, resource: str) -> bool:
+        """Whether the project's IAM policy gives ``member`` ``permission`` on ``resource``
+        (a binding's condition evaluated for that resource name: :func:`cel_on_name`)."""
+        for b in self.project_policy.get("bindings") or []:
+            if member not in b.get("members", []) or \
+                    permission not in self.role_permissions(b.get("role", "")):
+                continue
+            cond = b.get("condition")
+            if cond is None or cel_on_name(cond["expression"], resource):
+                return True
+        return False
 
     def power_off(self, zone: str, name: str) -> None:
         """The guest shut itself down (the idle watchdog's fallback): TERMINATED."""

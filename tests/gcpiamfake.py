@@ -11,8 +11,10 @@ shapes:
 * ``/compute/v1/projects/{p}/zones/{z}/instances/{name}/setIamPolicy`` (kept in
   ``instance_policies``; a role must be a predefined one known here or a custom role of the
   project that is not deleted);
-* ``/v1/projects/{p}:getIamPolicy`` (Resource Manager: ``project_policy``, the roles
-  principals hold in the project);
+* ``/v1/projects/{p}:getIamPolicy`` and ``:setIamPolicy`` (Resource Manager:
+  ``project_policy``, the roles principals hold in the project, with IAM conditions over
+  ``resource.name`` (:func:`cel_on_name`); a conditional policy needs version 3, a write
+  with a stale etag is refused 409);
 * ``/v1/projects/{p}:testIamPermissions`` (Resource Manager) and
   ``/storage/v1/b/{bucket}/iam/testPermissions``: the asked permissions that are not in
   ``deny``;
@@ -29,8 +31,9 @@ other request is the caller's, who may do everything but ``deny``.
 :func:`storage_request` names the permission, bucket and object of a Cloud Storage JSON API
 request, for a proxy that enforces the bucket policies in front of a storage emulator.
 
-Faults: ``races[bucket] = n``: the next n policy reads are each followed by another writer's
-change (the etag read is stale: 412); ``deny`` holds the permissions the caller lacks
+Faults: ``races[bucket] = n`` (``project_races = n`` for the project's policy): the next n
+policy reads are each followed by another writer's change (the etag read is stale: 412, or
+409 ABORTED for the project's); ``deny`` holds the permissions the caller lacks
 (``iam.serviceAccounts.create``,
 ``storage.buckets.setIamPolicy``, ...): such a call is answered 403 with the real body.
 :meth:`IAMFake.allowed` evaluates the bucket policies as Cloud Storage would for one member,
@@ -71,6 +74,29 @@ def _cel_to_python(expr: str) -> str:
     return s
 
 
+def _extract(name: str, template: str) -> str:
+    """CEL's ``extract`` on a resource name: the part matching the template's ``{var}``,
+    "" when the template does not occur (cloud.google.com/iam/docs/conditions-overview)."""
+    head, _, tail = template.partition("{")
+    tail = tail.partition("}")[2]
+    m = re.search(re.escape(head) + (r"(.*?)" + re.escape(tail) if tail else r"([^/]*)$"),
+                  name)
+    return m[1] if m else ""
+
+
+def cel_on_name(expr: str, name: str) -> bool:
+    """Evaluate an IAM condition over a resource name: the CEL subset of terms
+    ``resource.name.startsWith("x")`` and ``resource.name.extract("T").startsWith("x")``
+    joined by ``||`` / ``&&`` (a ValueError for anything else, as the API answers 400)."""
+    s = re.sub(r'resource\.name\.extract\(("[^"]*")\)', r"_extract(name, \1)", expr)
+    s = s.replace("resource.name", "name").replace(".startsWith(", ".startswith(")
+    s = s.replace("&&", " and ").replace("||", " or ")
+    if re.search(r"[a-zA-Z_]+\(", re.sub(r"\.startswith\(|_extract\(", "", s)):
+        raise ValueError(f"unsupported condition {expr!r}")
+    return bool(eval(s, {"__builtins__": {}, "_extract": _extract},  # noqa: S307
+                     {"name": name}))
+
+
 class IAMFake:
     """Mixed into :class:`gcpfake.ComputeFake`: ``service_accounts`` (email → account),
     ``buckets`` (name → {"policy", "ubla"}), ``deny`` (permissions refused)."""
@@ -87,6 +113,7 @@ class IAMFake:
         self.sa_policies: dict[str, dict] = {}  # e-mail → its own IAM policy
         self.tokens: dict[str, str] = {}  # bearer token → member (a node's identity)
         self.project_policy: dict = {"bindings": []}  # the project's IAM policy
+        self.project_races = 0  # project policy reads followed by another writer
 
     def role_permissions(self, role: str) -> set:
         """The permissions of a predefined role known here or a custom role of the project
@@ -187,11 +214,47 @@ class IAMFake:
             if "resourcemanager.projects.getIamPolicy" in self.deny:
                 return self._denied("resourcemanager.projects.getIamPolicy",
                                     f"projects/{self.project}")
-            return 200, dict(self.project_policy, version=1, etag="BwYP=")
+            asked = int(((body or {}).get("options") or {}).get("requestedPolicyVersion", 1))
+            conditional = any("condition" in b for b in self.project_policy["bindings"])
+            if conditional and asked < 3:  # the real API leaves such bindings out: refuse
+                return self._status_error(400, "INVALID_ARGUMENT", "conditional bindings "
+                                          "need requestedPolicyVersion 3")
+            answer = json.loads(json.dumps(dict(
+                self.project_policy, version=3 if conditional else 1,
+                etag=self.project_policy.get("etag", "BwYP="))))
+            if self.project_races:  # someone else writes the policy right after
+                self.project_races -= 1
+                self._etag += 1
+                self.project_policy["etag"] = f"BwP{self._etag}="
+            return 200, answer
+        if path == f"/v1/projects/{self.project}:setIamPolicy" and method == "POST":
+            return self._set_project_policy(body.get("policy") or {})
         if path == f"/v1/projects/{self.project}:testIamPermissions" and method == "POST":
             return 200, {"permissions": [x for x in body.get("permissions", [])
                                          if x not in self.deny]}
         return None
+
+    def _set_project_policy(self, policy: dict):
+        """Resource Manager ``projects.setIamPolicy``: the etag must match (409 ABORTED
+        otherwise, as the API answers a concurrent change), a conditional binding needs
+        ``version: 3``, every role must exist and every condition must parse."""
+        if "resourcemanager.projects.setIamPolicy" in self.deny:
+            return self._denied("resourcemanager.projects.setIamPolicy",
+                                f"projects/{self.project}")
+        if policy.get("etag") and policy["etag"] != self.project_policy.get("etag", "BwYP="):
+            return self._status_error(409, "ABORTED", "There were concurrent policy changes.")
+        bindings = policy.get("bindings") or []
+        if any("condition" in b for b in bindings) and policy.get("version") != 3:
+            return self._status_error(400, "INVALID_ARGUMENT", "IAM policy with conditions "
+                                      "requires version 3")
+        for b in bindings:
+            if not self.role_permissions(b.get("role", "")) or not b.get("members"):
+                return self._status_error(400, "INVALID_ARGUMENT", f"bad binding {b}")
+            if "condition" in b:
+                cel_on_name(b["condition"]["expression"], "")
+        self._etag += 1
+        self.project_policy = json.loads(json.dumps(dict(policy, etag=f"BwP{self._etag}=")))
+        return 200, self.project_policy
 
     def _roles(self, method, rid, undelete, query, body):
         base = f"projects/{self.project}/roles"

@@ -22,7 +22,8 @@ from test_aws import KEY, REGION, boot, fake_credentials, instance, spec  # noqa
 from test_aws_identity import ADMIN  # noqa: E402
 
 from hypercli.providers.aws import AWSAPI, controller_policy, role_name  # noqa: E402
-from hypercli.providers.cloud import TAG_CLUSTER, TAG_OWNER, CloudSpec, owner  # noqa: E402
+from hypercli.providers.cloud import (TAG_CLUSTER, TAG_OWNER, Boot, CloudSpec,  # noqa: E402
+                                      owner)
 from hypercli.providers.cloud_provider import remove_all  # noqa: E402
 from hypercli.recipe.access import Grant  # noqa: E402
 
@@ -340,3 +341,436 @@ def test_a_cloud_controller_drives_the_workflow_after_the_run_is_killed_and_leav
         booter.join(10)
         imds.__exit__(None, None, None)
         server.stop()
+
+
+# -- GCP and Azure: the controller's identity, checked with its own token against the
+# stand-ins' permission checks (tests/gcpfake.py, tests/azurefake.py: the real SDK clients
+# make the calls; the stand-ins evaluate the bindings and role assignments hypercli made)
+
+GS = (Grant("gs", "outs", "runs", True),)   # the recipe's storage (read/write for nodes)
+AZ = (Grant("az", "acct/outs", "runs", True),)
+
+
+@pytest.fixture
+def gcp(monkeypatch):
+    pytest.importorskip("google.cloud.compute_v1")
+    from gcpfake import ComputeFake
+    fake = ComputeFake()
+    monkeypatch.setenv("HYPER_GCP_ENDPOINT", fake.url)
+    try:
+        yield fake
+    finally:
+        fake.close()
+
+
+@pytest.fixture
+def azure(monkeypatch, tmp_path):
+    pytest.importorskip("azure.mgmt.compute")
+    from azurefake import ArmFake
+    fake = ArmFake(tmp_path)
+    monkeypatch.setenv("HYPER_AZURE_ENDPOINT", fake.url)
+    monkeypatch.setenv("HYPER_AZURE_CA_BUNDLE", str(fake.ca))
+    monkeypatch.delenv("HYPER_AZURE_TOKEN", raising=False)
+    try:
+        yield fake
+    finally:
+        fake.close()
+
+
+def test_the_gcp_controllers_account_drives_the_clusters_it_is_given_and_nothing_else(gcp):
+    """A service account of its own, with the custom roles hyperControllerRead (reads,
+    bound on the project without a condition) and hyperController (what driving does to
+    instances and disks, bound once per cluster under an IAM condition on their names),
+    read on the recipe's bucket prefix. With its token the real Compute client describes,
+    terminates and launches its clusters' instances; another cluster's instance, a
+    firewall rule, IAM (a role, an account, the project's or a bucket's policy) and writes
+    to the storage are refused. A second handover widens it to a second cluster; removing
+    the controller's cluster leaves no account and no binding of it."""
+    from google.auth.credentials import AnonymousCredentials, Credentials
+
+    from test_gcp import launch
+    from test_gcp import spec as gspec
+
+    from hypercli.providers.cloud import CloudError, CredentialsError
+    from hypercli.providers.gcp import (CONTROLLER_PERMISSIONS, CONTROLLER_READ_PERMISSIONS,
+                                        GCPAPI, controller_condition)
+    gcp.add_bucket("outs")
+    api = GCPAPI("proj", "us-central1", credentials=AnonymousCredentials())
+    launch(api, gspec())                                       # c1-0, c1-1: it drives c1
+    launch(api, gspec(cluster="c9", count=1), nodes=("c9-0",))  # not given to it
+    ctl = CloudSpec(cluster="ctl-me", cluster_id="id-ctl", region="us-central1", grants=GS)
+    email = api.controller_identity(ctl, owner(), {"c1": {}})["service_account"]
+    member = f"serviceAccount:{email}"
+    assert email in gcp.service_accounts
+    assert sorted(gcp.roles["hyperController"]["includedPermissions"]) == \
+        CONTROLLER_PERMISSIONS
+    assert sorted(gcp.roles["hyperControllerRead"]["includedPermissions"]) == \
+        CONTROLLER_READ_PERMISSIONS
+    perms = set(CONTROLLER_PERMISSIONS) | set(CONTROLLER_READ_PERMISSIONS)
+    assert all(p.startswith("compute.") for p in perms)
+    assert not {p for p in perms if p.endswith(("setIamPolicy", ".create")) and
+                not p.startswith(("compute.instances.", "compute.disks."))}
+    mine = [b for b in gcp.project_policy["bindings"] if member in b["members"]]
+    assert sorted((b["role"].rsplit("/", 1)[1], (b.get("condition") or {}).get("expression"))
+                  for b in mine) == sorted([
+        ("hyperControllerRead", None),
+        ("hyperController", controller_condition("c1")["expression"]),
+        ("hyperController", controller_condition("ctl-me")["expression"])])
+    assert gcp.allowed(member, "outs", "storage.objects.get", "runs/wf-1/t-0/out")
+    assert not gcp.allowed(member, "outs", "storage.objects.create", "runs/wf-1/t-0/out")
+    assert not gcp.allowed(member, "outs", "storage.objects.get", "elsewhere/x")
+
+    class Tok(Credentials):  # the token its metadata server hands out
+        def refresh(self, request):
+            self.token = "ya29.controller"
+    gcp.tokens["ya29.controller"] = member
+    mine_api = GCPAPI("proj", "us-central1", credentials=Tok())
+    assert sorted(v.node for v in mine_api.describe("c1")) == ["c1-0", "c1-1"]
+    mine_api.terminate("c1", ["c1-0"])
+    assert gcp.instances["us-central1-a"]["c1-0"]["status"] == "STOPPING"
+    node_sa = next(iter(gcp.service_accounts))  # a replacement runs as a node's account
+    boot = Boot({"c1-2": "#cloud-config\n"}, "root", "ssh-ed25519 AAAA k")
+    [vm], errors = mine_api.create(gspec(), ["c1-2"], boot, {
+        "network_tag": "hyper-c1", "service_account": node_sa})
+    assert errors == {} and vm.node == "c1-2"
+    beyond = {
+        "delete another cluster's instance": lambda: mine_api.instances.delete_unary(
+            project="proj", zone="us-central1-a", instance="c9-0"),
+        "launch outside its clusters": lambda: mine_api.create(
+            gspec(cluster="c9"), ["c9-1"], Boot({"c9-1": "#cloud-config\n"}, "root", "k"),
+            {"network_tag": "hyper-c9", "service_account": node_sa}),
+        "open a firewall rule": lambda: mine_api._firewall(__import__(
+            "google.cloud.compute_v1", fromlist=["Firewall"]).Firewall(
+            name="hyper-evil", network="global/networks/default", source_ranges=["0.0.0.0/0"],
+            allowed=[{"I_p_protocol": "all"}])),
+        "widen its own role": lambda: mine_api._rest(
+            "PATCH", f"{gcp.url}/v1/projects/proj/roles/hyperController?updateMask="
+            "includedPermissions", "x", {"includedPermissions": ["iam.roles.update"]}),
+        "bind itself in the project": lambda: mine_api._rest(
+            "POST", f"{gcp.url}/v1/projects/proj:setIamPolicy", "x",
+            {"policy": {"bindings": [{"role": "roles/owner", "members": [member]}]}}),
+        "make a service account": lambda: mine_api._rest(
+            "POST", f"{gcp.url}/v1/projects/proj/serviceAccounts", "x",
+            {"accountId": "evil-account"}),
+        "bind itself on the bucket": lambda: mine_api._rest(
+            "PUT", f"{gcp.url}/storage/v1/b/outs/iam", "x", {"bindings": []}),
+    }
+    for what, call in beyond.items():
+        try:
+            made = call()
+        except Exception as e:  # CredentialsError / CloudError, or the client's Forbidden
+            assert isinstance(e, (CredentialsError, CloudError)) or "403" in str(e), (what, e)
+            assert "forbidden" in str(e).lower() or "permission" in str(e).lower(), (what, e)
+        else:
+            assert isinstance(made, tuple) and made[0] == [] and made[1], what  # create
+    with pytest.raises(CredentialsError):  # a new node's own account: beyond it (docs)
+        mine_api.prepare(gspec(), "ssh-ed25519 AAAA k")
+    assert gcp.instances["us-central1-a"]["c9-0"]["status"] == "RUNNING"
+    assert "c9-1" not in gcp.instances["us-central1-a"] and "hyper-evil" not in gcp.firewalls
+    assert sorted(gcp.roles["hyperController"]["includedPermissions"]) == \
+        CONTROLLER_PERMISSIONS
+    # a later handover: the same account, widened to that cluster too (while someone else
+    # changes the project's policy between its read and its write: read again, then set)
+    gcp.project_races = 2  # its own-roles check reads the policy first, then the binding
+    n = len(gcp.requests)
+    assert api.controller_identity(ctl, owner(), {"c9": {}}) == {"service_account": email}
+    assert [p for m, p, _ in gcp.requests[n:] if p.endswith(":setIamPolicy")] == [
+        "/v1/projects/proj:setIamPolicy"] * 2  # refused once (stale etag), then set
+    assert mine_api.describe("c9")
+    mine_api.terminate("c9", ["c9-0"])
+    assert gcp.instances["us-central1-a"]["c9-0"]["status"] == "STOPPING"
+    # `hyper down --controller`: its account, its bindings in the project and on the bucket
+    removed = remove_all(api, "ctl-me", timeout=60)
+    assert f"service_account {email}" in removed
+    assert email not in gcp.service_accounts
+    assert not [b for b in gcp.project_policy["bindings"] if member in b["members"]]
+    assert not [b for b in gcp.buckets["outs"]["policy"]["bindings"]
+                if member in b["members"]]
+
+
+def test_the_azure_controllers_identity_acts_in_its_clusters_groups_and_nothing_else(azure):
+    """A user-assigned identity in the controller's own group with the custom role
+    ``controller`` (VMs, disks, NICs, public IPs; no authorization or identity write)
+    assigned on the resource group of each cluster it drives and nowhere else, and
+    ``blob-reader`` on the recipe's container prefix. With its token the real azure-mgmt
+    clients describe, terminate and launch its cluster's VMs (the cluster's network read and
+    joined, not written); another cluster's VM and group are invisible and refused, as are
+    a role assignment, an identity write and blob writes.
+    A second handover widens it to a second group; removing the controller's cluster
+    leaves no identity and no assignment of it."""
+    import uuid
+
+    from azure.core.credentials import AccessToken
+
+    from test_azure import launch
+    from test_azure import spec as aspec
+
+    from hypercli.providers.azure import ROLES, AzureAPI
+    from hypercli.providers.cloud import CloudError, CredentialsError
+
+    class Tok:
+        def __init__(self, token):
+            self.token = token
+
+        def get_token(self, *scopes, **kw):
+            import time
+            return AccessToken(self.token, int(time.time()) + 3600)
+    azure.add_account("acct")
+    api = AzureAPI("sub-1", "eastus", credential=Tok("token-1"))
+    launch(api, aspec(grants=AZ))  # group hyper-c1, with a storage identity: it drives c1
+    launch(api, aspec(cluster="c9"), nodes=("c9-0",))      # hyper-c9: not given to it
+    ctl = CloudSpec(cluster="ctl-me", cluster_id="id-ctl", region="eastus", grants=AZ)
+    rid = api.controller_identity(ctl, owner(), {"c1": {}})["identity"]
+    assert "/resourceGroups/hyper-ctl-me/" in rid
+    principal = azure.res[rid.lower()]["properties"]["principalId"]
+    guid = str(uuid.uuid5(uuid.NAMESPACE_URL, "hypercli|sub-1|controller"))
+    [perm] = azure.role_defs[guid]["permissions"]
+    assert sorted(perm["actions"]) == sorted(ROLES["controller"][0]) and not perm["dataActions"]
+    assert not [a for a in perm["actions"] if a.startswith("Microsoft.Authorization/")
+                or a.endswith("userAssignedIdentities/write")]
+    held = {(a["properties"]["scope"], a["properties"]["roleDefinitionId"].rsplit("/", 1)[1])
+            for a in azure.assignments.values() if a["properties"]["principalId"] == principal}
+    reader = str(uuid.uuid5(uuid.NAMESPACE_URL, "hypercli|sub-1|blob-reader"))
+    assert held == {("/subscriptions/sub-1/resourceGroups/hyper-c1", guid),
+                    (azure.accounts["acct"] + "/blobServices/default/containers/outs", reader)}
+    assert azure.allowed(principal, "acct", "outs", "read", "runs/wf-1/t-0/out")
+    assert not azure.allowed(principal, "acct", "outs", "write", "runs/wf-1/t-0/out")
+    assert not azure.allowed(principal, "acct", "outs", "read", "elsewhere/x")
+
+    azure.principal_tokens["controller-token"] = principal
+    mine = AzureAPI("sub-1", "eastus", credential=Tok("controller-token"))
+    assert sorted(v.node for v in mine.describe("c1")) == ["c1-0", "c1-1"]
+    assert mine.describe("c9") == []  # its group is not one it may read
+    mine.terminate("c1", ["c1-0"])
+    azure.wait()
+    assert azure.vm("hyper-c1", "c1-0") is None
+    vms = mine.compute.virtual_machines
+    beyond = {
+        "delete another cluster's VM": lambda: vms.begin_delete("hyper-c9", "c9-0").result(),
+        "delete another cluster's group": lambda: mine.rm.resource_groups.begin_delete(
+            "hyper-c9").result(),
+        "give itself a role": lambda: mine._assign(
+            "/subscriptions/sub-1", guid, principal, None),
+        "make an identity": lambda: mine._arm(
+            "PUT", "/subscriptions/sub-1/resourceGroups/hyper-c1/providers/Microsoft."
+            "ManagedIdentity/userAssignedIdentities/evil?api-version=2023-01-31", "x",
+            {"location": "eastus"}),
+        "list the storage account's keys": lambda: mine._arm(
+            "POST", azure.accounts["acct"] + "/listKeys?api-version=2023-01-01", "x"),
+    }
+    for what, call in beyond.items():
+        with pytest.raises((CredentialsError, CloudError, Exception),
+                           match="AuthorizationFailed|may not"):
+            call()
+            pytest.fail(what)
+    # a replacement node of its cluster: the cluster's network read and joined as it is
+    writes = len(azure.requests)
+    storage = api.prepare(aspec(grants=AZ), "ssh-ed25519 AAAA k")["identity"]
+    as_given = aspec(grants=AZ, identity=storage)  # as the handover gives it (handover_data)
+    prepared = mine.prepare(as_given, "ssh-ed25519 AAAA k")
+    [vm], errors = mine.create(as_given, ["c1-2"], Boot({"c1-2": "#cloud-config\n"}, "root",
+                                                       "ssh-ed25519 AAAA k"), prepared)
+    assert errors == {} and vm.node == "c1-2"
+    assert azure.vm("hyper-c1", "c1-2")["tags"][TAG_OWNER] == owner()
+    assert storage in azure.vm("hyper-c1", "c1-2")["identity"]["userAssignedIdentities"]
+    assert not [p for m, p, _ in azure.requests[writes:] if m == "PUT" and (
+        "networkSecurityGroups" in p or "virtualNetworks" in p)]
+    with pytest.raises((CredentialsError, CloudError)):  # another cluster's: beyond it
+        mine.prepare(aspec(cluster="c9"), "ssh-ed25519 AAAA k")
+    assert azure.vm("hyper-c9", "c9-0") is not None and "hyper-c9" in azure.groups
+    # a later handover: the same identity, widened to that cluster's group too
+    assert api.controller_identity(ctl, owner(), {"c9": {}}) == {"identity": rid}
+    assert sorted(v.node for v in mine.describe("c9")) == ["c9-0"]
+    # `hyper down --controller`: its assignments, then its group with the identity
+    remove_all(api, "ctl-me", timeout=60)
+    azure.wait()
+    assert "hyper-ctl-me" not in azure.groups and rid.lower() not in azure.res
+    assert not [a for a in azure.assignments.values()
+                if a["properties"]["principalId"] == principal]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cloud", ["gcp", "azure"])
+def test_a_gcp_or_azure_controller_is_on_demand_labelled_scoped_reused_listed_and_removed(
+        ssh_hosts, tmp_path, hyper_home, hyper, monkeypatch, request, cloud):
+    """On the GCP and Azure stand-ins (the instance booted onto an SSH test host,
+    tests/cloudhosts.py): the controller is the cheapest on-demand offer of the catalog in
+    the recipe's first region, labelled/tagged for its user, running as the controller's
+    own identity (the service account bound as the identity test above shows; the managed
+    identity assigned on the driven cluster's group), with its idle limit; a second
+    workflow reuses it (its identity widened to that cluster); `hyper status` lists it with
+    its cost; `hyper down --controller` leaves nothing of it on the cloud."""
+    import base64
+    import time
+
+    from cloudhosts import Booter, azure_source, gcp_publisher, gcp_source
+
+    from hypercli.controller.client import Controller
+    from hypercli.controller.cloud import ensure, name_of, offers_for
+    from hypercli.offers import catalog as C
+    from hypercli.providers.cloud import label_key
+    from hypercli.state import State
+    monkeypatch.setenv("HYPER_CLOUD_ADDRESSES", str(tmp_path / "addresses.json"))
+    if cloud == "gcp":
+        fake = request.getfixturevalue("gcp")
+        monkeypatch.setenv("GOOGLE_CLOUD_PROJECT", fake.project)
+        fake.add_image("hyper-node-cpu-1-a", {"hyper-image": "node", "hyper-variant": "cpu"},
+                       "2026-06-01T10:00:00.000-07:00")
+        fake.add_bucket("outs")
+        source, publish, region, zone = gcp_source(fake), gcp_publisher(fake), \
+            "us-central1", "us-central1-a"
+    else:
+        fake = request.getfixturevalue("azure")
+        monkeypatch.setenv("HYPER_AZURE_TOKEN", "token")
+        monkeypatch.setenv("AZURE_SUBSCRIPTION_ID", "sub-1")
+        fake.add_image("hyper-node-cpu-1-a", {"hyper:image": "node", "hyper:variant": "cpu"})
+        fake.add_account("acct")
+        source, publish, region, zone = azure_source(fake), None, "eastus", ""
+    # (type, vCPUs, GiB, $/h): too small, the cheapest that fits, and dearer ones
+    rows = {"gcp": [("e2-small", 2, 2, 0.017), ("e2-medium", 2, 4, 0.05),
+                    ("e2-standard-2", 2, 8, 0.067), ("e2-standard-4", 4, 16, 0.134)],
+            "azure": [("Standard_B1s", 1, 1, 0.0104), ("Standard_F2s_v2", 2, 4, 0.05),
+                      ("Standard_D2s_v5", 2, 8, 0.096), ("Standard_D4s_v5", 4, 16, 0.192)]}
+    fits = rows[cloud][1][0]
+    t = C.Table(cloud, read_at=time.time(), source="test")
+    for name, cpus, mem, price in rows[cloud]:
+        t.add({"instance_type": name, "vcpus": str(cpus), "memory_gib": str(mem),
+               "region": region, "zone": zone, "price": str(price),
+               "spot_price": str(price / 4)})
+    C.write(t)
+    [best] = offers_for(cloud, region)[:1]
+    assert best.instance_type == fits  # the cheapest with 2 vCPUs and 4 GiB, on demand
+    hosts = ssh_hosts.start(1)
+    booter = Booter(source, hosts, tmp_path / "addresses.json", publish=publish)
+    booter.start()
+    options = {"region": region, "ssh_cidr": "10.213.0.0/24", "instance_type": rows[cloud][3][0],
+               "spot": True}  # the nodes', not its own
+    name = name_of(cloud)
+    try:
+        state = State()
+        ctl = ensure(state, cloud, options, GS if cloud == "gcp" else AZ,
+                     clusters={"c1": {}}, idle_minutes=7)
+        assert ctl["cloud"]["cluster"] == name
+        [node] = state.nodes(name, status="up")
+        if cloud == "gcp":
+            [inst] = [i for z in fake.instances.values() for i in z.values()]
+            assert inst["scheduling"]["provisioningModel"] == "STANDARD"  # on demand
+            assert inst["machineType"].endswith(f"/{fits}")
+            assert inst["labels"][label_key(TAG_CLUSTER)] == name
+            assert inst["labels"][label_key(TAG_OWNER)] == \
+                __import__("hypercli.providers.gcp", fromlist=["x"]).label_value(owner())
+            [sa] = inst["serviceAccounts"]
+            member = f"serviceAccount:{sa['email']}"
+            assert sa["email"].split("@")[0].endswith(tuple("0123456789abcdef")) and \
+                "controller" in fake.service_accounts[sa["email"]]["description"]
+            held = sorted(((b.get("condition") or {}).get("title", ""))
+                          for b in fake.project_policy["bindings"] if member in b["members"])
+            assert held == ["", "drives c1", f"drives {name}"]
+            doc = {i["key"]: i["value"] for i in inst["metadata"]["items"]}["user-data"]
+        else:
+            [vm] = [r for r in fake.res.values() if r["type"].endswith("/virtualMachines")]
+            assert vm["properties"].get("priority", "Regular") == "Regular"  # on demand
+            assert vm["properties"]["hardwareProfile"]["vmSize"] == fits
+            assert vm["tags"][TAG_CLUSTER] == name and vm["tags"][TAG_OWNER] == owner()
+            [rid] = list(vm["identity"]["userAssignedIdentities"])
+            principal = fake.res[rid.lower()]["properties"]["principalId"]
+            scopes = sorted(a["properties"]["scope"] for a in fake.assignments.values()
+                            if a["properties"]["principalId"] == principal)
+            assert len(scopes) == 2 and scopes[1] == \
+                "/subscriptions/sub-1/resourceGroups/hyper-c1"  # the driven cluster's group
+            assert scopes[0] == fake.accounts["acct"] + "/blobServices/default/containers/outs"
+            doc = base64.b64decode(vm["properties"]["osProfile"]["customData"]).decode()
+        assert '"idle_minutes": 7' in doc  # removes itself when idle
+        c = Controller(ctl)  # reached over SSH with its pinned host key
+        try:
+            assert c.conn.run("echo up").stdout.strip() == b"up"
+        finally:
+            c.close()
+        again = ensure(State(), cloud, options, (), clusters={"c2": {}})
+        assert again["name"] == ctl["name"] and set(again["cloud"]["clusters"]) == {"c1", "c2"}
+        if cloud == "gcp":
+            assert sum(len(z) for z in fake.instances.values()) == 1
+            assert "drives c2" in {(b.get("condition") or {}).get("title") for b in
+                                   fake.project_policy["bindings"] if member in b["members"]}
+        else:
+            assert len([r for r in fake.res.values()
+                        if r["type"].endswith("/virtualMachines")]) == 1
+            assert "/subscriptions/sub-1/resourceGroups/hyper-c2" in {
+                a["properties"]["scope"] for a in fake.assignments.values()
+                if a["properties"]["principalId"] == principal}
+        r = hyper("status", timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        line = next(x for x in r.stdout.splitlines() if x.startswith("controller "))
+        assert ctl["name"] in line and f"{name} $" in line and "$0.0500/h" in line, line
+        r = hyper("down", "--controller", name, timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert f"controller {ctl['name']} removed" in r.stdout, r.stdout
+        if cloud == "gcp":
+            assert fake.instances == {z: {} for z in fake.zones}
+            assert not any(fake.disks.values()) and not fake.firewalls
+            assert not fake.service_accounts
+            assert not [b for b in fake.project_policy["bindings"] if member in b["members"]]
+            assert not [b for b in fake.buckets["outs"]["policy"]["bindings"]
+                        if member in b["members"]]
+        else:
+            fake.wait()
+            assert fake.groups == {} and fake.res == {}
+            assert not [a for a in fake.assignments.values()
+                        if a["properties"]["principalId"] == principal]
+        r = hyper("status", timeout=60)
+        assert "controller " not in r.stdout, r.stdout
+        assert not booter.errors, booter.errors
+        assert node["name"]
+    finally:
+        booter.stopping.set()
+        booter.join(10)
+
+
+def test_an_azure_clusters_storage_identity_is_handed_to_the_controller_as_it_is(
+        hyper_home, monkeypatch):
+    """The controller may not make or change an identity, so the handover names the
+    cluster's storage identity for its launches to use as it is (as the instance profile
+    on AWS); a cluster without ``az://`` storage has none."""
+    from hypercli.controller.cloud import handover_data
+    from hypercli.providers.azure import identity_name
+    from hypercli.state import State
+    monkeypatch.setenv("AZURE_SUBSCRIPTION_ID", "sub-1")
+    st = State()
+    st.put_cluster("c1", "azure", {"options": {"region": "eastus"},
+                                   "given": [g.as_dict() for g in AZ]})
+    st.put_cluster("c2", "azure", {"options": {"region": "eastus"}, "given": []})
+    name = identity_name(CloudSpec(cluster="c1", cluster_id=st.cluster_uid("c1")))
+    assert handover_data(st, "c1")["identity"] == (
+        "/subscriptions/sub-1/resourceGroups/hyper-c1/providers/Microsoft.ManagedIdentity/"
+        f"userAssignedIdentities/{name}")
+    assert handover_data(st, "c2")["identity"] is None
+
+
+def test_a_squatted_controller_identity_is_refused_before_it_is_used(gcp, azure):
+    """An account or identity found under the controller's computed name that is not its
+    own (made by someone else; holding a role hypercli did not give it) is refused, with
+    nothing bound to it: every workflow the controller drives would run with its rights."""
+    from google.auth.credentials import AnonymousCredentials
+
+    from test_azure import Token
+
+    from hypercli.providers.azure import AzureAPI, controller_identity_name
+    from hypercli.providers.cloud import IdentityConflict
+    from hypercli.providers.gcp import GCPAPI, account_id
+    ctl = CloudSpec(cluster="ctl-me", cluster_id="id-ctl", region="us-central1")
+    email = f"{account_id(ctl, 'controller')}@proj.iam.gserviceaccount.com"
+    gcp.add_service_account(email)  # someone else's, under that name
+    gcp.project_policy["bindings"].append({"role": "roles/owner",
+                                           "members": [f"serviceAccount:{email}"]})
+    with pytest.raises(IdentityConflict, match="not the controller ctl-me's own"):
+        GCPAPI("proj", "us-central1", credentials=AnonymousCredentials()).controller_identity(
+            ctl, owner(), {"c1": {}})
+    assert [b["role"] for b in gcp.project_policy["bindings"]] == ["roles/owner"]
+    a = AzureAPI("sub-1", "eastus", credential=Token())
+    a.controller_identity(ctl, owner(), {"c1": {}})
+    rid = next(k for k in azure.res if k.endswith(controller_identity_name(ctl).lower()))
+    azure.res[rid]["tags"] = {"made-by": "someone"}  # no longer the controller's own
+    with pytest.raises(IdentityConflict, match="is not cluster ctl-me's own"):
+        a.controller_identity(ctl, owner(), {"c2": {}})
+    assert not [x for x in azure.assignments.values()
+                if x["properties"]["scope"].endswith("/hyper-c2")]

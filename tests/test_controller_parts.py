@@ -25,12 +25,15 @@ def test_controller_keys_belong_to_ssh_clusters():
     r = parse_recipe(_recipe("{provider: ssh, hosts: [h1], identity_file: /k, "
                              "controller: 'root@10.0.0.4:2222', controller_python: /py}"))
     assert r.cluster.options["controller"] == "root@10.0.0.4:2222"
-    with pytest.raises(RecipeError, match="applies to providers ssh, aws, not local"):
+    with pytest.raises(RecipeError, match="applies to providers ssh, aws, gcp, azure, not "
+                                          "local"):
         parse_recipe(_recipe("{provider: local, controller: root@h}"))
-    r = parse_recipe(_recipe("{provider: aws, controller: true, controller_idle_minutes: 5}"))
-    assert (r.cluster.options["controller"], r.cluster.options["controller_idle_minutes"]) \
-        == (True, 5)
-    with pytest.raises(RecipeError, match="applies to provider aws"):
+    for cloud in ("aws", "gcp", "azure"):
+        r = parse_recipe(_recipe(f"{{provider: {cloud}, controller: true, "
+                                 "controller_idle_minutes: 5}"))
+        assert (r.cluster.options["controller"],
+                r.cluster.options["controller_idle_minutes"]) == (True, 5)
+    with pytest.raises(RecipeError, match="applies to providers aws, gcp, azure"):
         parse_recipe(_recipe("{provider: ssh, hosts: [h1], controller_idle_minutes: 5}"))
     with pytest.raises(RecipeError, match="not of the form user@host:port"):
         parse_recipe(_recipe("{provider: ssh, hosts: [h1], controller: 'a b'}"))

@@ -445,7 +445,7 @@ def _on_controller(state, wid: str, ctl: dict | None, lock, con, trust_new_hosts
         if ctl.get("pending"):  # a cloud's: this user's controller instance, found or made
             from hypercli.controller.cloud import IDLE_MINUTES, ensure
             c = ctl["pending"]
-            ctl = ensure(state, c.provider, c.options, c.grants,
+            ctl = ensure(state, c.provider, c.options, c.grants, clusters={c.name: c.options},
                          idle_minutes=c.options.get("controller_idle_minutes", IDLE_MINUTES),
                          python=c.options.get("controller_python") or "python3",
                          log=lambda line: con.print(text(line), soft_wrap=True))

@@ -8,9 +8,14 @@ pair, firewall, pinned host key, boot document, cost ledger), with these differe
 * its offer is the cheapest **on-demand** one that fits :data:`SHAPE` in the recipe's
   first region (the optimizer, :func:`hypercli.offers.optimizer.choose`, over the catalog of
   that cloud), the next two cheapest after it should that one have no room;
-* its identity is the controller's role (:meth:`hypercli.providers.aws.AWSAPI.
-  controller_identity`: launch, describe and terminate only what is tagged for the user's
-  clusters, read the recipes' storage), never the user's credentials, which stay here;
+* its identity is the controller's own, never the user's credentials, which stay here:
+  on AWS a role (:meth:`hypercli.providers.aws.AWSAPI.controller_identity`: launch,
+  describe and terminate only what is tagged for the user's clusters), on GCP a service
+  account (:meth:`hypercli.providers.gcp.GCPAPI.controller_identity`: custom roles bound
+  on the project, acting only on the instances and disks named for the clusters it drives,
+  under IAM conditions), on Azure a user-assigned identity
+  (:meth:`hypercli.providers.azure.AzureAPI.controller_identity`: a custom role assigned on
+  the resource groups of the clusters it drives only); each reads the recipes' storage;
 * its node watcher's idle limit is ``controller_idle_minutes`` (default
   :data:`IDLE_MINUTES`): the controller's service marks the node as used while it drives a
   workflow, and while a workflow that ended there has not been copied to the user's machine
@@ -18,8 +23,8 @@ pair, firewall, pinned host key, boot document, cost ledger), with these differe
   had nothing to drive or keep for that long.
 
 It is recorded twice here: as a cluster (its nodes, ledger and tagged resources, so that
-``hyper down --controller`` removes it as ``hyper down`` removes a cluster: the instance, the
-role and instance profile, the security group and the key pair), and as a controller
+``hyper down --controller`` removes it as ``hyper down`` removes a cluster: the instance and
+everything made for it, its identity included), and as a controller
 (``controllers`` table, ``spec["cloud"]`` naming that cluster) that the rest of
 :mod:`hypercli.controller.client` reaches over SSH like a named host.
 """
@@ -35,7 +40,12 @@ from hypercli.errors import UsageError
 #: what a controller needs: the driver of a few workflows (a Python process, SSH channels)
 SHAPE_CPUS, SHAPE_MEMORY_GIB = 2, 4
 IDLE_MINUTES = 30  #: default ``controller_idle_minutes``
-CLOUDS = ("aws",)  #: clouds whose controller identity is made here
+CLOUDS = ("aws", "gcp", "azure")  #: clouds whose controller identity is made here
+#: the key of a cloud's controller_identity answer → the ``cluster:`` option that makes the
+#: instance run as it (an existing identity: nothing else is made for its storage)
+IDENTITY_OPTION = {"aws": ("instance_profile", "iam_role"),
+                   "gcp": ("service_account", "service_account"),
+                   "azure": ("identity", "identity")}
 #: the recipe's ``cluster:`` keys the controller's own cluster takes over
 KEPT = ("region", "image", "ssh_cidr", "disk_gb")
 
@@ -68,7 +78,8 @@ def _row(state: S.State, cluster: str) -> dict | None:
 
 
 def ensure(state: S.State, cloud: str, options: dict, grants=(), *,
-           idle_minutes: float = IDLE_MINUTES, python: str = "python3",
+           clusters: dict | None = None, idle_minutes: float = IDLE_MINUTES,
+           python: str = "python3",
            log: Callable[[str], None] = lambda s: None) -> dict:
     """This user's controller on ``cloud``: the one up already when its instance runs (its
     role widened to ``grants`` too), else a new one launched (module docstring).
@@ -77,6 +88,8 @@ def ensure(state: S.State, cloud: str, options: dict, grants=(), *,
         options: the recipe's ``cluster:`` options; ``region`` (its first region), and
             ``image``, ``ssh_cidr``, ``disk_gb`` as for its nodes, are used.
         grants: the recipe's storage (:class:`hypercli.recipe.access.Grant`): read.
+        clusters: the clusters it is to drive, name → their ``cluster:`` options (GCP and
+            Azure scope its identity by them; kept with those given before).
         idle_minutes: the instance removes itself after driving nothing for this long.
         python: the controller's Python.
     Returns:
@@ -97,25 +110,29 @@ def ensure(state: S.State, cloud: str, options: dict, grants=(), *,
     from hypercli.recipe import ClusterSpec
     from hypercli.recipe.access import grants_from
     if cloud not in CLOUDS:
-        raise UsageError(f"a controller on {cloud} is not supported yet",
-                         "use provider: aws, or an ssh cluster's controller: user@host")
+        raise UsageError(f"a controller on {cloud} is not supported",
+                         f"use provider: {', '.join(CLOUDS)}, or an ssh cluster's "
+                         "controller: user@host")
     o = options
     region = o.get("region", "")
     name = name_of(cloud)
     row = _row(state, name)
     c = state.cluster(name)
     grants = tuple(grants)
+    clusters = dict(clusters or {})
     if row is not None:
         grants = tuple(dict.fromkeys(grants + tuple(grants_from(
             row["spec"]["cloud"].get("grants") or []))))
+        clusters = {**(row["spec"]["cloud"].get("clusters") or {}), **clusters}
     provider = CloudProvider(cloud, options={"region": region})
     cs = dc_replace(cloud_spec(ClusterSpec(name, cloud, 1, {"region": region})),
                     cluster_id=state.cluster_uid(name), grants=grants)
-    profile = provider.api().controller_identity(cs, owner())["instance_profile"]
+    key, option = IDENTITY_OPTION[cloud]
+    profile = provider.api().controller_identity(cs, owner(), clusters)[key]
     live = state.nodes(name, status="up") if c and c["status"] == "up" else []
     if row is not None and row["status"] == "up" and live and \
             provider.probe(live[0]) == "running":
-        spec = {**row["spec"], "cloud": {**row["spec"]["cloud"],
+        spec = {**row["spec"], "cloud": {**row["spec"]["cloud"], "clusters": clusters,
                                          "grants": [g.as_dict() for g in grants]}}
         state.put_controller(row["name"], spec)
         log(f"using the controller {name} ({row['name']})")
@@ -123,7 +140,7 @@ def ensure(state: S.State, cloud: str, options: dict, grants=(), *,
     offers = offers_for(cloud, region)
     log(f"launching the controller {name}: {offers[0].describe()}")
     options = {k: o[k] for k in KEPT if k in o}
-    options.update(spot=False, iam_role=profile, instance_type=offers[0].instance_type,
+    options.update({option: profile}, spot=False, instance_type=offers[0].instance_type,
                    idle_minutes=idle_minutes, replace_preempted=False)
     spec = ClusterSpec(name, cloud, 1, options)
     node = C.up(state, spec, provider=CloudProvider(cloud, options=options), offers=offers)[0]
@@ -137,7 +154,7 @@ def ensure(state: S.State, cloud: str, options: dict, grants=(), *,
            "user": addr.get("user", "root"), "identity_file": addr["identity_file"],
            "python": python,
            "cloud": {"provider": cloud, "cluster": name, "region": region,
-                     "grants": [g.as_dict() for g in grants]}}
+                     "clusters": clusters, "grants": [g.as_dict() for g in grants]}}
     if row is not None and row["name"] != ctl["name"]:
         state.put_controller(row["name"], row["spec"], status="down")
     state.put_controller(ctl["name"], ctl)
@@ -148,7 +165,9 @@ def handover_data(state: S.State, cluster: str) -> dict:
     """What a controller needs of a cloud cluster beyond a workflow's records
     (:func:`hypercli.controller.client.handover`): ``{"key": its private key, "keys":
     {path under keys/<cluster>/: text} (its key, its nodes' host keys, its places), "owner":
-    the owner tag its resources carry, "iam_role": its instance profile or None}``."""
+    the owner tag its resources carry, "iam_role": its instance profile or None, "identity":
+    its Azure storage identity or None}`` (what the controller's launches use as they are:
+    it may not make or change an identity)."""
     from hypercli.providers.cloud import owner
     from hypercli.providers.cloud_provider import keys_dir
     top = keys_dir(cluster)
@@ -162,8 +181,20 @@ def handover_data(state: S.State, cluster: str) -> dict:
         from hypercli.providers.aws import role_name
         from hypercli.providers.cloud import CloudSpec
         profile = role_name(CloudSpec(cluster=cluster, cluster_id=state.cluster_uid(cluster)))
+    ident = (spec.get("options") or {}).get("identity")
+    if not ident and row.get("provider") == "azure" and any(
+            g.get("scheme") == "az" for g in spec.get("given") or spec.get("grants") or []):
+        import os
+
+        from hypercli.providers.azure import identity_name
+        from hypercli.providers.cloud import CloudSpec
+        rg = (spec.get("options") or {}).get("resource_group") or f"hyper-{cluster}"
+        ident = (f"/subscriptions/{os.environ.get('AZURE_SUBSCRIPTION_ID', '')}/resourceGroups/"
+                 f"{rg}/providers/Microsoft.ManagedIdentity/userAssignedIdentities/"
+                 + identity_name(CloudSpec(cluster=cluster,
+                                           cluster_id=state.cluster_uid(cluster))))
     return {"key": keys.get("id_ed25519", ""), "keys": keys, "owner": owner(),
-            "iam_role": profile}
+            "iam_role": profile, "identity": ident}
 
 
 def remove(state: S.State, ctl: dict) -> list[str]:

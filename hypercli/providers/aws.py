@@ -451,12 +451,14 @@ class AWSAPI:
         return self._role(spec, STORAGE_POLICY, storage_policy(spec.grants, account),
                           f"hypercli cluster {spec.cluster}: its storage")
 
-    def controller_identity(self, spec: CloudSpec, owner_tag: str) -> dict:
+    def controller_identity(self, spec: CloudSpec, owner_tag: str,
+                            clusters: dict | None = None) -> dict:
         """Make or update, idempotently, the role and instance profile of a controller
         instance (:mod:`hypercli.controller`), named and kept as a cluster's are (module
         docstring: ``spec.cluster`` is the controller's name), with one inline policy,
         ``hyper-controller`` = :func:`controller_policy` for ``owner_tag`` and the read
-        grants of ``spec.grants``.
+        grants of ``spec.grants``. ``clusters`` (name → options, the clusters it drives) is
+        not needed here: the policy names the user's owner tag, which EC2's conditions test.
 
         Returns ``{"instance_profile": name}``. Raises as :meth:`identity`."""
         account = self._account()

@@ -146,6 +146,19 @@ TAG_CLUSTER_ID = "hyper:cluster-id"  # the identity tag of the cluster a group w
 ROLES = {
     "self-delete": (["Microsoft.Compute/virtualMachines/read",
                      "Microsoft.Compute/virtualMachines/delete"], []),
+    # a controller's identity (AzureAPI.controller_identity), on its clusters' groups only
+    "controller": (["Microsoft.Compute/virtualMachines/*", "Microsoft.Compute/disks/*",
+                    "Microsoft.Network/networkInterfaces/*",
+                    "Microsoft.Network/publicIPAddresses/*",
+                    "Microsoft.Network/virtualNetworks/read",
+                    "Microsoft.Network/virtualNetworks/subnets/read",
+                    "Microsoft.Network/virtualNetworks/subnets/join/action",
+                    "Microsoft.Network/networkSecurityGroups/read",
+                    "Microsoft.Network/networkSecurityGroups/join/action",
+                    "Microsoft.ManagedIdentity/userAssignedIdentities/read",
+                    "Microsoft.ManagedIdentity/userAssignedIdentities/assign/action",
+                    "Microsoft.Resources/subscriptions/resourceGroups/read",
+                    "Microsoft.Resources/subscriptions/resourceGroups/resources/read"], []),
     "blob-reader": ([], [f"{BLOB}/read"]),
     "blob-writer": ([], [f"{BLOB}/read", f"{BLOB}/write", f"{BLOB}/add/action",
                          f"{BLOB}/delete"]),
@@ -191,6 +204,12 @@ def identity_name(spec: CloudSpec) -> str:
         f"-{spec.tag}-storage"
 
 
+def controller_identity_name(spec: CloudSpec) -> str:
+    """The name of a controller's identity: ``hyper-<cluster>-<tag>-controller`` (as
+    :func:`identity_name`; ``spec.cluster`` is the controller's cluster)."""
+    return identity_name(spec)[:-len("-storage")] + "-controller"
+
+
 def vm_name(text: str) -> str:
     """A valid Azure Linux VM name for ``text`` (``[A-Za-z0-9-]``, at most 64)."""
     return re.sub(r"[^A-Za-z0-9-]", "-", text).strip("-")[:64] or "node"
@@ -207,6 +226,14 @@ def prefix_condition(prefix: str) -> str:
             f"AND {acts}) OR (@Resource[{BLOB}:path] StringStartsWith '{p}')) AND "
             f"((!(ActionMatches{{'{BLOB}/read'}} AND SubOperationMatches{{'Blob.List'}})) OR "
             f"(@Request[{BLOB}:prefix] StringStartsWith '{p}'))")
+
+
+def _rules_key(rules) -> list[tuple]:
+    """Security rules in a form to compare (what :meth:`AzureAPI.prepare` writes)."""
+    return sorted((r.name, (r.protocol or "").lower(), r.direction, r.access, r.priority,
+                   r.source_address_prefix, r.source_port_range,
+                   r.destination_address_prefix, r.destination_port_range)
+                  for r in rules or [])
 
 
 def error_class(code: str, message: str) -> type[CloudError]:
@@ -431,7 +458,8 @@ class AzureAPI:
     def prepare(self, spec: CloudSpec, ssh_public_key: str) -> dict:
         """Create or update the group, network security group and virtual network (module
         docstring; the security group's rules are written whole, so a rule added by hand or an
-        old caller address goes).
+        old caller address goes). Each is written only when it is missing or differs, so a
+        caller who may only read and join them (a controller) can launch into the cluster.
 
         Returns:
             ``{"resource_group": name, "nsg": id, "subnet": id, "adopted": bool}`` and what
@@ -457,31 +485,49 @@ class AzureAPI:
             for kind, name in (("networkSecurityGroups", f"hyper-{spec.cluster}-nsg"),
                                ("virtualNetworks", f"hyper-{spec.cluster}-vnet")):
                 self._not_theirs(spec, rg, f"Microsoft.Network/{kind}", name)
-        with _calls("creating the network security group"):
-            nsg = self.net.network_security_groups.begin_create_or_update(
-                rg, f"hyper-{spec.cluster}-nsg", nm.NetworkSecurityGroup(
-                    location=self.region, tags=tags,
-                    security_rules=[
-                        nm.SecurityRule(
-                            name="ssh", protocol="Tcp", direction="Inbound", access="Allow",
-                            priority=SSH_PRIORITY, source_address_prefix=spec.ssh_cidr,
-                            source_port_range="*", destination_address_prefix="*",
-                            destination_port_range="22"),
-                        nm.SecurityRule(
-                            name="cluster", protocol="*", direction="Inbound", access="Allow",
-                            priority=CLUSTER_PRIORITY, source_address_prefix=SUBNET,
-                            source_port_range="*", destination_address_prefix=SUBNET,
-                            destination_port_range="*")]),
-                polling_interval=self.poll).result()
-        with _calls("creating the virtual network"):
-            vnet = self.net.virtual_networks.begin_create_or_update(
-                rg, f"hyper-{spec.cluster}-vnet", nm.VirtualNetwork(
-                    location=self.region, tags=tags,
-                    address_space=nm.AddressSpace(address_prefixes=[VNET_SPACE]),
-                    subnets=[nm.Subnet(name="nodes", address_prefix=SUBNET)]),
-                polling_interval=self.poll).result()
+        rules = [nm.SecurityRule(
+                     name="ssh", protocol="Tcp", direction="Inbound", access="Allow",
+                     priority=SSH_PRIORITY, source_address_prefix=spec.ssh_cidr,
+                     source_port_range="*", destination_address_prefix="*",
+                     destination_port_range="22"),
+                 nm.SecurityRule(
+                     name="cluster", protocol="*", direction="Inbound", access="Allow",
+                     priority=CLUSTER_PRIORITY, source_address_prefix=SUBNET,
+                     source_port_range="*", destination_address_prefix=SUBNET,
+                     destination_port_range="*")]
+        name = f"hyper-{spec.cluster}-nsg"
+        nsg = self._found(lambda: self.net.network_security_groups.get(rg, name))
+        if nsg is None or (nsg.tags or {}) != tags or \
+                _rules_key(nsg.security_rules) != _rules_key(rules):
+            with _calls("creating the network security group"):
+                nsg = self.net.network_security_groups.begin_create_or_update(
+                    rg, name, nm.NetworkSecurityGroup(location=self.region, tags=tags,
+                                                      security_rules=rules),
+                    polling_interval=self.poll).result()
+        name = f"hyper-{spec.cluster}-vnet"
+        vnet = self._found(lambda: self.net.virtual_networks.get(rg, name))
+        if vnet is None or (vnet.tags or {}) != tags or \
+                list(vnet.address_space.address_prefixes or []) != [VNET_SPACE] or \
+                [(x.name, x.address_prefix) for x in vnet.subnets or []] != [("nodes", SUBNET)]:
+            with _calls("creating the virtual network"):
+                vnet = self.net.virtual_networks.begin_create_or_update(
+                    rg, name, nm.VirtualNetwork(
+                        location=self.region, tags=tags,
+                        address_space=nm.AddressSpace(address_prefixes=[VNET_SPACE]),
+                        subnets=[nm.Subnet(name="nodes", address_prefix=SUBNET)]),
+                    polling_interval=self.poll).result()
         return {"resource_group": rg, "nsg": nsg.id, "subnet": vnet.subnets[0].id,
                 "adopted": adopted, **ident}
+
+    @staticmethod
+    def _found(call):
+        """What a get answers, or None when it is not there or cannot be read (the write
+        that follows then says why)."""
+        try:
+            with _calls("reading"):
+                return call()
+        except CloudError:
+            return None
 
     def create(self, spec: CloudSpec, nodes: list[str], boot: Boot,
                prepared: dict) -> tuple[list[VM], dict[str, Exception]]:
@@ -694,6 +740,79 @@ class AzureAPI:
         self._set_assignments(principal, wanted)
         return {"identity": rid,
                 "node_env": {"AZURE_CLIENT_ID": made["properties"]["clientId"]}}
+
+    def controller_identity(self, spec: CloudSpec, owner_tag: str,
+                            clusters: dict | None = None) -> dict:
+        """Make or update, idempotently, the identity of a controller instance
+        (:mod:`hypercli.controller`; ``spec.cluster`` is the controller's cluster, whose
+        group is made here if missing): the user-assigned identity
+        :func:`controller_identity_name` in that group, with the custom role ``controller``
+        (:data:`ROLES`: VMs, their disks, NICs and public IPs, joining the cluster's subnet
+        and security group, assigning the cluster's storage identity to a VM; no role
+        assignment, no identity write) assigned on the resource group of each cluster it
+        drives and of nothing else, and ``blob-reader`` on the ``az`` containers of
+        ``spec.grants`` (read only, each limited to its grant's prefix). The groups it was
+        given before are kept (a controller keeps its clusters while it lives); ``hyper
+        down`` of the controller's cluster deletes the assignments and then the group with
+        the identity.
+
+        Args:
+            owner_tag: the user's owner tag (on the identity).
+            clusters: the clusters it drives, name → their ``cluster:`` options (its group:
+                ``resource_group``, default ``hyper-<name>``).
+        Returns:
+            ``{"identity": ARM id}`` for the VM to carry.
+        Raises:
+            CredentialsError: the caller may not make the identity, define the roles or
+                assign them (the message names the permission). IdentityConflict: an
+                identity of that name that is not the controller's own. UsageError: a
+                storage account of the recipe is not in the subscription. CloudError.
+        """
+        rg = spec.resource_group or f"hyper-{spec.cluster}"
+        self._own_group(spec, rg)
+        name = controller_identity_name(spec)
+        rid = (f"/subscriptions/{self.subscription}/resourceGroups/{rg}/providers/"
+               f"Microsoft.ManagedIdentity/userAssignedIdentities/{name}")
+        try:
+            found = self._arm("GET", f"{rid}?api-version={MSI_API}", f"reading {name}")
+        except CloudError as e:
+            if e.code not in ("ResourceNotFound", "NotFound", "404"):
+                raise
+            found = None
+        if found is not None:
+            self._check_identity(spec, rid, found)
+        try:
+            made = self._arm("PUT", f"{rid}?api-version={MSI_API}",
+                             f"creating the managed identity {name}",
+                             {"location": self.region,
+                              "tags": {**self._tags(spec.cluster), TAG_CLUSTER_ID: spec.tag,
+                                       TAG_OWNER: owner_tag}})
+        except CloudError as e:
+            self._refused(e, "Microsoft.ManagedIdentity/userAssignedIdentities/write",
+                          f"create the managed identity {name}")
+            raise
+        principal = made["properties"]["principalId"]
+        roles = self._roles(["controller", "blob-reader"], required=True)
+        sub = f"/subscriptions/{self.subscription}/resourceGroups/"
+        scopes = {f"{sub}{(o or {}).get('resource_group') or f'hyper-{c}'}"
+                  for c, o in (clusters or {}).items()}
+        scopes |= {(ra.get("properties") or {}).get("scope", "") for ra in self._ours(principal)
+                   if (ra.get("properties") or {}).get("roleDefinitionId", "").endswith(
+                       "/" + roles["controller"])}
+        wanted = [(sc, roles["controller"], None) for sc in sorted(scopes) if sc]
+        grants = [g for g in rights(spec.grants) if g.scheme == "az"]
+        accounts = self._account_ids() if grants else {}
+        for g in grants:
+            account, container = g.bucket.split("/", 1)
+            if account not in accounts:
+                raise UsageError(f"storage account {account} (az://{g.bucket}) not found "
+                                 f"in subscription {self.subscription}",
+                                 "check the recipe's storage and mounts")
+            wanted.append((f"{accounts[account]}/blobServices/default/containers/{container}",
+                           roles["blob-reader"],
+                           prefix_condition(g.prefix) if g.prefix else None))
+        self._set_assignments(principal, list(dict.fromkeys(wanted)))
+        return {"identity": rid}
 
     def _client_id(self, rid: str) -> str | None:
         """The client id of a user-assigned identity (for the node's SDK), or None with a

@@ -138,6 +138,24 @@ READ_ROLE, WRITE_ROLE = "roles/storage.objectViewer", "roles/storage.objectUser"
 #: the project's custom role a node's account holds on its own instance (idle self-deletion)
 SELF_DELETE_ROLE = "hyperNodeSelfDelete"
 SELF_DELETE_PERMISSIONS = ["compute.instances.delete", "compute.instances.get"]
+#: the custom roles of a controller's account (:meth:`GCPAPI.controller_identity`): reads
+#: of the project and its zones, bound without a condition (list calls are checked on the
+#: project, cloud.google.com/compute/docs/access/iam-permissions), and what driving does to
+#: its clusters' instances and disks, bound under a condition on their names
+CONTROLLER_READ_ROLE, CONTROLLER_ROLE = "hyperControllerRead", "hyperController"
+CONTROLLER_READ_PERMISSIONS = sorted(
+    ["compute.instances.list", "compute.disks.list", "compute.firewalls.list",
+     "compute.firewalls.get", "compute.zoneOperations.get", "compute.zoneOperations.list",
+     "compute.globalOperations.get", "compute.regions.get", "compute.zones.list",
+     "compute.images.get", "compute.images.getFromFamily", "compute.images.list",
+     "compute.images.useReadOnly", "compute.machineTypes.get", "compute.networks.use",
+     "compute.subnetworks.use", "compute.subnetworks.useExternalIp"])
+CONTROLLER_PERMISSIONS = sorted(
+    [f"compute.instances.{p}" for p in ("create", "get", "delete", "setLabels",
+                                        "setMetadata", "setTags", "setServiceAccount",
+                                        "getGuestAttributes")]
+    + [f"compute.disks.{p}" for p in ("create", "get", "delete", "setLabels")])
+DRIVES = "drives "  #: the title of a controller's conditional binding: ``drives <cluster>``
 #: what making the nodes' service accounts asks of the caller, project-wide
 IDENTITY_PERMISSIONS = ("iam.serviceAccounts.create", "iam.serviceAccounts.actAs")
 #: s that an insert is retried while Compute Engine does not know a new service account yet
@@ -324,6 +342,19 @@ def bucket_bindings(bucket: str, grants: list, cluster: str, tag: str = "") -> l
                     f".startsWith({_cel(p)}))")}
         out.append(b)
     return out
+
+
+def controller_condition(cluster: str) -> dict:
+    """The IAM condition of a controller's binding for one cluster it drives: the instances
+    and disks whose names start ``<cluster>-`` (as :func:`gce_name` makes its nodes'), in
+    CEL (cloud.google.com/iam/docs/conditions-resource-attributes: ``resource.name`` of a
+    Compute Engine instance is ``projects/P/zones/Z/instances/NAME``; ``extract`` gives the
+    part in braces, "" when the template does not match)."""
+    p = _cel(gce_name(cluster) + "-")
+    return {"title": f"{DRIVES}{cluster}"[:100],
+            "description": f"hypercli: a controller drives the cluster {cluster}"[:256],
+            "expression": f'resource.name.extract("/instances/{{name}}").startsWith({p}) || '
+                          f'resource.name.extract("/disks/{{name}}").startsWith({p})'}
 
 
 class GCPAPI:
@@ -780,6 +811,8 @@ class GCPAPI:
             raise
         for bucket in _sa_buckets(found.get("description", "")):
             self._unbind(bucket, f"serviceAccount:{email}")
+        if _sa_field(found.get("description", ""), TAG_NODE) == "controller":
+            self._unbind_project(email)  # its project bindings (controller_identity)
         try:
             self._rest("DELETE", self._sa_url(email), f"deleting {email}")
         except CloudError as e:
@@ -820,6 +853,171 @@ class GCPAPI:
             log.warning("the nodes cannot delete their own idle instance (the custom role "
                         "%s cannot be made: %s); they power off instead", name, e)
             return None
+
+    # -- a controller's identity (hypercli.controller.cloud) -----------------------------------
+    def controller_identity(self, spec: CloudSpec, owner_tag: str,
+                            clusters: dict | None = None) -> dict:
+        """Make or update, idempotently, the identity of a controller instance
+        (:mod:`hypercli.controller`; ``spec.cluster`` is the controller's cluster): a service
+        account of its own (:func:`account_id` of node ``controller``, described like a
+        node's, so that ``hyper down`` of the controller's cluster removes it), the custom
+        roles :data:`CONTROLLER_READ_ROLE` and :data:`CONTROLLER_ROLE`, bound on the project
+        (:meth:`_bind_controller`: the first without a condition, the second once per
+        cluster the controller drives with an IAM condition on the names of that cluster's
+        instances and disks), and read on the ``gs`` grants of ``spec.grants``.
+
+        GCP's IAM conditions cannot test labels (the owner label of the node identities is
+        not an attribute; cloud.google.com/iam/docs/conditions-attribute-reference lists
+        ``resource.name``, ``resource.type``, ``resource.service`` and tags), so the scope is
+        by name: ``<cluster>-`` for each of ``clusters`` and the controller's own. The list
+        and read permissions are checked on the project or zone, not on an instance, and
+        are granted without a condition (reads only).
+
+        Args:
+            owner_tag: the user's owner label value (kept in the account's description).
+            clusters: the clusters it drives, name → their ``cluster:`` options, added to
+                those it was given before (never taken away while it lives).
+        Returns:
+            ``{"service_account": its e-mail}`` for the instance to run as.
+        Raises:
+            CredentialsError: the caller may not make the account, the roles or the bindings
+                (the message names the permission). IdentityConflict: an account of that
+                name that is not this controller's own. CloudError.
+        """
+        from dataclasses import replace
+        email = self._email(account_id(spec, "controller"))
+        acct = self._controller_account(spec, email)
+        reads = tuple(replace(g, write=False) for g in rights(spec.grants) if g.scheme == "gs")
+        self._set_bindings(replace(spec, grants=reads), {email: acct})
+        names = sorted(set(clusters or ()) | {spec.cluster})
+        read_role = self._custom_role(CONTROLLER_READ_ROLE, CONTROLLER_READ_PERMISSIONS,
+                                      "hypercli controller: reads")
+        act_role = self._custom_role(CONTROLLER_ROLE, CONTROLLER_PERMISSIONS,
+                                     "hypercli controller: its user's clusters' instances")
+        self._bind_controller(email, read_role, act_role, names)
+        return {"service_account": email}
+
+    def _controller_account(self, spec: CloudSpec, email: str) -> dict:
+        """Create, or find when it is this controller's own, its service account. Raises
+        CredentialsError, IdentityConflict, CloudError."""
+        desc = _sa_description(spec.cluster, spec.tag, "controller", [])
+        try:
+            return self._rest("POST", self._sa_url(), f"creating the service account {email}", {
+                "accountId": email.split("@")[0],
+                "serviceAccount": {"displayName": f"hypercli controller {spec.cluster}"[:100],
+                                   "description": desc}})
+        except CloudError as e:
+            self._denied(e, "iam.serviceAccounts.create", f"create the service account {email}")
+            if e.code != "alreadyExists":
+                raise
+        found = self._rest("GET", self._sa_url(email), f"reading {email}")
+        d = found.get("description") or ""
+        held = self._project_roles(email)
+        mine = {f"projects/{self.project}/roles/{r}" for r in
+                (CONTROLLER_ROLE, CONTROLLER_READ_ROLE)}
+        why = []
+        if (_sa_field(d, TAG_CLUSTER), _sa_field(d, "hyper:cluster-id"),
+                _sa_field(d, TAG_NODE)) != (spec.cluster, spec.tag, "controller"):
+            why.append(f"its description does not name the controller {spec.cluster}")
+        if self._rest("GET", f"{self._sa_url(email)}/keys?keyTypes=USER_MANAGED",
+                      f"listing the keys of {email}").get("keys"):
+            why.append("it has user-managed keys")
+        if self._rest("POST", f"{self._sa_url(email)}:getIamPolicy",
+                      f"reading who may act as {email}", {}).get("bindings"):
+            why.append("others may act as it")
+        if held is None or set(held) - mine:
+            why.append(f"it holds roles in project {self.project} other than the "
+                       "controller's" if held else "its project roles cannot be read")
+        if why:
+            raise IdentityConflict(f"a service account {email} exists and is not the "
+                                   f"controller {spec.cluster}'s own: " + "; ".join(why),
+                                   "delete it if it is left from an old controller")
+        return found
+
+    def _custom_role(self, role_id: str, permissions: list[str], title: str) -> str:
+        """The project's custom role ``role_id`` with exactly ``permissions``, made,
+        restored or corrected when needed; returns its name. Raises CredentialsError
+        (``iam.roles.create`` / ``iam.roles.update`` refused), CloudError."""
+        base = f"{self._base(IAM_URL)}/v1/projects/{self.project}/roles"
+        name = f"projects/{self.project}/roles/{role_id}"
+        want = sorted(permissions)
+        try:
+            try:
+                role = self._rest("GET", f"{base}/{role_id}", f"reading {name}")
+            except CloudError as e:
+                if e.code != NOT_FOUND:
+                    raise
+                self._rest("POST", base, f"creating the role {name}", {
+                    "roleId": role_id, "role": {"title": title, "description": title,
+                                                "includedPermissions": want, "stage": "GA"}})
+                return name
+            if role.get("deleted"):
+                role = self._rest("POST", f"{base}/{role_id}:undelete", f"restoring {name}",
+                                  {"etag": role.get("etag")})
+            if sorted(role.get("includedPermissions") or []) != want:
+                self._rest("PATCH", f"{base}/{role_id}?updateMask=includedPermissions",
+                           f"correcting {name}", {"includedPermissions": want,
+                                                  "etag": role.get("etag")})
+        except CloudError as e:
+            self._denied(e, "iam.roles.create", f"make the custom role {name}")
+            raise
+        return name
+
+    def _project_policy_url(self, verb: str) -> str:
+        return (f"{self._base('https://cloudresourcemanager.googleapis.com')}/v1/projects/"
+                f"{self.project}:{verb}")
+
+    def _bind_controller(self, email: str, read_role: str, act_role: str,
+                         clusters: list[str]) -> None:
+        """Set the controller account's bindings in the project's IAM policy (version 3,
+        read-modify-write with its etag) to exactly: ``read_role`` unconditioned, and
+        ``act_role`` once per cluster with the condition :func:`controller_condition`, for
+        ``clusters`` and those it was bound for before (a controller keeps the clusters it
+        was given while it lives)."""
+        member = f"serviceAccount:{email}"
+        for attempt in range(3):
+            policy = self._rest("POST", self._project_policy_url("getIamPolicy"),
+                                f"reading the IAM policy of project {self.project}",
+                                {"options": {"requestedPolicyVersion": 3}})
+            old = policy.get("bindings") or []
+            given = {b["condition"]["title"][len(DRIVES):] for b in old
+                     if b.get("role") == act_role and member in b.get("members", [])
+                     and (b.get("condition") or {}).get("title", "").startswith(DRIVES)}
+            want = [{"role": read_role, "members": [member]}] + [
+                {"role": act_role, "members": [member], "condition": controller_condition(c)}
+                for c in sorted(given | set(clusters))]
+            kept = [dict(b, members=[m for m in b.get("members", []) if m != member])
+                    for b in old]
+            kept = [b for b in kept if b["members"]] + want
+            if _bindings_key(kept) == _bindings_key(old):
+                return
+            policy.update(bindings=kept, version=3)
+            try:
+                self._rest("POST", self._project_policy_url("setIamPolicy"),
+                           f"setting the IAM policy of project {self.project}",
+                           {"policy": policy, "updateMask": "bindings,etag,version"})
+                return
+            except CloudError as e:
+                self._denied(e, "resourcemanager.projects.setIamPolicy",
+                             f"bind the controller's roles in project {self.project}")
+                if e.code not in ("alreadyExists", "412") or attempt == 2:  # a concurrent change
+                    raise
+
+    def _unbind_project(self, email: str) -> None:
+        """Take ``serviceAccount:<email>`` out of every binding of the project's IAM policy
+        (a controller's account, before it is deleted)."""
+        member = f"serviceAccount:{email}"
+        policy = self._rest("POST", self._project_policy_url("getIamPolicy"),
+                            f"reading the IAM policy of project {self.project}",
+                            {"options": {"requestedPolicyVersion": 3}})
+        old = policy.get("bindings") or []
+        kept = [dict(b, members=[m for m in b.get("members", []) if m != member]) for b in old]
+        kept = [b for b in kept if b["members"]]
+        if kept != old:
+            policy.update(bindings=kept, version=3)
+            self._rest("POST", self._project_policy_url("setIamPolicy"),
+                       f"setting the IAM policy of project {self.project}",
+                       {"policy": policy, "updateMask": "bindings,etag,version"})
 
     def _account_list(self) -> list[dict]:
         """Every service account of the project (IAM's JSON); [] with a warning when the

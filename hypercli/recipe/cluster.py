@@ -155,9 +155,12 @@ _PROVIDER_KEYS: dict[str, dict[str, _Check]] = {
     # controller.cloud), removed after controller_idle_minutes with nothing to drive
     "aws": {**_CLOUD_KEYS, "iam_role": _str, "controller": _bool,
             "controller_idle_minutes": _minutes, "controller_python": _str},
-    "gcp": {**_CLOUD_KEYS, "project": _str, "service_account": _str},
+    "gcp": {**_CLOUD_KEYS, "project": _str, "service_account": _str, "controller": _bool,
+            "controller_idle_minutes": _minutes, "controller_python": _str},
     # adopt_group: use a resource_group hypercli did not make (hypercli.providers.azure)
-    "azure": {**_CLOUD_KEYS, "resource_group": _str, "identity": _str, "adopt_group": _bool},
+    "azure": {**_CLOUD_KEYS, "resource_group": _str, "identity": _str, "adopt_group": _bool,
+              "controller": _bool, "controller_idle_minutes": _minutes,
+              "controller_python": _str},
 }
 _CLUSTER_KEYS = ("provider", "name", "workers")
 
