@@ -76,6 +76,27 @@ def starts(workers) -> list[str]:
     return out
 
 
+#: files beside a workflow's backups on a node that are not its own: kept when they go
+DECOYS = ("other-1.abc.json", "other-1.abc.blob", "notes.txt")
+
+
+def plant_decoys(workers) -> None:
+    for h in workers:
+        h.run("mkdir -p /root/.hyper/controller && cd /root/.hyper/controller && touch "
+              + " ".join(DECOYS), check=True)
+
+
+def backups_of(workers, wid: str) -> list[str]:
+    """The files of ``wid``'s backups left on the worker hosts still up."""
+    return [f for h in workers for f in h.run("ls /root/.hyper/controller").stdout.split()
+            if f.startswith(f"{wid}.")]
+
+
+def decoys_kept(workers) -> bool:
+    return all(set(DECOYS) <= set(h.run("ls /root/.hyper/controller").stdout.split())
+               for h in workers)
+
+
 def ps(hyper, wid: str) -> list[dict]:
     r = hyper("ps", wid, "--json", timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -138,7 +159,8 @@ def test_controller_killed_is_taken_over_from_the_backups(ssh_hosts, tmp_path, h
                                                           hyper_home):
     """The controller's host killed mid-run: `hyper attach` reads the newest backup from the
     nodes, waits out the lease and drives the workflow here; every task one success, none
-    started twice."""
+    started twice. Once it ended here, the controller's backups of it are removed from the
+    nodes, and nothing else there."""
     hosts = ssh_hosts.start(4, share=(ROOT, PACKAGES))
     controller, workers = hosts[0], hosts[1:]
     path = controller_recipe(tmp_path, ssh_hosts, controller, workers)
@@ -149,6 +171,8 @@ def test_controller_killed_is_taken_over_from_the_backups(ssh_hosts, tmp_path, h
     wait_for(lambda: sum(row["status"] == "succeeded" for row in ps(hyper, wid)) >= 2,
              timeout=300, interval=0.5, what="two tasks done on the controller")
     controller.kill()
+    assert backups_of(workers, wid)  # the controller's backups are on the nodes
+    plant_decoys(workers)
     open_gate(workers)
     r = hyper("ps", wid, timeout=60)  # the next command sees it
     assert "does not answer" in r.stderr, r.stdout + r.stderr
@@ -159,6 +183,10 @@ def test_controller_killed_is_taken_over_from_the_backups(ssh_hosts, tmp_path, h
     assert [row["status"] for row in rows] == ["succeeded"] * 9
     assert [row["attempts"] for row in rows] == [1] * 9
     assert sorted(starts(workers), key=int) == [str(i) for i in range(9)]  # none twice
+    # ended here (the background driver): the backups go, nothing else on the nodes does
+    wait_for(lambda: not backups_of(workers, wid), timeout=60, interval=0.5,
+             what="the controller's backups removed once the workflow ended here")
+    assert decoys_kept(workers)
 
 
 def test_a_controller_cut_off_and_back_stops_driving_what_was_taken_over(ssh_hosts, tmp_path,
@@ -202,7 +230,8 @@ def test_a_controller_cut_off_and_back_stops_driving_what_was_taken_over(ssh_hos
 
 def test_run_again_takes_over_from_a_dead_controller(ssh_hosts, tmp_path, hyper, hyper_home):
     """The controller's host killed mid-run: `hyper run RECIPE` again takes the workflow
-    over from the backups and drives it here to its end; none started twice."""
+    over from the backups and drives it here to its end; none started twice. Then the
+    controller's backups of it are gone from the nodes, and nothing else there."""
     hosts = ssh_hosts.start(4, share=(ROOT, PACKAGES))
     controller, workers = hosts[0], hosts[1:]
     path = controller_recipe(tmp_path, ssh_hosts, controller, workers)
@@ -213,6 +242,8 @@ def test_run_again_takes_over_from_a_dead_controller(ssh_hosts, tmp_path, hyper,
     wait_for(lambda: sum(row["status"] == "succeeded" for row in ps(hyper, wid)) >= 1,
              timeout=300, interval=0.5, what="a task done on the controller")
     controller.kill()
+    assert backups_of(workers, wid)
+    plant_decoys(workers)
     open_gate(workers)
     r = hyper("run", path, "--on-interrupt", "cancel", timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -220,6 +251,8 @@ def test_run_again_takes_over_from_a_dead_controller(ssh_hosts, tmp_path, hyper,
     rows = ps(hyper, wid)
     assert [row["status"] for row in rows] == ["succeeded"] * 9
     assert sorted(starts(workers), key=int) == [str(i) for i in range(9)]  # none twice
+    # ended here (this run): its records are in the state file, the backups are gone
+    assert not backups_of(workers, wid) and decoys_kept(workers)
 
 
 def _handed_over(ssh_hosts, tmp_path, hyper) -> tuple:

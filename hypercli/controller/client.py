@@ -535,6 +535,40 @@ def takeover(state: S.State, wid: str, *, wait: float | None = None,
     return newest["seq"]
 
 
+def drop_backups(state: S.State, wid: str) -> int | None:
+    """Remove a controller's backups of workflow ``wid`` from its replica nodes once the
+    workflow was taken over here (:func:`takeover`) and has ended here: its records are in
+    this state file then, and nothing else would remove them. Only the files the backups'
+    server made for this workflow go (:meth:`~hypercli.controller.backup.Replicas.drop`,
+    under this machine's lease, which the takeover wrote there); a node that does not answer
+    keeps them (its instance is gone, or `hyper down` removes what it holds). Done once: the
+    link records it (``dropped``). Returns how many replicas removed them, or None when
+    there is nothing to do (not taken over, not ended, done before). Never raises for an
+    unreachable node."""
+    from hypercli.cluster import provider_of
+    from hypercli.controller.backup import Replicas
+    wf = state.workflow(wid)
+    ctl = (wf.get("spec") or {}).get("controller") or {}
+    if not ctl.get("taken") or ctl.get("dropped") or \
+            wf["status"] not in ("succeeded", "failed", "cancelled"):
+        return None
+    nodes = [n for n in state.nodes(wf["cluster"]) if n["name"] in ctl.get("replicas", [])]
+    try:
+        reps = Replicas(provider_of(state, wf["cluster"]), nodes, wf, ctl["taken"], ttl=None)
+        try:
+            dropped = reps.drop()
+        finally:
+            reps.close()
+    except HyperError as e:
+        state.event("workflow", f"the controller's backups were not removed: {e}",
+                    workflow=wid)
+        return 0
+    _set_link(state, wid, dropped=True)
+    state.event("workflow", f"the controller's backups removed from {dropped} of "
+                f"{len(nodes)} nodes", workflow=wid)
+    return dropped
+
+
 # -- status and down -------------------------------------------------------------------------
 def controller_rows(state: S.State) -> list[dict]:
     """What ``hyper status`` shows of each controller known here: ``{"controller", "status"
