@@ -84,6 +84,10 @@ def one(pool, controller, workers, n: int, on_controller: bool) -> float:
     assert len(atts) == n and {a["status"] for a in atts} == {"succeeded"}, len(atts)
     span = max(a["ended_at"] for a in atts) - min(a["created_at"] for a in atts)
     state.close()
+    if on_controller:  # the controller's own account of its backups (hypercli.controller.host)
+        r = controller.run("grep -h 'intent appends' /root/.hyper/controller/controller.log "
+                           "| tail -1")
+        print("   controller:", r.stdout.strip().split(": ", 1)[-1], flush=True)
     return n / span
 
 
@@ -213,7 +217,8 @@ def main() -> None:
             rate = {side: one(pool, controller, workers, args.n, side) for side in order}
             ratios.append(rate[True] / rate[False])
             print(f"round {r + 1}: here {rate[False]:.0f} tasks/s, controller "
-                  f"{rate[True]:.0f} tasks/s, ratio {ratios[-1]:.2f}", flush=True)
+                  f"{rate[True]:.0f} tasks/s, ratio {ratios[-1]:.2f} (load average "
+                  f"{os.getloadavg()[0]:.1f})", flush=True)
         print(f"controller / here (median of {rounds}): {statistics.median(ratios):.2f} "
               "(goal >= 0.9)")
     finally:

@@ -477,7 +477,7 @@ def takeover(state: S.State, wid: str, *, wait: float | None = None,
     """
     from hypercli.cluster import provider_of
     from hypercli.controller.backup import (LEASE_TTL, LeaseLost, NoQuorum, Replicas, pack,
-                                            unpack, with_intents)
+                                            unpack, with_changes, with_intents)
     wf = state.workflow(wid)
     link = link_of(wf)
     if link is None:
@@ -508,12 +508,14 @@ def takeover(state: S.State, wid: str, *, wait: float | None = None,
                 time.sleep(min(left + 0.5, 5.0))
                 continue
             try:
-                export = with_intents(unpack(newest["blob"]), newest["seq"], found)
+                export = with_intents(with_changes(unpack(newest["blob"]), newest["seq"],
+                                                   found), newest["seq"], found)
             except ValueError as e:
                 raise InfraError(f"the backup of {wid} on {newest['node']} cannot be read: "
                                  f"{e}") from None
             reps.seq = max([newest["seq"]] + [i.get("seq", 0) for g in found
-                                              for i in g.get("intents") or []])
+                                              for i in (g.get("intents") or [])
+                                              + (g.get("log") or [])])
             try:
                 reps.write(pack(export))  # the intents in it: none is lost if this dies
             except (LeaseLost, NoQuorum) as e:  # renewed meanwhile, or held where a
