@@ -142,6 +142,11 @@ def test_workflow_goes_on_without_this_machine_and_a_lost_worker(ssh_hosts, tmp_
     for task, statuses in by_task.items():
         assert statuses.count("succeeded") == 1, (task, statuses)
     assert any("lost" in s for s in by_task.values())  # the killed host's work was re-run
+    # the drive ended: its SSH connections to the nodes are closed (the service lives on
+    # for IDLE_EXIT s, and kept them open until it exited, three more per workflow)
+    wait_for(lambda: controller.run("ss -tn state established | grep -c ':22 *$'"
+                                    ).stdout.strip() == "0",
+             timeout=15, interval=0.5, what="the drive's connections closed")
     r = hyper("down", "--controller", name, timeout=120)
     assert r.returncode == 0 and "removed" in r.stdout, r.stdout + r.stderr
     assert controller.run("ls /root/.hyper").stdout.split() == ["lib"]  # its folder is gone

@@ -507,6 +507,7 @@ class _Drive(threading.Thread):
     def run(self) -> None:
         from hypercli.cluster import provider_of
         plain = S.State()
+        provider = None
         try:
             wf = plain.workflow(self.wid)
             provider = provider_of(plain, wf["cluster"])
@@ -619,7 +620,23 @@ class _Drive(threading.Thread):
                 _set_spec(plain, self.wid, seq=self.replicas.seq)
             if self.replicas is not None:
                 self.replicas.close()
+            _hang_up(provider, plain, self.wid)
             plain.close()
+
+
+def _hang_up(provider, state: S.State, wid: str) -> None:
+    """Close the SSH connections a drive of ``wid`` opened to its cluster's nodes (the
+    service outlives its drives: each one's connections, their threads and their nodes'
+    agents were left open until it exited, three more for each workflow driven). Never
+    raises."""
+    drop = getattr(provider, "drop", None)
+    if drop is None:
+        return
+    try:
+        for n in state.nodes(state.workflow(wid)["cluster"]):
+            drop(n["name"])
+    except Exception as e:  # closing must not hide why the drive ended
+        log.warning("%s: connections not closed: %s", wid, e)
 
 
 def _Scheduler(*args, gates: dict, stats: dict | None = None, **kw):
