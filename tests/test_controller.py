@@ -260,6 +260,40 @@ def test_run_again_takes_over_from_a_dead_controller(ssh_hosts, tmp_path, hyper,
     assert not backups_of(workers, wid) and decoys_kept(workers)
 
 
+def test_a_workflow_ended_on_a_dead_controller_is_taken_over_complete(ssh_hosts, tmp_path,
+                                                                      hyper, hyper_home):
+    """The workflow ends on the controller while nothing here looks (`-d`), then the
+    controller's host dies before its records were copied here: `hyper attach` takes it over
+    from the backups, whose last change (the workflow's end) is in the log beside the whole
+    copy, and finds it ended: nothing runs again, the results are all here, and the
+    controller's backups of it are gone from the nodes, nothing else there."""
+    hosts = ssh_hosts.start(3, share=(ROOT, PACKAGES))
+    controller, workers = hosts[0], hosts[1:]
+    path = controller_recipe(tmp_path, ssh_hosts, controller, workers, gate=9)  # no gate
+    r = hyper("run", path, "-d", "--trust-new-hosts", timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    wid = next(line.split()[0] for line in r.stdout.splitlines()
+               if "is driven by the controller" in line)
+    wait_for(lambda: json.loads(on_controller(controller, (
+        "import json; from hypercli.state import State; "
+        f"print(json.dumps(State().workflow({wid!r})['status']))"))) == "succeeded",
+        timeout=300, interval=0.5, what="the workflow's end on the controller")
+    wait_for(lambda: "intent appends" in controller.run(
+        "cat /root/.hyper/controller/controller.log").stdout, timeout=60, interval=0.5,
+        what="the drive's end (its last backup written)")
+    controller.kill()
+    plant_decoys(workers)
+    r = hyper("attach", wid, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "took" in r.stdout and "over from the controller" in r.stdout, r.stdout
+    rows = ps(hyper, wid)
+    assert [(row["status"], row["attempts"]) for row in rows] == [("succeeded", 1)] * 9
+    assert sorted(starts(workers), key=int) == [str(i) for i in range(9)]  # none again
+    r = hyper("results", wid, "--json", timeout=60)
+    assert sorted(row["metrics"]["i"] for row in json.loads(r.stdout)) == list(range(9))
+    assert not backups_of(workers, wid) and decoys_kept(workers)
+
+
 def _handed_over(ssh_hosts, tmp_path, hyper) -> tuple:
     """(controller host, worker hosts, workflow id): a gated workflow on 2 worker hosts
     handed to a controller on a third by ``hyper run -d``."""

@@ -467,7 +467,8 @@ def takeover(state: S.State, wid: str, *, wait: float | None = None,
              log: Callable[[str], None] = lambda s: None) -> int:
     """Take a workflow over from a controller that does not drive it any more (module
     docstring): waits up to ``wait`` s (default three lease times) for its lease to expire.
-    Returns the sequence number of the backup taken.
+    A workflow that had ended there is then complete here, and the controller's backups of
+    it are removed (:func:`drop_backups`). Returns the sequence number of the backup taken.
 
     Raises:
         UsageError: no open controller link.
@@ -534,6 +535,8 @@ def takeover(state: S.State, wid: str, *, wait: float | None = None,
     state.event("workflow", f"taken over from the controller {link['name']} (backup "
                 f"{newest['seq']} from {newest['node']})", workflow=wid)
     log(f"took {wid} over from the controller {link['name']} (its backup {newest['seq']})")
+    if state.workflow(wid)["status"] in ("succeeded", "failed", "cancelled"):
+        drop_backups(state, wid)  # it had ended there: nothing here will drive it to an end
     return newest["seq"]
 
 
