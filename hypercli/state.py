@@ -969,6 +969,75 @@ class State:
                 put(table, data.get(table) or [])
         return wid
 
+    # -- a change log of workflows' rows (a controller's backups, hypercli.controller) ------
+    #: tables whose inserts and updates :meth:`track_changes` records: (table, workflow column)
+    TRACKED = (("tasks", "workflow"), ("attempts", "workflow"), ("workflows", "id"))
+
+    def track_changes(self) -> None:
+        """Record every insert and update of a ``tasks``, ``attempts`` or ``workflows`` row,
+        by any connection, in the table ``row_changes`` (SQLite triggers), so that
+        :meth:`export_changes` gives a workflow's rows changed since a mark in O(changes).
+        Idempotent; only a controller's state file gets them (each tracked write then
+        inserts one small row more; :meth:`forget_changes` removes them)."""
+        with self.tx() as db:
+            db.execute("CREATE TABLE IF NOT EXISTS row_changes (seq INTEGER PRIMARY KEY "
+                       "AUTOINCREMENT, tbl TEXT NOT NULL, workflow TEXT NOT NULL, "
+                       "id TEXT NOT NULL)")
+            for table, wcol in self.TRACKED:
+                for op in ("INSERT", "UPDATE"):
+                    db.execute(f"CREATE TRIGGER IF NOT EXISTS row_changes_{table}_{op.lower()} "
+                               f"AFTER {op} ON {table} BEGIN INSERT INTO row_changes (tbl, "
+                               f"workflow, id) VALUES ('{table}', NEW.{wcol}, NEW.id); END")
+
+    def export_changes(self, wid: str, since: dict | None = None) -> dict:
+        """Workflow ``wid``'s records in one read snapshot, with ``"mark": {"changes": the
+        newest row_changes seq, "events": the newest event id}`` as of that snapshot. With
+        ``since`` None, the whole records (:meth:`export_workflow`); with a mark, only what
+        changed after it (:meth:`track_changes` on): ``{"workflow": row, "tasks",
+        "attempts": rows inserted or updated since, "events": rows added since, with their
+        ``id``, "mark"}``. Raises UsageError: unknown workflow."""
+        self.workflow(wid)
+        own = not self.db.in_transaction
+        if own:
+            self.db.execute("BEGIN")
+        try:
+            def rows(q: str, *a) -> list[dict]:
+                return [dict(r) for r in self.db.execute(q, a)]
+            tracked = bool(rows("SELECT name FROM sqlite_master WHERE name='row_changes'"))
+            mark = {"changes": (rows("SELECT max(seq) AS m FROM row_changes")[0]["m"] or 0)
+                    if tracked else 0,
+                    "events": rows("SELECT max(id) AS m FROM events")[0]["m"] or 0}
+            if since is None:
+                return {**self.export_workflow(wid), "mark": mark}
+            ids: dict = {"tasks": set(), "attempts": set(), "workflows": set()}
+            for r in rows("SELECT tbl, id FROM row_changes WHERE seq > ? AND seq <= ? AND "
+                          "workflow = ?", since["changes"], mark["changes"], wid):
+                ids[r["tbl"]].add(r["id"])
+
+            def these(table: str, extra: str, *a) -> list[dict]:
+                got, want = [], sorted(ids[table])
+                for i in range(0, len(want), 500):  # SQLite's limit on parameters
+                    part = want[i:i + 500]
+                    got += rows(f"SELECT * FROM {table} WHERE {extra} id IN "
+                                f"({','.join('?' * len(part))})", *a, *part)
+                return got
+            return {"workflow": rows("SELECT * FROM workflows WHERE id=?", wid)[0],
+                    "tasks": these("tasks", "workflow=? AND", wid),
+                    "attempts": these("attempts", ""),
+                    "events": rows("SELECT * FROM events WHERE id > ? AND id <= ? AND "
+                                   "workflow=? ORDER BY id", since["events"],
+                                   mark["events"], wid),
+                    "mark": mark}
+        finally:
+            if own:
+                self.db.execute("COMMIT")
+
+    def forget_changes(self, wid: str, upto: int) -> None:
+        """Remove the ``row_changes`` of workflow ``wid`` up to seq ``upto`` (written to a
+        majority of its backups: no longer needed)."""
+        with self.tx() as db:
+            db.execute("DELETE FROM row_changes WHERE seq <= ? AND workflow = ?", (upto, wid))
+
     # -- utilisation samples (hypercli.usage) ------------------------------------------------
     def add_samples(self, rows: Iterable[dict]) -> int:
         """Store samples: each ``{"node": str, "attempt": str | None, "ts": unix s,

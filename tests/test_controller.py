@@ -76,6 +76,27 @@ def starts(workers) -> list[str]:
     return out
 
 
+#: files beside a workflow's backups on a node that are not its own: kept when they go
+DECOYS = ("other-1.abc.json", "other-1.abc.blob", "notes.txt")
+
+
+def plant_decoys(workers) -> None:
+    for h in workers:
+        h.run("mkdir -p /root/.hyper/controller && cd /root/.hyper/controller && touch "
+              + " ".join(DECOYS), check=True)
+
+
+def backups_of(workers, wid: str) -> list[str]:
+    """The files of ``wid``'s backups left on the worker hosts still up."""
+    return [f for h in workers for f in h.run("ls /root/.hyper/controller").stdout.split()
+            if f.startswith(f"{wid}.")]
+
+
+def decoys_kept(workers) -> bool:
+    return all(set(DECOYS) <= set(h.run("ls /root/.hyper/controller").stdout.split())
+               for h in workers)
+
+
 def ps(hyper, wid: str) -> list[dict]:
     r = hyper("ps", wid, "--json", timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -121,6 +142,11 @@ def test_workflow_goes_on_without_this_machine_and_a_lost_worker(ssh_hosts, tmp_
     for task, statuses in by_task.items():
         assert statuses.count("succeeded") == 1, (task, statuses)
     assert any("lost" in s for s in by_task.values())  # the killed host's work was re-run
+    # the drive ended: its SSH connections to the nodes are closed (the service lives on
+    # for IDLE_EXIT s, and kept them open until it exited, three more per workflow)
+    wait_for(lambda: controller.run("ss -tn state established | grep -c ':22 *$'"
+                                    ).stdout.strip() == "0",
+             timeout=15, interval=0.5, what="the drive's connections closed")
     r = hyper("down", "--controller", name, timeout=120)
     assert r.returncode == 0 and "removed" in r.stdout, r.stdout + r.stderr
     assert controller.run("ls /root/.hyper").stdout.split() == ["lib"]  # its folder is gone
@@ -138,7 +164,8 @@ def test_controller_killed_is_taken_over_from_the_backups(ssh_hosts, tmp_path, h
                                                           hyper_home):
     """The controller's host killed mid-run: `hyper attach` reads the newest backup from the
     nodes, waits out the lease and drives the workflow here; every task one success, none
-    started twice."""
+    started twice. Once it ended here, the controller's backups of it are removed from the
+    nodes, and nothing else there."""
     hosts = ssh_hosts.start(4, share=(ROOT, PACKAGES))
     controller, workers = hosts[0], hosts[1:]
     path = controller_recipe(tmp_path, ssh_hosts, controller, workers)
@@ -149,6 +176,8 @@ def test_controller_killed_is_taken_over_from_the_backups(ssh_hosts, tmp_path, h
     wait_for(lambda: sum(row["status"] == "succeeded" for row in ps(hyper, wid)) >= 2,
              timeout=300, interval=0.5, what="two tasks done on the controller")
     controller.kill()
+    assert backups_of(workers, wid)  # the controller's backups are on the nodes
+    plant_decoys(workers)
     open_gate(workers)
     r = hyper("ps", wid, timeout=60)  # the next command sees it
     assert "does not answer" in r.stderr, r.stdout + r.stderr
@@ -159,6 +188,10 @@ def test_controller_killed_is_taken_over_from_the_backups(ssh_hosts, tmp_path, h
     assert [row["status"] for row in rows] == ["succeeded"] * 9
     assert [row["attempts"] for row in rows] == [1] * 9
     assert sorted(starts(workers), key=int) == [str(i) for i in range(9)]  # none twice
+    # ended here (the background driver): the backups go, nothing else on the nodes does
+    wait_for(lambda: not backups_of(workers, wid), timeout=60, interval=0.5,
+             what="the controller's backups removed once the workflow ended here")
+    assert decoys_kept(workers)
 
 
 def test_a_controller_cut_off_and_back_stops_driving_what_was_taken_over(ssh_hosts, tmp_path,
@@ -202,7 +235,8 @@ def test_a_controller_cut_off_and_back_stops_driving_what_was_taken_over(ssh_hos
 
 def test_run_again_takes_over_from_a_dead_controller(ssh_hosts, tmp_path, hyper, hyper_home):
     """The controller's host killed mid-run: `hyper run RECIPE` again takes the workflow
-    over from the backups and drives it here to its end; none started twice."""
+    over from the backups and drives it here to its end; none started twice. Then the
+    controller's backups of it are gone from the nodes, and nothing else there."""
     hosts = ssh_hosts.start(4, share=(ROOT, PACKAGES))
     controller, workers = hosts[0], hosts[1:]
     path = controller_recipe(tmp_path, ssh_hosts, controller, workers)
@@ -213,6 +247,8 @@ def test_run_again_takes_over_from_a_dead_controller(ssh_hosts, tmp_path, hyper,
     wait_for(lambda: sum(row["status"] == "succeeded" for row in ps(hyper, wid)) >= 1,
              timeout=300, interval=0.5, what="a task done on the controller")
     controller.kill()
+    assert backups_of(workers, wid)
+    plant_decoys(workers)
     open_gate(workers)
     r = hyper("run", path, "--on-interrupt", "cancel", timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -220,6 +256,42 @@ def test_run_again_takes_over_from_a_dead_controller(ssh_hosts, tmp_path, hyper,
     rows = ps(hyper, wid)
     assert [row["status"] for row in rows] == ["succeeded"] * 9
     assert sorted(starts(workers), key=int) == [str(i) for i in range(9)]  # none twice
+    # ended here (this run): its records are in the state file, the backups are gone
+    assert not backups_of(workers, wid) and decoys_kept(workers)
+
+
+def test_a_workflow_ended_on_a_dead_controller_is_taken_over_complete(ssh_hosts, tmp_path,
+                                                                      hyper, hyper_home):
+    """The workflow ends on the controller while nothing here looks (`-d`), then the
+    controller's host dies before its records were copied here: `hyper attach` takes it over
+    from the backups, whose last change (the workflow's end) is in the log beside the whole
+    copy, and finds it ended: nothing runs again, the results are all here, and the
+    controller's backups of it are gone from the nodes, nothing else there."""
+    hosts = ssh_hosts.start(3, share=(ROOT, PACKAGES))
+    controller, workers = hosts[0], hosts[1:]
+    path = controller_recipe(tmp_path, ssh_hosts, controller, workers, gate=9)  # no gate
+    r = hyper("run", path, "-d", "--trust-new-hosts", timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    wid = next(line.split()[0] for line in r.stdout.splitlines()
+               if "is driven by the controller" in line)
+    wait_for(lambda: json.loads(on_controller(controller, (
+        "import json; from hypercli.state import State; "
+        f"print(json.dumps(State().workflow({wid!r})['status']))"))) == "succeeded",
+        timeout=300, interval=0.5, what="the workflow's end on the controller")
+    wait_for(lambda: "intent appends" in controller.run(
+        "cat /root/.hyper/controller/controller.log").stdout, timeout=60, interval=0.5,
+        what="the drive's end (its last backup written)")
+    controller.kill()
+    plant_decoys(workers)
+    r = hyper("attach", wid, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "took" in r.stdout and "over from the controller" in r.stdout, r.stdout
+    rows = ps(hyper, wid)
+    assert [(row["status"], row["attempts"]) for row in rows] == [("succeeded", 1)] * 9
+    assert sorted(starts(workers), key=int) == [str(i) for i in range(9)]  # none again
+    r = hyper("results", wid, "--json", timeout=60)
+    assert sorted(row["metrics"]["i"] for row in json.loads(r.stdout)) == list(range(9))
+    assert not backups_of(workers, wid) and decoys_kept(workers)
 
 
 def _handed_over(ssh_hosts, tmp_path, hyper) -> tuple:

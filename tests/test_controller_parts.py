@@ -447,3 +447,86 @@ def test_a_launch_is_sent_only_once_its_intents_are_backed_up(tmp_path):
         intents.stop()
         intents.join(10)
         ctl.close()
+
+
+def _workflow(tmp_path, write_recipe, tasks: int = 3):
+    """A state file with change tracking on and a planned workflow of ``tasks`` tasks on a
+    cluster of one node: (state, workflow id)."""
+    from hypercli.plan import build_plan
+    from hypercli.recipe import load_recipe
+    from hypercli.state import State
+    recipe = load_recipe(str(write_recipe(
+        f"name: far\nexperiments:\n  a:\n    parameters: {{i: {list(range(tasks))}}}\n"
+        "    command: echo {{i}}\n")))
+    st = State(tmp_path / "ctl.db")
+    st.put_cluster("far", "local", {"options": {}})
+    st.put_node("far", "n1", slots=2, address={"host": "h"})
+    st.track_changes()
+    wid = st.create_workflow(build_plan(recipe), cluster="far", recipe_path=None,
+                             storage="file:///s", workdir="", spec={"token": "t0"})
+    return st, wid
+
+
+def test_a_change_logged_but_not_yet_in_a_whole_copy_is_taken_over(tmp_path, write_recipe,
+                                                                  monkeypatch):
+    """The controller writes the whole records once, then only what changed (a delta per
+    write); it is killed after a delta and before the next whole copy: the takeover's
+    records have the delta's changes (a task ended, an attempt, an event), each once, and
+    a delta forged on one node (no valid HMAC) is not applied. A whole copy written later
+    drops the deltas it holds from the replicas (compaction)."""
+    from hypercli.controller.backup import new_key, with_changes, with_intents
+    from hypercli.controller.host import _Records
+    monkeypatch.setenv("HYPER_HOME", str(tmp_path / "home"))
+    key = new_key()
+    st, wid = _workflow(tmp_path, write_recipe)
+    ctl = _local_replicas(tmp_path, "controller A", key)
+    ctl.workflow = wid
+    records = _Records(ctl, wid)
+    try:
+        records.write(st)  # the first write: the whole records
+        st.start_attempts([(f"{wid}.a-0000.1", wid, "a-0000", 1, "n1")])
+        st.update_attempts([{"id": f"{wid}.a-0000.1", "status": "succeeded", "exit_code": 0,
+                             "ended_at": 2.0}])
+        st.set_tasks(wid, [{"id": "a-0000", "status": "succeeded", "attempts": 1,
+                            "metrics": {"loss": 0.5}}])
+        st.event("attempt", "a-0000 ended", workflow=wid, task="a-0000")
+        records.write(st)  # a delta
+        st.set_tasks(wid, [{"id": "a-0001", "status": "running", "attempts": 1}])
+        records.write(st)  # another
+        assert records.count == {"blob": 1, "delta": 2}
+        for r in ctl.replicas:
+            r.queue.submit(lambda: None).result(timeout=60)
+        # a task on n0 appends a delta of its own: every task succeeded
+        forged = pack({"workflow": {"id": wid, "status": "succeeded"},
+                       "tasks": [{"id": f"a-000{i}", "status": "succeeded"} for i in range(3)]})
+        with open(tmp_path / "n0" / f"{wid}.t0.log", "a") as f:
+            f.write(json.dumps({"seq": 99, "delta": forged, "mac": "0" * 64}) + "\n")
+        # killed here, before the next whole copy: the laptop reads the replicas
+        found = ctl.read()
+        newest = max((g for g in found if g.get("blob")), key=lambda g: g["seq"])
+        assert newest["seq"] == 1 and all(len(g["log"]) == 2 for g in found)
+        out = with_intents(with_changes(unpack(newest["blob"]), newest["seq"], found),
+                           newest["seq"], found)
+        tasks = {t["id"]: t for t in out["tasks"]}
+        assert (tasks["a-0000"]["status"], json.loads(tasks["a-0000"]["metrics"])) == (
+            "succeeded", {"loss": 0.5})
+        assert tasks["a-0001"]["status"] == "running"
+        assert tasks["a-0002"]["status"] == "pending"  # the forged delta is not applied
+        assert [(a["id"], a["status"]) for a in out["attempts"]] == [
+            (f"{wid}.a-0000.1", "succeeded")]
+        assert [e["message"] for e in out["events"]].count("a-0000 ended") == 1
+        assert out["workflow"]["status"] != "succeeded"
+        # the change log here keeps only what no write has taken yet
+        assert st.export_changes(wid, records.acked)["tasks"] == []
+        records.whole_every = 0  # a whole copy is due: it compacts the deltas away
+        records.write(st)
+        for r in ctl.replicas:
+            r.queue.submit(lambda: None).result(timeout=60)
+        found = ctl.read()
+        assert records.count["blob"] == 2
+        assert [len(g["log"]) for g in found] == [0, 0, 0], found
+        whole = unpack(max(found, key=lambda g: g["seq"])["blob"])
+        assert {t["id"]: t["status"] for t in whole["tasks"]}["a-0000"] == "succeeded"
+    finally:
+        ctl.close()
+        st.close()

@@ -11,17 +11,20 @@ would be useless anyway (there is nothing left to drive). So each node of the re
 replicas, as in Chubby, Burrows, OSDI 2006, and Gray & Cheriton's leases, SOSP 1989: two
 majorities always share a replica, so two holders never both succeed).
 
-Each record is three files: ``.json`` ``{"holder", "ttl" (s, or null: until handed over),
+Each record is four files: ``.json`` ``{"holder", "ttl" (s, or null: until handed over),
 "renewed_at" (the node's clock), "seq" (the blob's number; a renewal changes neither)}``,
-``.blob`` (base64 of the gzipped JSON of :meth:`hypercli.state.State.export_workflow`) and
-``.intents`` (JSON lines). A node takes a write only when no other holder has a lease there
-that is still live by its own clock (so no two machines' clocks are compared), or when the
-writer names that holder as the one it takes over from (``handoff``: the user's machine
-giving the workflow back to a controller). Attempts about to be launched are written first
-as an *intent* (their rows only, appended, before the launch is sent: write-ahead), the whole
-records a moment later with other changes (the intents a blob has are dropped with it).
-Whoever takes the workflow over adds the intents newer than the newest blob as attempts
-still launching; the agent's launch is idempotent per attempt id, so one the node did get is
+``.blob`` (base64 of the gzipped JSON of :meth:`hypercli.state.State.export_workflow`),
+``.intents`` and ``.log`` (JSON lines). A node takes a write only when no other holder has a
+lease there that is still live by its own clock (so no two machines' clocks are compared),
+or when the writer names that holder as the one it takes over from (``handoff``: the user's
+machine giving the workflow back to a controller). Attempts about to be launched are written
+first as an *intent* (their rows only, appended, before the launch is sent: write-ahead),
+the records a moment later with other changes: most often only the rows changed since the
+last write, appended to ``.log`` (a *delta*: :meth:`hypercli.state.State.export_changes`),
+now and then the whole records again (a blob), which drops the intents and deltas it holds.
+Whoever takes the workflow over applies the deltas newer than the newest blob in order
+(:func:`with_changes`), then adds the intents newer than it as attempts still launching; the
+agent's launch is idempotent per attempt id, so one the node did get is
 re-attached. Each replica is served by one small Python process on one SSH channel that stays
 open (``python3 -I -S -c``; the node needs nothing but its python3, as for the agent).
 
@@ -95,6 +98,7 @@ for line in sys.stdin:
         continue
     base = os.path.join(top, wid)
     meta_p, blob_p, int_p = base + ".json", base + ".blob", base + ".intents"
+    log_p = base + ".log"
     lock = os.open(base + ".lock", os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW, 0o600)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -111,7 +115,7 @@ for line in sys.stdin:
                 blob = None
             answer({"found": True, "holder": have.get("holder"), "left": left(have, now),
                     "seq": have.get("seq", 0), "mac": have.get("mac"), "blob": blob,
-                    "intents": intents(int_p)})
+                    "intents": intents(int_p), "log": intents(log_p)})
             continue
         if (have is not None and have.get("holder") != q["holder"]
                 and (left(have, now) is None or left(have, now) > 0)
@@ -120,8 +124,8 @@ for line in sys.stdin:
             continue
         if q["op"] == "drop":  # the workflow's records are safe elsewhere: its files go;
             gone = 0          # a symlink planted in their place is removed, never followed
-            for ext in (".json", ".blob", ".intents", ".json.tmp", ".blob.tmp",
-                        ".intents.tmp", ".lock"):
+            for ext in (".json", ".blob", ".intents", ".log", ".json.tmp", ".blob.tmp",
+                        ".intents.tmp", ".log.tmp", ".lock"):
                 try:
                     os.unlink(base + ext)
                     gone += 1
@@ -129,14 +133,16 @@ for line in sys.stdin:
                     pass
             answer({"ok": True, "removed": gone})
             continue
-        if q["op"] == "intent":
+        if q["op"] in ("intent", "delta"):
             if have is None or have.get("holder") != q["holder"]:
                 answer({"error": "no record of this holder yet"})  # counted as not taken
                 continue
-            fd = os.open(int_p, os.O_CREAT | os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+            fd = os.open(int_p if q["op"] == "intent" else log_p,
+                         os.O_CREAT | os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW, 0o600)
             try:
-                os.write(fd, json.dumps({"seq": q["seq"], "rows": q["rows"],
-                                         "mac": q.get("mac")}).encode() + b"\n")
+                os.write(fd, json.dumps({"seq": q["seq"], "mac": q.get("mac"), **(
+                    {"rows": q["rows"]} if q["op"] == "intent" else {"delta": q["delta"]})}
+                    ).encode() + b"\n")
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -149,8 +155,9 @@ for line in sys.stdin:
                                 "seq": q.get("seq", 0) if new else (have or {}).get("seq", 0),
                                 "mac": q.get("mac") if new else (have or {}).get("mac")}
                                ).encode())
-        if new:  # the intents the blob has are dropped with it
-            put(int_p, b"".join(json.dumps(i).encode() + b"\n" for i in intents(int_p)
+        if new:  # the intents and changes the blob has are dropped with it
+            for p in (int_p, log_p) if os.path.exists(log_p) else (int_p,):
+                put(p, b"".join(json.dumps(i).encode() + b"\n" for i in intents(p)
                                 if i.get("seq", 0) > q.get("seq", 0)))
         answer({"ok": True})
     finally:
@@ -189,9 +196,9 @@ def new_key() -> str:
 
 
 def mac(key: str | None, name: str, kind: str, seq: int, content: str) -> str | None:
-    """HMAC-SHA256 (hex) of one record: ``kind`` (``blob`` or ``intent``), the backups'
-    ``name`` (workflow and token), ``seq`` and ``content`` (the blob's text, an intent's
-    rows as JSON); None without a key."""
+    """HMAC-SHA256 (hex) of one record: ``kind`` (``blob``, ``intent`` or ``delta``), the
+    backups' ``name`` (workflow and token), ``seq`` and ``content`` (the blob's or delta's
+    text, an intent's rows as JSON); None without a key."""
     if not key:
         return None
     msg = json.dumps([name, kind, int(seq), content], separators=(",", ":")).encode()
@@ -203,7 +210,7 @@ def _rows_text(rows) -> str:
 
 
 def trusted(answers: list[dict], key: str | None, name: str) -> list[dict]:
-    """``answers`` of :meth:`Replicas.read` with every blob and intent whose HMAC does not
+    """``answers`` of :meth:`Replicas.read` with every blob, intent and delta whose HMAC does not
     verify under ``key`` taken out (a blob: ``blob`` None; module docstring). Without a key
     (a workflow handed over before backups were signed) they are taken as they are."""
     if not key:
@@ -220,6 +227,11 @@ def trusted(answers: list[dict], key: str | None, name: str) -> list[dict]:
                         and isinstance(i.get("mac"), str) and isinstance(i.get("seq"), int)
                         and hmac.compare_digest(mac(key, name, "intent", i["seq"],
                                                     _rows_text(i.get("rows"))), i["mac"])]
+        a["log"] = [d for d in a.get("log") or [] if isinstance(d, dict)
+                    and isinstance(d.get("mac"), str) and isinstance(d.get("seq"), int)
+                    and isinstance(d.get("delta"), str)
+                    and hmac.compare_digest(mac(key, name, "delta", d["seq"], d["delta"]),
+                                            d["mac"])]
         out.append(a)
     return out
 
@@ -248,6 +260,45 @@ def with_intents(export: dict, seq: int, answers: list[dict]) -> dict:
                     "created_at": now})
                 t = tasks[task]
                 t["status"], t["attempts"] = "running", max(t.get("attempts") or 0, number)
+    return export
+
+
+def with_changes(export: dict, seq: int, answers: list[dict]) -> dict:
+    """``export`` (the blob of number ``seq``) with the deltas newer than it in ``answers``
+    (:meth:`Replicas.read`; each delta once, in the order written) applied: a changed
+    workflow, task or attempt row replaces its copy (or is added), and events newer than
+    the blob's ``mark`` (:meth:`hypercli.state.State.export_changes`) are added once each.
+    A delta that cannot be read is skipped: the ones after it hold its rows too when they
+    changed again, and a delta holds all rows changed since the last write a majority
+    took, so none acknowledged is lost."""
+    deltas = {}
+    for got in answers:
+        for d in got.get("log") or []:
+            if isinstance(d.get("seq"), int) and d["seq"] > seq:
+                deltas[d["seq"]] = d["delta"]
+    seen = (export.get("mark") or {}).get("events") or 0
+    tasks = {t["id"]: i for i, t in enumerate(export.get("tasks") or [])}
+    atts = {a["id"]: i for i, a in enumerate(export.get("attempts") or [])}
+    for n in sorted(deltas):
+        try:
+            d = unpack(deltas[n])
+        except ValueError:
+            continue
+        if d.get("workflow"):
+            export["workflow"] = {**export.get("workflow", {}), **d["workflow"]}
+        for key, index in (("tasks", tasks), ("attempts", atts)):
+            rows = export.setdefault(key, [])
+            for r in d.get(key) or []:
+                if r.get("id") in index:
+                    rows[index[r["id"]]] = r
+                else:
+                    index[r.get("id")] = len(rows)
+                    rows.append(r)
+        for e in d.get("events") or []:
+            if isinstance(e.get("id"), int) and e["id"] > seen:
+                seen = e["id"]
+                export.setdefault("events", []).append(
+                    {k: v for k, v in e.items() if k != "id"})
     return export
 
 
@@ -496,6 +547,28 @@ class Replicas:
                                              _rows_text(rows))})
         self._check(self._wait(futures, self.quorum))
 
+    def append(self, delta: Callable[[], str]) -> None:
+        """Append the changes since the last write (``delta``: a function giving them packed,
+        :func:`pack`, called once their number is taken, as a blob's) with this holder's
+        lease, and return once a majority took them. Raises as :meth:`write`."""
+        try:
+            self._append(delta)
+        except NoQuorum:
+            if not self._prune():
+                raise
+            self._append(delta)
+
+    def _append(self, delta: Callable[[], str]) -> None:
+        with self.lock:
+            self.seq += 1
+            seq = self.seq
+        text = delta()
+        with self.lock:
+            futures = self._send({"op": "delta", "workflow": self.name, "holder": self.holder,
+                                  "ttl": self.ttl, "seq": seq, "delta": text,
+                                  "mac": mac(self.key, self.name, "delta", seq, text)})
+        self._check(self._wait(futures, self.quorum))
+
     def drop(self) -> int:
         """Remove this workflow's backup files from every replica that answers (its records
         are kept elsewhere now: the user's machine copied them), unless another holder's
@@ -508,7 +581,7 @@ class Replicas:
     def read(self) -> list[dict]:
         """What each replica that answered holds: ``{"node", "found", "holder", "left" (s
         of lease left by that node's clock, None: no expiry), "seq", "blob", "intents":
-        [{"seq", "rows"}]}``, blobs and intents that fail their HMAC left out
+        [{"seq", "rows"}], "log": [{"seq", "delta"}]}``, what fails its HMAC left out
         (:func:`trusted`).
 
         Raises:

@@ -467,7 +467,8 @@ def takeover(state: S.State, wid: str, *, wait: float | None = None,
              log: Callable[[str], None] = lambda s: None) -> int:
     """Take a workflow over from a controller that does not drive it any more (module
     docstring): waits up to ``wait`` s (default three lease times) for its lease to expire.
-    Returns the sequence number of the backup taken.
+    A workflow that had ended there is then complete here, and the controller's backups of
+    it are removed (:func:`drop_backups`). Returns the sequence number of the backup taken.
 
     Raises:
         UsageError: no open controller link.
@@ -477,7 +478,7 @@ def takeover(state: S.State, wid: str, *, wait: float | None = None,
     """
     from hypercli.cluster import provider_of
     from hypercli.controller.backup import (LEASE_TTL, LeaseLost, NoQuorum, Replicas, pack,
-                                            unpack, with_intents)
+                                            unpack, with_changes, with_intents)
     wf = state.workflow(wid)
     link = link_of(wf)
     if link is None:
@@ -508,12 +509,14 @@ def takeover(state: S.State, wid: str, *, wait: float | None = None,
                 time.sleep(min(left + 0.5, 5.0))
                 continue
             try:
-                export = with_intents(unpack(newest["blob"]), newest["seq"], found)
+                export = with_intents(with_changes(unpack(newest["blob"]), newest["seq"],
+                                                   found), newest["seq"], found)
             except ValueError as e:
                 raise InfraError(f"the backup of {wid} on {newest['node']} cannot be read: "
                                  f"{e}") from None
             reps.seq = max([newest["seq"]] + [i.get("seq", 0) for g in found
-                                              for i in g.get("intents") or []])
+                                              for i in (g.get("intents") or [])
+                                              + (g.get("log") or [])])
             try:
                 reps.write(pack(export))  # the intents in it: none is lost if this dies
             except (LeaseLost, NoQuorum) as e:  # renewed meanwhile, or held where a
@@ -532,7 +535,43 @@ def takeover(state: S.State, wid: str, *, wait: float | None = None,
     state.event("workflow", f"taken over from the controller {link['name']} (backup "
                 f"{newest['seq']} from {newest['node']})", workflow=wid)
     log(f"took {wid} over from the controller {link['name']} (its backup {newest['seq']})")
+    if state.workflow(wid)["status"] in ("succeeded", "failed", "cancelled"):
+        drop_backups(state, wid)  # it had ended there: nothing here will drive it to an end
     return newest["seq"]
+
+
+def drop_backups(state: S.State, wid: str) -> int | None:
+    """Remove a controller's backups of workflow ``wid`` from its replica nodes once the
+    workflow was taken over here (:func:`takeover`) and has ended here: its records are in
+    this state file then, and nothing else would remove them. Only the files the backups'
+    server made for this workflow go (:meth:`~hypercli.controller.backup.Replicas.drop`,
+    under this machine's lease, which the takeover wrote there); a node that does not answer
+    keeps them (its instance is gone, or `hyper down` removes what it holds). Done once: the
+    link records it (``dropped``). Returns how many replicas removed them, or None when
+    there is nothing to do (not taken over, not ended, done before). Never raises for an
+    unreachable node."""
+    from hypercli.cluster import provider_of
+    from hypercli.controller.backup import Replicas
+    wf = state.workflow(wid)
+    ctl = (wf.get("spec") or {}).get("controller") or {}
+    if not ctl.get("taken") or ctl.get("dropped") or \
+            wf["status"] not in ("succeeded", "failed", "cancelled"):
+        return None
+    nodes = [n for n in state.nodes(wf["cluster"]) if n["name"] in ctl.get("replicas", [])]
+    try:
+        reps = Replicas(provider_of(state, wf["cluster"]), nodes, wf, ctl["taken"], ttl=None)
+        try:
+            dropped = reps.drop()
+        finally:
+            reps.close()
+    except HyperError as e:
+        state.event("workflow", f"the controller's backups were not removed: {e}",
+                    workflow=wid)
+        return 0
+    _set_link(state, wid, dropped=True)
+    state.event("workflow", f"the controller's backups removed from {dropped} of "
+                f"{len(nodes)} nodes", workflow=wid)
+    return dropped
 
 
 # -- status and down -------------------------------------------------------------------------

@@ -43,6 +43,9 @@ LOOK_EVERY = 0.5  #: s between looks for workflows to drive
 RENEW_EVERY = LEASE_TTL / 4  #: s between lease renewals of a workflow being driven
 #: s at most between a change that launches nothing and its backup (several go in one)
 FLUSH_EVERY = 1.0
+#: s at most between whole copies of the records; the writes between them carry only the
+#: rows changed since the write before (:class:`_Records`)
+WHOLE_EVERY = 30.0
 #: s at most that a node thread which reported ends waits for the launches answering them
 #: (twice the intents' moving time: the scheduler's launch_delay), before it polls again
 MAX_DELAY = 0.25
@@ -105,6 +108,9 @@ class _Intents(threading.Thread):
         self.rows: list = []
         self.batch = _Batch()
         self.stopping = False
+        #: what the appends took: {"appends", "rows", "s": their time in all}, and the node
+        #: threads' waits for them: {"waits": launches that waited, "waited": s in all}
+        self.stats = {"appends": 0, "rows": 0, "s": 0.0, "waits": 0, "waited": 0.0}
 
     def add(self, rows: list) -> _Batch:
         """Queue ``rows`` (``State.start_attempts`` rows); returns the batch they go in."""
@@ -130,7 +136,11 @@ class _Intents(threading.Thread):
             began = time.monotonic()
             try:
                 self.replicas.intend(rows)
-                self.took(time.monotonic() - began)
+                took = time.monotonic() - began
+                self.stats["appends"] += 1
+                self.stats["rows"] += len(rows)
+                self.stats["s"] += took
+                self.took(took)
             except HyperError as e:
                 batch.error = e
                 self.failed(e)
@@ -141,11 +151,65 @@ class _Intents(threading.Thread):
                 batch.done.set()
 
 
-def _gated(worker, gates: dict) -> None:
+class _Records:
+    """Writes one workflow's records to its replicas, one write at a time: the whole records
+    (a blob) first and now and then, in between only the rows changed since the last write
+    a majority took (a delta, :meth:`hypercli.state.State.export_changes`: O(changes), where
+    a blob is O(tasks): 2.46 MB of JSON at 4,096 tasks, bench/RESULTS.md §17). A log of
+    changes beside a periodic whole copy, compacted into the next one: a blob is written
+    again once WHOLE_EVERY s have passed since the last or the deltas since weigh more
+    than it (the replicas then drop the deltas it holds). A write that failed is made
+    again from the same mark, so the next one holds its changes too.
+
+    Args:
+        replicas: the workflow's :class:`~hypercli.controller.backup.Replicas`.
+        wid: the workflow's id (its state file has :meth:`~hypercli.state.State.
+            track_changes` on).
+    """
+
+    def __init__(self, replicas: Replicas, wid: str, whole_every: float = WHOLE_EVERY):
+        self.replicas, self.wid, self.whole_every = replicas, wid, whole_every
+        self.acked: dict | None = None  # the mark of the newest write a majority took
+        self.whole_at = 0.0  # time.monotonic() of the last blob a majority took
+        self.whole_bytes = self.log_bytes = 0  # that blob's size; the deltas' since
+        self.count = {"blob": 0, "delta": 0}  # writes a majority took
+        self.lock = threading.Lock()
+
+    def write(self, st: S.State, whole: bool = False, forget: bool = True) -> None:
+        """Write what changed in ``st`` (a blob when ``whole`` or due, else a delta);
+        with ``forget``, then drop the change log's rows it holds from ``st`` (not on a
+        :class:`BackedState`: that would be one more change). Raises as
+        :meth:`Replicas.write`."""
+        with self.lock:
+            whole = (whole or self.acked is None or self.log_bytes > self.whole_bytes
+                     or time.monotonic() - self.whole_at >= self.whole_every)
+            made: dict = {}
+
+            def make() -> str:
+                data = st.export_changes(self.wid, None if whole else self.acked)
+                made["mark"], made["text"] = data["mark"], pack(data)
+                return made["text"]
+            if whole:
+                self.replicas.write(make)
+            else:
+                self.replicas.append(make)
+            self.acked = made["mark"]
+            self.count["blob" if whole else "delta"] += 1
+            if whole:
+                self.whole_at, self.whole_bytes, self.log_bytes = (
+                    time.monotonic(), len(made["text"]), 0)
+            else:
+                self.log_bytes += len(made["text"])
+        if forget:
+            st.forget_changes(self.wid, made["mark"]["changes"])
+
+
+def _gated(worker, gates: dict, stats: dict | None = None) -> None:
     """Make ``worker`` (a scheduler's NodeWorker) send a launch only once its attempts'
     intents are on a majority of the replicas (``gates``: attempt id → :class:`_Batch`); a
     launch whose batch failed is not sent (the drive stops, and the next one launches it
-    from the records: the agent's launch is idempotent per attempt id)."""
+    from the records: the agent's launch is idempotent per attempt id). ``stats``
+    (:class:`_Intents`'s) counts the launches that waited and the time they waited."""
     handle = worker._handle
 
     def gated(op, payload):
@@ -153,6 +217,11 @@ def _gated(worker, gates: dict) -> None:
             for spec in payload:
                 batch = gates.pop(spec["id"], None)
                 if batch is not None:
+                    if stats is not None and not batch.done.is_set():
+                        began = time.monotonic()
+                        batch.done.wait()
+                        stats["waits"] += 1  # a race between node threads loses a count at
+                        stats["waited"] += time.monotonic() - began  # most: a rough figure
                     batch.done.wait()
                     if batch.error is not None:
                         return False
@@ -441,17 +510,20 @@ class _Drive(threading.Thread):
     def run(self) -> None:
         from hypercli.cluster import provider_of
         plain = S.State()
+        provider = None
         try:
             wf = plain.workflow(self.wid)
             provider = provider_of(plain, wf["cluster"])
             self.replicas = _replicas(plain, wf, provider)
+            plain.track_changes()  # before the first write: every change after it is seen
+            records = _Records(self.replicas, self.wid)
             dirty = threading.Event()
             ended = threading.Event()  # set when the drive ends: the last blob goes now
             took = [0.0]  # s an intent takes to reach a majority (moving average)
 
-            def write(st: S.State) -> None:
+            def write(st: S.State, whole: bool = False) -> None:
                 try:
-                    self.replicas.write(lambda: pack(st.export_workflow(self.wid)))
+                    records.write(st, whole, forget=not isinstance(st, BackedState))
                 except LeaseLost as e:
                     self._lost(str(e))
                     raise
@@ -461,7 +533,7 @@ class _Drive(threading.Thread):
                     raise LeaseLost(self.lost)
                 if must:
                     dirty.clear()  # this write takes every change so far
-                    write(state)
+                    write(state, whole=True)
                     return
                 if rows:  # sent by the node threads once their batch is backed up
                     batch = intents.add(rows)
@@ -514,12 +586,19 @@ class _Drive(threading.Thread):
             flusher.start()
             try:
                 nodes = state.nodes(wf["cluster"], status="up")
-                self.scheduler = _Scheduler(state, self.wid, provider, nodes, gates=gates)
+                self.scheduler = _Scheduler(state, self.wid, provider, nodes, gates=gates,
+                                            stats=intents.stats)
                 if self.stopping:
                     return
                 log.info("driving %s on %d nodes", self.wid, len(nodes))
                 summary = self.scheduler.run()
-                log.info("%s: %s", self.wid, summary.counts)
+                st = intents.stats
+                log.info("%s: %s; %d whole copies of the records, %d deltas; %d intent "
+                         "appends of %d rows, %.3f s each; %d launches waited for theirs, "
+                         "%.3f s each", self.wid, summary.counts, records.count["blob"],
+                         records.count["delta"], st["appends"], st["rows"],
+                         st["s"] / max(st["appends"], 1), st["waits"],
+                         st["waited"] / max(st["waits"], 1))
             finally:
                 intents.stop()
                 self.stopping = True  # the flusher writes what is left, then ends
@@ -544,10 +623,26 @@ class _Drive(threading.Thread):
                 _set_spec(plain, self.wid, seq=self.replicas.seq)
             if self.replicas is not None:
                 self.replicas.close()
+            _hang_up(provider, plain, self.wid)
             plain.close()
 
 
-def _Scheduler(*args, gates: dict, **kw):
+def _hang_up(provider, state: S.State, wid: str) -> None:
+    """Close the SSH connections a drive of ``wid`` opened to its cluster's nodes (the
+    service outlives its drives: each one's connections, their threads and their nodes'
+    agents were left open until it exited, three more for each workflow driven). Never
+    raises."""
+    drop = getattr(provider, "drop", None)
+    if drop is None:
+        return
+    try:
+        for n in state.nodes(state.workflow(wid)["cluster"]):
+            drop(n["name"])
+    except Exception as e:  # closing must not hide why the drive ended
+        log.warning("%s: connections not closed: %s", wid, e)
+
+
+def _Scheduler(*args, gates: dict, stats: dict | None = None, **kw):
     """A :class:`~hypercli.scheduler.Scheduler` whose node threads, the ones it starts
     with and those of replacement nodes, send launches as :func:`_gated` says."""
     from hypercli.scheduler import Scheduler
@@ -555,7 +650,7 @@ def _Scheduler(*args, gates: dict, **kw):
     class Gated(Scheduler):
         def _worker(self, n):
             w = super()._worker(n)
-            _gated(w, gates)
+            _gated(w, gates, stats)
             return w
     return Gated(*args, **kw)
 
