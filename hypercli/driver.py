@@ -121,9 +121,9 @@ class _Drive(threading.Thread):
             summary = self.scheduler.run()
             log.info("%s: %s%s", self.wid, summary.counts,
                      " (left running)" if summary.interrupted == "leave" else "")
-            if summary.interrupted != "leave":
-                from hypercli.workflows import _ended_here
-                _ended_here(state, self.wid)
+            if summary.interrupted != "leave":  # a controller's backups, if taken over
+                from hypercli.controller.client import drop_backups
+                drop_backups(state, self.wid)
         except HyperError as e:
             log.error("%s: %s", self.wid, e)
             state.event("workflow", f"background driver stopped driving it: {e}",

@@ -731,18 +731,10 @@ def drive(state: S.State, wid: str, provider, nodes: list[dict], lock, *,
     finally:
         lock.release()
     pid = detach(state, wid) if summary.interrupted == "leave" else None
-    if pid is None:
-        _ended_here(state, wid)
-    return summary, pid
-
-
-def _ended_here(state: S.State, wid: str) -> None:
-    """A workflow taken over from a controller and ended here: its records are in this
-    state file, so the controller's backups of it go from the nodes
-    (:func:`hypercli.controller.client.drop_backups`; nothing for any other workflow)."""
-    if ((state.workflow(wid).get("spec") or {}).get("controller") or {}).get("taken"):
+    if pid is None:  # ended here: a controller's backups of it, if taken over, go
         from hypercli.controller.client import drop_backups
         drop_backups(state, wid)
+    return summary, pid
 
 
 def wait(state: S.State, wid: str, *, interval: float = 0.5, timeout: float | None = None,
