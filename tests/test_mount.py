@@ -971,5 +971,7 @@ def test_cache_readers_streaming_at_once_never_thrash_nor_overflow(chunked, tmp_
     c.close()
     assert peak <= 3 * big
     assert sorted(c.downloads_by_seq) == list(range(6))
-    assert max(c.downloads_by_seq.values()) <= 2 and sum(c.downloads_by_seq.values()) <= 9
+    # at most twice each (the total depends on when read-ahead lands, which load moves:
+    # 9 on an idle machine, 10 seen under load; 24-36 before the rule)
+    assert max(c.downloads_by_seq.values()) <= 2
     assert c.prefetch_skipped >= 1
