@@ -499,7 +499,7 @@ def mount(url: str, mountpoint: str | os.PathLike, *, cache_dir: str | os.PathLi
           min_free_bytes: int = GiB, prefetch: int = 2, jobs: int = 4,
           allow_other: bool = False, log_file: str | os.PathLike | None = None,
           timeout: float = 60.0, warm_entries: int = WARM_ENTRIES,
-          server: str | None = None, serving_processes: int = 1) -> int:
+          server: str | None = None, serving_processes: int | None = None) -> int:
     """Mount the dataset at ``url`` read-only at ``mountpoint``.
 
     Args:
@@ -524,7 +524,8 @@ def mount(url: str, mountpoint: str | os.PathLike, *, cache_dir: str | os.PathLi
             process) or ``"low"`` (:mod:`hypercli.mount.fuselow`: the FUSE protocol read
             from ``/dev/fuse`` by ``serving_processes`` processes); default
             ``$HYPER_MOUNT_SERVER``, else ``DEFAULT_SERVER``.
-        serving_processes: processes serving a ``"low"`` mount (≥ 1).
+        serving_processes: processes serving a ``"low"`` mount (≥ 1; default
+            ``$HYPER_MOUNT_SERVING_PROCESSES``, else 1).
     Returns:
         0 after a foreground mount ends; the daemon's pid otherwise.
     Raises:
@@ -537,6 +538,8 @@ def mount(url: str, mountpoint: str | os.PathLike, *, cache_dir: str | os.PathLi
     cache = Path(cache_dir).absolute()
     _check_mountpoint(mp)
     server = _server(server)
+    if serving_processes is None:
+        serving_processes = int(os.environ.get("HYPER_MOUNT_SERVING_PROCESSES") or 1)
     if server == "mfusepy":
         load_mfusepy()  # here, so a missing libfuse is one clear error, not the daemon's log
     store, _, index = open_dataset(url, cache, endpoint_url=endpoint_url)

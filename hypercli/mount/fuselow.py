@@ -76,6 +76,7 @@ log = logging.getLogger("hypercli.mount")
 
 CACHE_TIMEOUT = 3600  # s the kernel keeps attributes, entries and misses (data is immutable)
 NODES = 65536        # nodes (entry, layout) a process keeps; all dropped when full
+AROUND = 256         # rows on each side of a node read with it from the index
 LISTING_PAGE = 1024  # entries of a folder read from the index at once for READDIR(PLUS)
 THREADS = 32         # threads per process for reads that wait (downloads, the first process)
 SWEEP = 4096         # requests between a child's checks of the chunks it holds
@@ -121,7 +122,7 @@ OP_NAMES = {LOOKUP: "getattr", GETATTR: "getattr", READLINK: "readlink", READ: "
             GETXATTR: "getxattr", LISTXATTR: "listxattr", ACCESS: "access", OPEN: "open",
             OPENDIR: "opendir"}
 _STAT_OPS = sorted(set(OP_NAMES.values()))
-_SLOT = 2 + 2 * len(_STAT_OPS)  # a process's counters: hits, misses, (calls, ns) per op
+_SLOT = 3 + 2 * len(_STAT_OPS)  # a process's counters: hits, misses, pid, (calls, ns) per op
 
 _DEFERRED = object()  # a handler's answer: a thread will reply
 _NONE = ()            # an empty reply (success, no payload)
@@ -293,7 +294,8 @@ class LowFS:
         self.pool = ThreadPoolExecutor(THREADS, thread_name_prefix="hyper-read")
         self.fd = -1
         self._slow_lock = threading.Lock()
-        self._ops = {op: 2 + 2 * _STAT_OPS.index(name) for op, name in OP_NAMES.items()}
+        self._ops = {op: 3 + 2 * _STAT_OPS.index(name) for op, name in OP_NAMES.items()}
+        self.ctr[2] = os.getpid()
         self._handlers = {
             LOOKUP: self._lookup, GETATTR: self._getattr, READLINK: self._readlink,
             READ: self._read, READDIR: self._readdir, READDIRPLUS: self._readdirplus,
@@ -353,9 +355,17 @@ class LowFS:
         if n is not None:
             return n
         rowid = nid - 2
-        if rowid < 0 or rowid == self.root_rowid:
+        if not 0 <= rowid < 1 << 63 or rowid == self.root_rowid:
             raise _Errno(errno.ENOENT)
-        found = self.index.by_id(rowid)
+        # the rows around it too, in one query: the next files a reader opens are most
+        # often its neighbours (same folder, pack order), and each costs a query alone
+        for r, e, segs in self.index.by_ids(max(0, rowid - AROUND), rowid + AROUND):
+            if r != self.root_rowid:
+                self._keep(r + 2, e, segs)
+        n = self.nodes.get(nid)
+        if n is not None:
+            return n
+        found = self.index.by_id(rowid)  # not well-formed (CorruptIndex), or not there
         if found is None:
             raise _Errno(errno.ENOENT)
         return self._keep(nid, found[0], found[1])
@@ -710,21 +720,25 @@ class _Shared:
     def slot(self, i: int):
         return self.counters[i * _SLOT:(i + 1) * _SLOT]
 
-    def totals(self) -> tuple[int, int, dict]:
-        """(hits, misses, {op: {"calls", "us"}}) summed over the processes."""
+    def totals(self) -> tuple[int, int, dict, list]:
+        """(hits, misses, {op: {"calls", "us"}}, [{"pid", "requests"}]) summed over the
+        processes (the list: each process's pid and the requests it answered)."""
         hits = misses = 0
-        ops = {}
+        ops, serving = {}, []
         for i in range(self.processes):
             c = self.slot(i)
             hits += c[0]
             misses += c[1]
+            answered = 0
             for j, name in enumerate(_STAT_OPS):
-                calls, ns = c[2 + 2 * j], c[3 + 2 * j]
+                calls, ns = c[3 + 2 * j], c[4 + 2 * j]
+                answered += calls
                 if calls:
                     o = ops.setdefault(name, {"calls": 0, "us": 0})
                     o["calls"] += calls
                     o["us"] += round(ns / 1000)
-        return hits, misses, ops
+            serving.append({"pid": c[2], "requests": answered})
+        return hits, misses, ops, serving
 
 
 def _lend(cache: ChunkCache, shared: _Shared, sock: socket.socket, send_lock, pool) -> None:
@@ -769,11 +783,11 @@ def _lend(cache: ChunkCache, shared: _Shared, sock: socket.socket, send_lock, po
 
 def _stats_of(cache: ChunkCache, shared: _Shared) -> dict:
     s = cache.stats()
-    hits, misses, ops = shared.totals()
+    hits, misses, ops, serving = shared.totals()
     s["hits"] += hits
     s["misses"] += misses
     return dict(s, open_calls=ops.get("open", {}).get("calls", 0), ops=ops,
-                serving_processes=shared.processes)
+                serving_processes=shared.processes, serving=serving)
 
 
 def serve(store, index: Index, mountpoint: str, *, cache_dir, cache_bytes: int,
@@ -807,10 +821,12 @@ def serve(store, index: Index, mountpoint: str, *, cache_dir, cache_bytes: int,
     children: list[tuple[int, socket.socket]] = []
     for i in range(1, processes):
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        parent = os.getpid()
         pid = os.fork()
         if pid == 0:  # a child: serves its clone of the descriptor until the mount goes
             code = 0
             try:
+                _die_with_parent(parent)
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 signal.signal(signal.SIGINT, signal.SIG_DFL)
                 mine.close()
@@ -876,6 +892,17 @@ def serve(store, index: Index, mountpoint: str, *, cache_dir, cache_bytes: int,
         cache.close()
         os.close(fd)
     log.info("unmounted %s", mountpoint)
+
+
+def _die_with_parent(parent: int) -> None:
+    """SIGKILL this process when the process that forked it ends (``PR_SET_PDEATHSIG``,
+    prctl(2)): a daemon killed takes its serving children with it, as one process would go,
+    and the mount then answers ENOTCONN instead of being served half."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+    if os.getppid() != parent:  # it ended before the call
+        os._exit(1)
 
 
 def _end_children(pids: list[int], wait: float = 10.0) -> None:
