@@ -162,6 +162,18 @@ class _Owned:
         return self.cache.read(seq, off, n)
 
 
+class _Lent:
+    """A chunk's descriptor lent by the first process: its eviction count then, the readers
+    using it now, and whether it was let go (closed once no reader uses it: a descriptor
+    closed under a reader could be reused by the next open, and the reader would read
+    another file)."""
+
+    __slots__ = ("gen", "fd", "refs", "retired")
+
+    def __init__(self, gen: int, fd: int):
+        self.gen, self.fd, self.refs, self.retired = gen, fd, 1, False
+
+
 class _Borrowed:
     """A child's chunks: descriptors lent by the first process (see the module docstring).
 
@@ -173,57 +185,79 @@ class _Borrowed:
 
     def __init__(self, sock: socket.socket, gens, counters):
         self.sock, self.gens, self.ctr = sock, gens, counters
-        self.held: dict[int, tuple[int, int]] = {}  # seq → (eviction count at open, fd)
+        self.held: dict[int, _Lent] = {}
         self._lock = threading.Lock()
         self._waiting: dict[int, list] = {}  # request id → [event, answer]
         self._next = 0
         self._receiver: threading.Thread | None = None
 
     def fast(self, seq: int, off: int, n: int):
-        h = self.held.get(seq)
-        if h is None or self.gens[seq] != h[0]:
-            return None
+        with self._lock:
+            h = self.held.get(seq)
+            if h is None or self.gens[seq] != h.gen:
+                return None
+            h.refs += 1
+        try:
+            data = os.pread(h.fd, n, off)
+        finally:
+            self._unref(h)
         self.ctr[0] += 1
-        return os.pread(h[1], n, off)
+        return data
 
     def slow(self, seq: int, off: int, n: int) -> bytes:
         for _ in range(2):
-            fd = self._borrow(seq)
-            data = os.pread(fd, n, off)
+            h = self._borrow(seq)
+            try:
+                data = os.pread(h.fd, n, off)
+            finally:
+                self._unref(h)
             if len(data) == n:
                 return data
-            self.let_go(seq)
+            with self._lock:
+                self._retire(seq, h)
         raise ChunkError(f"chunk {seq}: the cached copy keeps coming back short")
 
-    def _borrow(self, seq: int) -> int:
+    def _borrow(self, seq: int) -> _Lent:
+        """The chunk's descriptor, a reference taken (:meth:`_unref` it)."""
         with self._lock:
             h = self.held.get(seq)
-            if h is not None and self.gens[seq] == h[0]:
-                return h[1]
+            if h is not None and self.gens[seq] == h.gen:
+                h.refs += 1
+                return h
         status, gen, payload, fds = self.ask(b"C", seq)
         if status:
             for fd in fds:
                 os.close(fd)
             raise ChunkError(payload.decode(errors="replace") or os.strerror(status))
+        h = _Lent(gen, fds[0])
         with self._lock:
             self.ctr[1] += 1
             old = self.held.get(seq)
-            self.held[seq] = (gen, fds[0])
-        if old is not None:
-            os.close(old[1])  # after a reader that still uses it: its pread fails (EBADF→EIO)
-        return fds[0]
+            self.held[seq] = h
+            if old is not None:
+                self._retire(seq, old)
+        return h
 
-    def let_go(self, seq: int) -> None:
+    def _unref(self, h: _Lent) -> None:
         with self._lock:
-            h = self.held.pop(seq, None)
-        if h is not None:
-            os.close(h[1])
+            h.refs -= 1
+            if h.retired and h.refs == 0:
+                os.close(h.fd)
+
+    def _retire(self, seq: int, h: _Lent) -> None:  # under the lock
+        if self.held.get(seq) is h:
+            del self.held[seq]
+        if not h.retired:
+            h.retired = True
+            if h.refs == 0:
+                os.close(h.fd)
 
     def sweep(self) -> None:
         """Let go of every chunk the first process has evicted since it lent it."""
-        for seq, (gen, _) in list(self.held.items()):
-            if self.gens[seq] != gen:
-                self.let_go(seq)
+        with self._lock:
+            for seq, h in list(self.held.items()):
+                if self.gens[seq] != h.gen:
+                    self._retire(seq, h)
 
     def ask(self, kind: bytes, seq: int = 0) -> tuple[int, int, bytes, list[int]]:
         """Send a request to the first process and wait for its answer: (errno or 0, the
