@@ -10,10 +10,10 @@ nothing about it read its small files at near local-disk speed, each chunk fetch
 
 The file system answers from the dataset's index (names, sizes, modes, mtimes, symlinks) and
 reads bytes from whole chunks in :class:`~hypercli.mount.cache.ChunkCache`. Two servers give
-the same file system (``SERVERS``, chosen by :func:`mount`'s ``server``): by default
-:mod:`hypercli.mount.fuselow`, the FUSE protocol read from ``/dev/fuse`` by one or more
-processes; or :class:`ChunkFS` below (``server="mfusepy"``), the rest of this docstring, served
-with mfusepy over libfuse 3 (``FUSE_LIBRARY_NAME=fuse3``), multithreaded, mounted ``ro`` with the
+the same file system (``SERVERS``, chosen by :func:`mount`'s ``server``):
+:mod:`hypercli.mount.fuselow` (``server="low"``), the FUSE protocol read from ``/dev/fuse`` by
+one or more processes; or, by default, :class:`ChunkFS` below, the rest of this docstring,
+served with mfusepy over libfuse 3 (``FUSE_LIBRARY_NAME=fuse3``), multithreaded, mounted ``ro`` with the
 kernel's page cache kept across opens (``kernel_cache``) and attribute, entry and negative
 lookups cached for an hour: the data is immutable, so nothing the kernel caches goes stale.
 ``open`` answers ENOSYS, once: the kernel then stops sending opens (and releases) for the life
@@ -94,7 +94,7 @@ MAX_IDLE_THREADS = 64  # kept when idle, with their Python thread states (_keep_
 #: what serves a mount: libfuse 3's high-level API through mfusepy (one process), or
 #: :mod:`hypercli.mount.fuselow` (the FUSE protocol itself, one or more processes)
 SERVERS = ("mfusepy", "low")
-DEFAULT_SERVER = "low"
+DEFAULT_SERVER = "mfusepy"
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
 
 
