@@ -17,6 +17,7 @@ import random
 import shutil
 import struct
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -198,3 +199,18 @@ def test_an_unknown_opcode_is_enosys_and_every_write_erofs(fs):
     err, _ = fs.handle(_req(fuselow.ACCESS, 1, struct.pack("<II", os.W_OK, 0)))
     assert err == errno.EROFS
     assert fs.handle(_req(fuselow.ACCESS, 1, struct.pack("<II", os.R_OK, 0))) == (0, ())
+
+
+def test_sigterm_ends_every_serving_process_and_unmounts(url, tmp_path):
+    m = _mounted(url, tmp_path, "term", 2, warm_entries=0)
+    try:
+        assert (m.mp / "link").read_bytes()[:1] is not None
+        pids = [p["pid"] for p in m.stats()["serving"]]
+        os.kill(m.pid, 15)
+        end = time.monotonic() + 30
+        while any(_alive(p) for p in pids) and time.monotonic() < end:
+            time.sleep(0.05)
+        assert not any(_alive(p) for p in pids), pids
+        assert not fusefs._mounted(str(m.mp))
+    finally:
+        m.close()

@@ -240,6 +240,32 @@ class ChunkCache:
         e = self._entries[self.seqs[seq]]
         return e.state == _READY and e.verified and e.fd is not None
 
+    def read_nowait(self, seq: int, offset: int, length: int):
+        """:meth:`read` only if it cannot wait: the bytes (a bytearray, counted as a hit) when
+        chunk ``seq`` is here and verified and they are in the kernel's page cache
+        (``preadv`` with ``RWF_NOWAIT``, Linux 4.14+); else None (nothing counted), and the
+        caller reads them with :meth:`read` where it may wait."""
+        e = self._entry(seq)
+        with self._lock:
+            if e.state != _READY or not e.verified or e.fd is None:
+                return None
+            e.refs += 1
+            e.used = time.monotonic()
+        try:
+            length = max(0, min(length, e.size - offset))
+            buf = bytearray(length)
+            try:
+                got = os.preadv(e.fd, [buf], offset, os.RWF_NOWAIT)
+            except (BlockingIOError, OSError):
+                return None
+            if got != length:
+                return None
+            with self._lock:
+                self.hits += 1
+            return buf
+        finally:
+            self._let_go(e)
+
     def release(self, seq: int) -> None:
         """Undo one :meth:`acquire` (or a read's hold); the chunk may be evicted after."""
         self._let_go(self._entry(seq))

@@ -33,9 +33,11 @@ a handler and one ``os.writev`` of the reply. Rules:
   is reading may be evicted under the read (the read still returns the right bytes through
   the open descriptor), and its disk space is freed when that child lets go — at its next
   read of that chunk or at its sweep (every ``SWEEP`` requests).
-- **A read never waits in the loop.** A READ whose chunks are held is answered at once; one
-  that needs a download (or another process's help) is handed to a thread, which writes
-  the reply when the bytes are there, while the loop goes on to the next request.
+- **A read never waits in the loop.** A READ whose chunks are held and whose bytes are in the
+  page cache (``preadv`` with ``RWF_NOWAIT``) is answered at once; one that needs a download,
+  another process's help or the disk is handed to a thread, which asks the kernel to read the
+  whole chunk ahead (``POSIX_FADV_WILLNEED``) and writes the reply when the bytes are there,
+  while the loop goes on to the next request.
 - **Answers**: INIT (READDIRPLUS always, symlinks cached, 1 MiB reads, async reads),
   LOOKUP (misses cached by the kernel for ``CACHE_TIMEOUT``), GETATTR, READLINK, READ,
   READDIR, READDIRPLUS, STATFS, GETXATTR/LISTXATTR (``user.hypercli.stats`` on the root:
@@ -128,6 +130,10 @@ _DEFERRED = object()  # a handler's answer: a thread will reply
 _NONE = ()            # an empty reply (success, no payload)
 
 
+class _Stopped(BaseException):
+    """SIGTERM or SIGINT reached the serving loop of the first process."""
+
+
 class _Errno(Exception):
     def __init__(self, code: int):
         super().__init__(code)
@@ -153,12 +159,14 @@ class _Owned:
         self.cache = cache
 
     def fast(self, seq: int, off: int, n: int):
-        """The bytes when the chunk is held now, else None (never waits on a download)."""
-        if not self.cache.ready(seq):
-            return None
-        return self.cache.read(seq, off, n)
+        """The bytes when the chunk is here and they are in the page cache, else None (never
+        waits on a download, nor on the disk)."""
+        return self.cache.read_nowait(seq, off, n)
 
     def slow(self, seq: int, off: int, n: int) -> bytes:
+        if self.cache.ready(seq):
+            with self.cache.chunk(seq) as path:
+                _read_ahead(seq, path)
         return self.cache.read(seq, off, n)
 
 
@@ -198,16 +206,22 @@ class _Borrowed:
                 return None
             h.refs += 1
         try:
-            data = os.pread(h.fd, n, off)
+            buf = bytearray(n)
+            try:  # never waits on the disk: bytes not in the page cache go to a thread
+                if os.preadv(h.fd, [buf], off, os.RWF_NOWAIT) != n:
+                    return None
+            except OSError:  # EAGAIN, or a file ending short (the slow path tells which)
+                return None
         finally:
             self._unref(h)
         self.ctr[0] += 1
-        return data
+        return buf
 
     def slow(self, seq: int, off: int, n: int) -> bytes:
         for _ in range(2):
             h = self._borrow(seq)
             try:
+                _read_ahead(seq, h.fd)
                 data = os.pread(h.fd, n, off)
             finally:
                 self._unref(h)
@@ -297,6 +311,29 @@ class _Borrowed:
                 continue
             slot[1] = (status, gen, msg[16:], fds)
             slot[0].set()
+
+
+_AHEAD: dict[int, float] = {}  # chunk seq → time.monotonic() of its last read-ahead
+
+
+def _read_ahead(seq: int, file) -> None:
+    """Ask the kernel to read a whole cached chunk into the page cache in the background
+    (``POSIX_FADV_WILLNEED``), at most once a second per chunk: a READ missed the page cache
+    (a dataset larger than memory, or the cache dropped), and the reads that follow are most
+    likely in the same chunk. ``file``: its path or an open descriptor."""
+    now = time.monotonic()
+    if now - _AHEAD.get(seq, -2.0) < 1.0:
+        return
+    _AHEAD[seq] = now
+    try:
+        fd = file if isinstance(file, int) else os.open(file, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        finally:
+            if fd is not file:
+                os.close(fd)
+    except OSError as e:
+        log.debug("read-ahead of chunk %d: %s", seq, e)
 
 
 # -- the file system -------------------------------------------------------------------------
@@ -896,14 +933,15 @@ def serve(store, index: Index, mountpoint: str, *, cache_dir, cache_bytes: int,
     for _, sock in children:
         threading.Thread(target=_lend, args=(cache, shared, sock, threading.Lock(), lenders),
                          daemon=True, name="hyper-lender").start()
-    stopping = []
-
     def stop(signum, frame) -> None:
-        if not stopping:
-            stopping.append(signum)
-            log.info("signal %d: unmounting %s", signum, mountpoint)
-            subprocess.Popen(["fusermount3", "-uz", mountpoint], stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)
+        """Unmount (lazily) and end the loop, even when a copy of the mount in another
+        mount namespace would keep the connection open."""
+        log.info("signal %d: unmounting %s", signum, mountpoint)
+        try:
+            subprocess.run(["fusermount3", "-uz", mountpoint], capture_output=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        raise _Stopped(signum)
     try:
         old = [signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)]
     except ValueError:  # not the main thread: the caller handles signals
@@ -914,6 +952,8 @@ def serve(store, index: Index, mountpoint: str, *, cache_dir, cache_bytes: int,
         threading.Thread(target=on_start, daemon=True, name="hyper-start").start()
     try:
         loop(fs, fd)
+    except _Stopped:
+        log.info("stopped by a signal")
     finally:
         if old is not None:
             for s, h in zip((signal.SIGTERM, signal.SIGINT), old):
