@@ -164,9 +164,8 @@ class _Owned:
         return self.cache.read_nowait(seq, off, n)
 
     def slow(self, seq: int, off: int, n: int) -> bytes:
-        if self.cache.ready(seq):
-            with self.cache.chunk(seq) as path:
-                _read_ahead(seq, path)
+        if self.cache.ready(seq):  # on disk, not in the page cache: read it all ahead
+            _read_ahead(seq, self.cache.dir / self.cache.seqs[seq])
         return self.cache.read(seq, off, n)
 
 
