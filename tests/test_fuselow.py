@@ -26,6 +26,9 @@ import pytest
 from hypercli.mount import fuselow, fusefs, pack
 from hypercli.mount.cache import ChunkCache
 from hypercli.mount.store import open_store
+from s3server import s3  # noqa: F401  (fixture)
+from test_dataset_boundary import dataset  # noqa: F401  (fixture)
+from test_mount import mount, synth_tree, synth_url  # noqa: F401  (fixtures)
 
 pytestmark = [
     pytest.mark.slow,
@@ -214,3 +217,37 @@ def test_sigterm_ends_every_serving_process_and_unmounts(url, tmp_path):
         assert not fusefs._mounted(str(m.mp))
     finally:
         m.close()
+
+
+# -- the faults of tests/test_mount.py, served by three processes ------------------------------
+FAULTS = {  # test → the fixtures it takes
+    "test_store_down_gives_eio_with_reason_then_mount_recovers":
+        ("s3", "mount", "synth_tree", "tmp_path"),
+    "test_corrupt_chunk_in_store_gives_eio_never_wrong_bytes":
+        ("s3", "mount", "synth_tree", "tmp_path"),
+    "test_many_readers_of_a_cold_chunk_make_one_download":
+        ("s3", "mount", "synth_tree", "tmp_path"),
+    "test_truncated_cached_chunk_is_fetched_again":
+        ("mount", "synth_tree", "synth_url", "tmp_path"),
+    "test_eviction_under_tiny_cap_keeps_chunks_in_use":
+        ("mount", "synth_tree", "synth_url", "tmp_path"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FAULTS))
+def test_faults_of_the_mount_with_three_serving_processes(name, request, monkeypatch):
+    """A store down, a corrupt or truncated chunk, many readers of a cold chunk, a tiny cap:
+    the same answers (EIO with the reason, then recovery; one download; the cap) when most
+    READs reach a child that must ask the first process for the chunk."""
+    import test_mount
+    monkeypatch.setenv("HYPER_MOUNT_SERVER", "low")
+    monkeypatch.setenv("HYPER_MOUNT_SERVING_PROCESSES", "3")
+    getattr(test_mount, name)(*(request.getfixturevalue(f) for f in FAULTS[name]))
+
+
+def test_a_bad_index_row_is_eio_for_it_alone_with_three_serving_processes(dataset, tmp_path,
+                                                                          monkeypatch):
+    import test_dataset_boundary
+    monkeypatch.setenv("HYPER_MOUNT_SERVER", "low")
+    monkeypatch.setenv("HYPER_MOUNT_SERVING_PROCESSES", "3")
+    test_dataset_boundary.test_mount_answers_eio_for_a_bad_entry_alone(dataset, tmp_path)
