@@ -16,7 +16,6 @@ import os
 import random
 import shutil
 import struct
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path

@@ -83,7 +83,7 @@ LISTING_PAGE = 1024  # entries of a folder read from the index at once for READD
 THREADS = 32         # threads per process for reads that wait (downloads, the first process)
 SWEEP = 4096         # requests between a child's checks of the chunks it holds
 BUFSIZE = (128 + 4) * 1024  # bytes read from /dev/fuse at once (requests are ≤ 4 KiB + max_write)
-MINOR = 31           # protocol 7.31 (Linux 5.2+): max_pages, cache_symlinks, no_opendir
+MINOR = 31           # protocol 7.31: has max_pages, cache_symlinks, no_opendir (fuse.h changelog)
 MAX_PAGES = 256      # 4 KiB pages in a READ: 1 MiB
 FUSE_DEV_IOC_CLONE = 0x8004E500  # _IOR(229, 0, uint32_t) (fuse.h)
 
