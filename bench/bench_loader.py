@@ -16,6 +16,9 @@ delay (0 and 20 ms) and each W, the sides take turns, ``--rounds`` times (median
             once it has listed its entries) with the page cache dropped after it is up (cold),
             then the same mount read again (second epoch). The daemon's CPU seconds in the
             cold epoch are read from /proc/PID/stat and printed per file (what serving costs)
+    lowmount  the same as mount, served by ``hypercli.mount.fuselow`` (the FUSE protocol read
+            from /dev/fuse by ``--serving-processes`` processes) instead of libfuse's
+            high-level API through mfusepy; its daemon CPU is that of all its processes
     copy    ``hypercli.mount.copy.make_copy`` into a fresh folder (chunks fetched in parallel,
             checked, unpacked to local disk): its time to ready is printed beside the mount's
             first epoch; then the page cache dropped and the copy read cold, and again
@@ -34,7 +37,8 @@ Figures vary ±50% run to run on this 2-core shared machine: compare ratios with
 
 Usage (from the repo root, as root):
     .venv/bin/python bench/bench_loader.py [--files N] [--workers 0,2,4,8] [--delays 0,20]
-        [--sides local,mount,copy] [--rounds 2] [--cores 0,1] [--store moto|s3rver] [--json F]
+        [--sides local,mount,lowmount,copy] [--serving-processes N] [--rounds 2]
+        [--cores 0,1] [--store moto|s3rver] [--json F]
 """
 
 from __future__ import annotations
@@ -100,13 +104,21 @@ def epoch(root: str, files, workers: int, seed: int) -> dict:
 
 
 def cpu_s(pid: int | None) -> float | None:
-    """utime + stime of a process, in seconds (proc(5): fields 14 and 15)."""
+    """utime + stime of a process and of its children still running (a ``lowmount``'s
+    serving processes), in seconds (proc(5): fields 4, 14 and 15)."""
     if pid is None:
         return None
+    total = 0.0
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        for name in [str(pid)] + [d for d in os.listdir("/proc") if d.isdigit()]:
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if name == str(pid) or int(fields[1]) == pid:
+                total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return total
     except OSError:
         return None
 
@@ -135,10 +147,10 @@ def run_local(src, files, w, seed, paths) -> dict:
     return {"cold": cold["files_s"], "warm": warm["files_s"], "drop": how}
 
 
-def run_mount(server, url, files, w, seed, paths) -> dict:
+def run_mount(s3, url, files, w, seed, paths, **mount_kw) -> dict:
     cache = bs.tmpdir("bench-loader-cache-")
     t0 = time.perf_counter()
-    m = bs.HyperMount(url, server.endpoint, cache)
+    m = bs.HyperMount(url, s3.endpoint, cache, **mount_kw)
     up = time.perf_counter() - t0
     try:
         drop(paths)
@@ -187,6 +199,8 @@ def main() -> int:
     p.add_argument("--delays", default="0,20", help="ms added to each S3 request")
     p.add_argument("--sides", default="local,mount,copy")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--serving-processes", type=int, default=2,
+                   help="processes serving the lowmount side")
     p.add_argument("--cores", help="pin the readers and daemons to these cores, e.g. 0")
     p.add_argument("--store", choices=["moto", "s3rver"], default="moto")
     p.add_argument("--json")
@@ -238,7 +252,12 @@ def main() -> int:
                         if s == "local":
                             runs[s].append(run_local(src, files, w, seed, paths))
                         elif s == "mount":
-                            runs[s].append(run_mount(server, url, files, w, seed, paths))
+                            runs[s].append(run_mount(server, url, files, w, seed, paths,
+                                                     server="mfusepy"))
+                        elif s == "lowmount":
+                            runs[s].append(run_mount(
+                                server, url, files, w, seed, paths, server="low",
+                                serving_processes=a.serving_processes))
                         else:
                             runs[s].append(run_copy(server, url, files, w, seed, paths))
                 results["runs"][key] = runs
@@ -253,10 +272,12 @@ def main() -> int:
                             line.append(f"{s}/local cold {med[s]['cold'] / med['local']['cold']:.2f}"
                                         f" warm {med[s]['warm'] / med['local']['warm']:.2f}")
                 print(" | ".join(line), flush=True)
-                if "mount" in runs:
-                    rs = runs["mount"]
+                for side in ("mount", "lowmount"):
+                    if side not in runs:
+                        continue
+                    rs = runs[side]
                     d = [x["daemon_cpu_s"] for x in rs if x["daemon_cpu_s"] is not None]
-                    print(f"{'':>19} mount: up in {statistics.median(x['mount_s'] for x in rs):.2f}"
+                    print(f"{'':>19} {side}: up in {statistics.median(x['mount_s'] for x in rs):.2f}"
                           f" s, cold epoch {statistics.median(x['cold_s'] for x in rs):.2f} s, "
                           f"daemon CPU {statistics.median(d) if d else float('nan'):.2f} s "
                           f"({statistics.median(d) / len(files) * 1e6 if d else float('nan'):.0f}"

@@ -456,10 +456,12 @@ class HyperMount(Mount):
 
     warm_entries: int | None = None  # --warm-entries (None: the mount's default)
 
-    def __init__(self, url: str, endpoint: str, cache_dir: str, cache_bytes: int = 4 << 30):
+    def __init__(self, url: str, endpoint: str, cache_dir: str, cache_bytes: int = 4 << 30,
+                 **mount_kw):
         from hypercli.mount import fusefs
         mp_ = tmpdir("bench-mnt-hyper-")
         kw = {} if self.warm_entries is None else {"warm_entries": self.warm_entries}
+        kw.update(mount_kw)  # e.g. server="low", serving_processes=2
         pid = fusefs.mount(url, mp_, cache_dir=cache_dir, cache_bytes=cache_bytes,
                            endpoint_url=endpoint, foreground=False, timeout=60, **kw)
         super().__init__(mp_, pid, os.path.join(cache_dir, "mount.log"))

@@ -180,6 +180,9 @@ class ChunkCache:
         self.evictions = self.verify_failures = self.errors = self.prefetches = 0
         self.prefetch_skipped = 0
         self.downloads_by_seq: dict[int, int] = {}
+        #: called with a chunk's sha256, under the cache's lock, when its file is evicted
+        #: or dropped (so other processes reading it can let go of their descriptors)
+        self.on_evict = None
         self._pool = ThreadPoolExecutor(max(1, jobs), thread_name_prefix="hyper-prefetch")
         self._scan()
 
@@ -230,6 +233,38 @@ class ChunkCache:
                 self._let_go(e)
                 raise
         return self.dir / e.sha
+
+    def ready(self, seq: int) -> bool:
+        """Whether chunk ``seq`` is here and verified now (no lock taken: a hint, for a
+        caller choosing between answering at once and handing the read to a thread)."""
+        e = self._entries[self.seqs[seq]]
+        return e.state == _READY and e.verified and e.fd is not None
+
+    def read_nowait(self, seq: int, offset: int, length: int):
+        """:meth:`read` only if it cannot wait: the bytes (a bytearray, counted as a hit) when
+        chunk ``seq`` is here and verified and they are in the kernel's page cache
+        (``preadv`` with ``RWF_NOWAIT``, Linux 4.14+); else None (nothing counted), and the
+        caller reads them with :meth:`read` where it may wait."""
+        e = self._entry(seq)
+        with self._lock:
+            if e.state != _READY or not e.verified or e.fd is None:
+                return None
+            e.refs += 1
+            e.used = time.monotonic()
+        try:
+            length = max(0, min(length, e.size - offset))
+            buf = bytearray(length)
+            try:
+                got = os.preadv(e.fd, [buf], offset, os.RWF_NOWAIT)
+            except (BlockingIOError, OSError):
+                return None
+            if got != length:
+                return None
+            with self._lock:
+                self.hits += 1
+            return buf
+        finally:
+            self._let_go(e)
 
     def release(self, seq: int) -> None:
         """Undo one :meth:`acquire` (or a read's hold); the chunk may be evicted after."""
@@ -467,6 +502,8 @@ class ChunkCache:
                 e.stale_fds.append(e.fd)
                 e.fd = None
             _unlink(self.dir / e.sha)
+            if self.on_evict is not None:
+                self.on_evict(e.sha)
 
     def _make_room(self, keep: _Entry | None, spare_unopened: bool = False) -> None:
         """Evict chunks not in use until under the cap with min_free_bytes free: chunks read
@@ -511,6 +548,8 @@ class ChunkCache:
                 os.close(v.fd)  # refs == 0: nobody is reading it
                 v.fd = None
             _unlink(self.dir / sha)
+            if self.on_evict is not None:
+                self.on_evict(sha)
             self._bytes -= v.size
             free = free + v.size if free is not None else None
             self.evictions += 1

@@ -9,8 +9,11 @@ nothing about it read its small files at near local-disk speed, each chunk fetch
     mount_stats(mountpoint)                                   the chunk cache's counters
 
 The file system answers from the dataset's index (names, sizes, modes, mtimes, symlinks) and
-reads bytes from whole chunks in :class:`~hypercli.mount.cache.ChunkCache`. It is served with
-mfusepy over libfuse 3 (``FUSE_LIBRARY_NAME=fuse3``), multithreaded, mounted ``ro`` with the
+reads bytes from whole chunks in :class:`~hypercli.mount.cache.ChunkCache`. Two servers give
+the same file system (``SERVERS``, chosen by :func:`mount`'s ``server``):
+:mod:`hypercli.mount.fuselow` (``server="low"``), the FUSE protocol read from ``/dev/fuse`` by
+one or more processes; or, by default, :class:`ChunkFS` below, the rest of this docstring,
+served with mfusepy over libfuse 3 (``FUSE_LIBRARY_NAME=fuse3``), multithreaded, mounted ``ro`` with the
 kernel's page cache kept across opens (``kernel_cache``) and attribute, entry and negative
 lookups cached for an hour: the data is immutable, so nothing the kernel caches goes stale.
 ``open`` answers ENOSYS, once: the kernel then stops sending opens (and releases) for the life
@@ -88,6 +91,10 @@ WARM_ENTRIES = 100_000
 READ_AHEAD_KIB = 1024
 MAX_THREADS = 64       # libfuse worker threads: concurrent requests (most wait on downloads)
 MAX_IDLE_THREADS = 64  # kept when idle, with their Python thread states (_keep_thread_state)
+#: what serves a mount: libfuse 3's high-level API through mfusepy (one process), or
+#: :mod:`hypercli.mount.fuselow` (the FUSE protocol itself, one or more processes)
+SERVERS = ("mfusepy", "low")
+DEFAULT_SERVER = "mfusepy"
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
 
 
@@ -494,7 +501,8 @@ def mount(url: str, mountpoint: str | os.PathLike, *, cache_dir: str | os.PathLi
           cache_bytes: int, endpoint_url: str | None = None, foreground: bool = True,
           min_free_bytes: int = GiB, prefetch: int = 2, jobs: int = 4,
           allow_other: bool = False, log_file: str | os.PathLike | None = None,
-          timeout: float = 60.0, warm_entries: int = WARM_ENTRIES) -> int:
+          timeout: float = 60.0, warm_entries: int = WARM_ENTRIES,
+          server: str | None = None, serving_processes: int | None = None) -> int:
     """Mount the dataset at ``url`` read-only at ``mountpoint``.
 
     Args:
@@ -515,6 +523,12 @@ def mount(url: str, mountpoint: str | os.PathLike, *, cache_dir: str | os.PathLi
         warm_entries: entries listed as soon as the mount is up (:func:`warm`; 0: none); a
             daemon mount returns once they are and its read-ahead is raised
             (:func:`read_ahead`), a foreground one does both in a thread.
+        server: what serves the mount: ``"mfusepy"`` (libfuse 3's high-level API, one
+            process) or ``"low"`` (:mod:`hypercli.mount.fuselow`: the FUSE protocol read
+            from ``/dev/fuse`` by ``serving_processes`` processes); default
+            ``$HYPER_MOUNT_SERVER``, else ``DEFAULT_SERVER``.
+        serving_processes: processes serving a ``"low"`` mount (≥ 1; default
+            ``$HYPER_MOUNT_SERVING_PROCESSES``, else 1).
     Returns:
         0 after a foreground mount ends; the daemon's pid otherwise.
     Raises:
@@ -526,19 +540,25 @@ def mount(url: str, mountpoint: str | os.PathLike, *, cache_dir: str | os.PathLi
     mp = os.path.abspath(mountpoint)
     cache = Path(cache_dir).absolute()
     _check_mountpoint(mp)
-    load_mfusepy()  # here, so a missing libfuse is one clear error, not the daemon's log
+    server = _server(server)
+    if serving_processes is None:
+        serving_processes = int(os.environ.get("HYPER_MOUNT_SERVING_PROCESSES") or 1)
+    if server == "mfusepy":
+        load_mfusepy()  # here, so a missing libfuse is one clear error, not the daemon's log
     store, _, index = open_dataset(url, cache, endpoint_url=endpoint_url)
     if foreground:
         if not logging.getLogger().handlers and not log.handlers:
             _log_to(sys.stderr)  # a foreground mount's reasons for EIO go to the terminal
         serve(store, index, mp, cache_dir=cache, cache_bytes=cache_bytes,
               min_free_bytes=min_free_bytes, prefetch=prefetch, jobs=jobs,
-              allow_other=allow_other, warm_entries=warm_entries)
+              allow_other=allow_other, warm_entries=warm_entries, server=server,
+              serving_processes=serving_processes)
         return 0
     log_path = Path(log_file).absolute() if log_file else cache / "mount.log"
     cmd = [sys.executable, "-m", "hypercli.mount.fusefs", url, mp, "--cache-dir", str(cache),
            "--cache-bytes", str(int(cache_bytes)), "--min-free-bytes", str(int(min_free_bytes)),
-           "--prefetch", str(prefetch), "--jobs", str(jobs)]
+           "--prefetch", str(prefetch), "--jobs", str(jobs), "--server", server,
+           "--serving-processes", str(int(serving_processes))]
     if endpoint_url:
         cmd += ["--endpoint-url", endpoint_url]
     if allow_other:
@@ -714,15 +734,36 @@ _CAP_READDIRPLUS_AUTO = 1 << 14
 _CAP_CACHE_SYMLINKS = 1 << 23
 
 
+def _server(name: str | None) -> str:
+    name = name or os.environ.get("HYPER_MOUNT_SERVER") or DEFAULT_SERVER
+    if name not in SERVERS:
+        raise UsageError(f"no mount server {name!r}", f"one of: {', '.join(SERVERS)}")
+    return name
+
+
 def serve(store, index: Index, mountpoint: str, *, cache_dir: str | os.PathLike,
           cache_bytes: int, min_free_bytes: int = GiB, prefetch: int = 2, jobs: int = 4,
-          allow_other: bool = False, warm_entries: int = 0) -> None:
+          allow_other: bool = False, warm_entries: int = 0, server: str | None = None,
+          serving_processes: int = 1) -> None:
     """Serve an opened dataset at mountpoint in this process until it is unmounted.
 
     Chunks go to ``cache_dir/chunks``. Once the mount is up, a thread raises its read-ahead
-    (:func:`read_ahead`) and lists ``warm_entries`` entries (:func:`warm`; 0: none). Raises
-    InfraError when libfuse fails to mount.
+    (:func:`read_ahead`) and lists ``warm_entries`` entries (:func:`warm`; 0: none).
+    ``server``, ``serving_processes``: as :func:`mount`. Raises InfraError when the mount
+    fails.
     """
+    if _server(server) == "low":
+        from hypercli.mount import fuselow
+
+        def started() -> None:
+            read_ahead(mountpoint)
+            if warm_entries > 0:
+                warm(mountpoint, warm_entries)
+        fuselow.serve(store, index, os.path.abspath(mountpoint), cache_dir=cache_dir,
+                      cache_bytes=cache_bytes, min_free_bytes=min_free_bytes,
+                      prefetch=prefetch, jobs=jobs, allow_other=allow_other,
+                      processes=serving_processes, on_start=started)
+        return
     mfusepy = load_mfusepy()
     cache = ChunkCache(store, index.chunk_list, Path(cache_dir) / "chunks",
                        max_bytes=cache_bytes, min_free_bytes=min_free_bytes,
@@ -807,6 +848,8 @@ def _main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=4)
     p.add_argument("--endpoint-url")
     p.add_argument("--allow-other", action="store_true")
+    p.add_argument("--server", choices=SERVERS)
+    p.add_argument("--serving-processes", type=int, default=1)
     p.add_argument("--log-level", default="INFO")
     a = p.parse_args(argv)
     _log_to(sys.stderr, a.log_level)
@@ -816,7 +859,8 @@ def _main(argv: list[str] | None = None) -> int:
         store, _, index = open_dataset(a.url, a.cache_dir, endpoint_url=a.endpoint_url)
         serve(store, index, mp, cache_dir=a.cache_dir, cache_bytes=a.cache_bytes,
               min_free_bytes=a.min_free_bytes, prefetch=a.prefetch, jobs=a.jobs,
-              allow_other=a.allow_other)
+              allow_other=a.allow_other, server=a.server,
+              serving_processes=a.serving_processes)
     except Exception as e:  # HyperError or not: the parent shows the last log lines
         log.error("%s", e, exc_info=not hasattr(e, "exit_code"))
         return 1

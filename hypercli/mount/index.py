@@ -282,8 +282,67 @@ class Index:
         e = entry_of(rows[0][:7])
         return e, self._checked(e, [r[7:] for r in rows if r[7] is not None])
 
+    def lookup_id(self, path: str) -> tuple[int, Entry, list[tuple[int, int, int]]] | None:
+        """(rowid, entry, segments) at a relative path, or None: :meth:`lookup` with the
+        row's SQLite rowid, a number that names the entry for the life of the (immutable)
+        index file.
+
+        Raises:
+            CorruptIndex: as :meth:`lookup`.
+        """
+        with self._db() as db:
+            rows = db.execute(
+                "SELECT f.path, f.kind, f.size, f.mode, f.mtime, f.sha256, f.target, s.chunk, "
+                "s.offset, s.length, f.rowid FROM files f LEFT JOIN segments s "
+                "ON s.path = f.path WHERE f.path=? ORDER BY s.seq", (path,)).fetchall()
+        if not rows:
+            return None
+        e = entry_of(rows[0][:7])
+        return rows[0][10], e, self._checked(e, [r[7:10] for r in rows if r[7] is not None])
+
+    def by_id(self, rowid: int) -> tuple[Entry, list[tuple[int, int, int]]] | None:
+        """(entry, segments) of the row with this rowid (see :meth:`lookup_id`), or None.
+
+        Raises:
+            CorruptIndex: as :meth:`lookup`.
+        """
+        with self._db() as db:
+            rows = db.execute(
+                "SELECT f.path, f.kind, f.size, f.mode, f.mtime, f.sha256, f.target, s.chunk, "
+                "s.offset, s.length FROM files f LEFT JOIN segments s ON s.path = f.path "
+                "WHERE f.rowid=? ORDER BY s.seq", (rowid,)).fetchall()
+        if not rows:
+            return None
+        e = entry_of(rows[0][:7])
+        return e, self._checked(e, [r[7:] for r in rows if r[7] is not None])
+
+    def by_ids(self, lo: int, hi: int) -> list[tuple[int, Entry, list[tuple[int, int, int]]]]:
+        """(rowid, entry, segments) of every well-formed row with lo <= rowid <= hi, in one
+        query (rows that are not well-formed are left out: :meth:`by_id` names their fault).
+        Rows are inserted in path order, so the rows around one are its neighbours in the
+        dataset, which a program reading one file is likely to read next."""
+        with self._db() as db:
+            rows = db.execute(
+                "SELECT f.path, f.kind, f.size, f.mode, f.mtime, f.sha256, f.target, s.chunk, "
+                "s.offset, s.length, f.rowid FROM files f LEFT JOIN segments s "
+                "ON s.path = f.path WHERE f.rowid BETWEEN ? AND ? ORDER BY f.rowid, s.seq",
+                (lo, hi)).fetchall()
+        out, i = [], 0
+        while i < len(rows):
+            j = i
+            while j < len(rows) and rows[j][10] == rows[i][10]:
+                j += 1
+            try:
+                e = entry_of(rows[i][:7])
+                out.append((rows[i][10], e, self._checked(
+                    e, [r[7:10] for r in rows[i:j] if r[7] is not None])))
+            except CorruptIndex:
+                pass
+            i = j
+        return out
+
     def listdir(self, path: str, *, after: str | None = None, offset: int = 0,
-                limit: int = -1, bad: str = "raise") -> list:
+                limit: int = -1, bad: str = "raise", ids: bool = False) -> list:
         """Entries directly inside a folder, by name: those whose name sorts after ``after``
         (a page's last name; the index's ``(parent, name)`` order), else from the
         ``offset``-th; at most ``limit`` (-1: all).
@@ -292,14 +351,15 @@ class Index:
             bad: 'raise' (CorruptIndex for the first row that is not a well-formed entry of
                 this folder) or 'keep' (a :class:`BadEntry` in its place, so one bad row
                 keeps its position and costs only itself).
+            ids: give each entry with its rowid (see :meth:`lookup_id`).
         Returns:
-            [Entry] (with bad='keep': [Entry | BadEntry]).
+            [Entry] (with bad='keep': [Entry | BadEntry]; with ids: [(rowid, entry)]).
         """
         where, args = "parent=? AND path!=''", [path]
         if after is not None:
             where += " AND name>?"
             args.append(after)
-        sql = (f"SELECT {self._COLS}, name FROM files WHERE {where} ORDER BY name "
+        sql = (f"SELECT {self._COLS}, name, rowid FROM files WHERE {where} ORDER BY name "
                "LIMIT ? OFFSET ?")
         args += [limit, 0 if after else offset]
         with self._db() as db:
@@ -316,13 +376,14 @@ class Index:
                 e = entry_of(r[:7])
                 if parent_of(p) != path or name != p.rsplit("/", 1)[-1]:
                     raise _bad(p, f"listed in folder {_r(path)} under the name {_r(name)}")
-                out.append(e)
+                out.append((r[8], e) if ids else e)
             except CorruptIndex as ex:
                 if bad == "raise":
                     raise
                 shown = isinstance(name, str) and path_ok(name) and "/" not in name and \
                     name != "" and p == (f"{path}/{name}" if path else name)
-                out.append(BadEntry(name if shown else None, str(ex)))
+                b = BadEntry(name if shown else None, str(ex))
+                out.append((r[8], b) if ids else b)
         return out
 
     def files_in_pack_order(self) -> list[tuple[str, int]]:
