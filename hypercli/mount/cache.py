@@ -234,6 +234,21 @@ class ChunkCache:
                 raise
         return self.dir / e.sha
 
+    def drop_if_short(self, seq: int) -> bool:
+        """Drop chunk ``seq``'s cached file if it is shorter than the chunk (cut short behind
+        this cache's back while resident), so the next :meth:`acquire` fetches it again; for
+        a caller that reads the file through a descriptor of its own. True when dropped."""
+        e = self._entry(seq)
+        with self._lock:
+            fd = e.fd if e.state == _READY else None
+            if fd is None:
+                return False
+            got = os.fstat(fd).st_size
+        if got >= e.size:
+            return False
+        self._drop(e, f"{got} bytes where {e.size} were expected (file truncated?)")
+        return True
+
     def ready(self, seq: int) -> bool:
         """Whether chunk ``seq`` is here and verified now (no lock taken: a hint, for a
         caller choosing between answering at once and handing the read to a thread)."""

@@ -815,6 +815,7 @@ def _lend(cache: ChunkCache, shared: _Shared, sock: socket.socket, send_lock, po
     """The first process's side of one child's socket: lend chunks, give the counters."""
     def chunk(rid: int, seq: int) -> None:
         try:
+            cache.drop_if_short(seq)  # the child asks again when the one lent came back short
             path = cache.acquire(seq)
             try:
                 fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
