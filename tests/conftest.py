@@ -209,6 +209,11 @@ def _no_process_left(request):
     left = [p for p, pp in procs.items() if pp == me and p not in before]
     if not left:
         return
+    # a child in the middle of its exit (no command line any more, not yet a zombie) is
+    # given a moment to get there: it was not left running
+    end = time.monotonic() + 5
+    while time.monotonic() < end and any(_state_of(p) not in ("Z", "X", "") for p in left):
+        time.sleep(0.05)
     live = [f"{p} ({_cmdline(p)})" for p in left if _state_of(p) not in ("Z", "X", "")]
     doomed, todo = [], list(left)
     while todo:
