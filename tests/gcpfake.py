@@ -34,7 +34,9 @@ Compute Engine call only when its member holds the permission that call needs
 project's IAM policy, where a binding's IAM condition is evaluated for the resource's name
 (``resource.name``, ``extract``, ``startsWith``); anything else it asks, of Compute Engine or
 of another API, is refused (HTTP 403 ``forbidden``, ``Required 'compute.instances.delete'
-permission for ...``, as Compute Engine answers); Resource Manager's
+permission for ...``, as Compute Engine answers); an instance insert naming a service
+account the member may not act as (``iam.serviceAccounts.actAs`` on that account:
+:meth:`IAMFake.may_act_as`) is refused 403 as Compute Engine refuses it; Resource Manager's
 ``testIamPermissions`` answers it the permissions it holds on the project.
 
 Faults: ``fail(zone, fault)`` with ``exhausted`` / ``exhausted-details`` (the insert operation
@@ -255,6 +257,14 @@ class ComputeFake(IAMFake):
         if perm and m and self.may_on_instance(member, m[1], m[2], perm):
             return None
         if perm and self.may_in_project(member, perm, resource):
+            for sa in (body or {}).get("serviceAccounts") or [] \
+                    if perm == "compute.instances.create" else []:
+                if not self.may_act_as(member, sa.get("email", "")):
+                    return self._error(403, "forbidden", "The user does not have access to "
+                                       f"service account '{sa.get('email')}'.  User: "
+                                       f"'{member.split(':', 1)[-1]}'.  Ask a project owner to "
+                                       "grant you the iam.serviceAccountUser role on the "
+                                       "service account")
             return None
         what = perm or "the permission"
         return self._error(403, "forbidden", f"Required '{what}' permission for "

@@ -4,8 +4,8 @@ shapes:
 
 * ``/v1/projects/{p}/serviceAccounts[/{email}]``: create (``accountId`` 6-30 characters,
   ``[a-z]([-a-z0-9]*[a-z0-9])``; 409 when it exists), get, list, patch (``updateMask``),
-  delete; ``.../{email}/keys`` (``sa_keys``) and ``.../{email}:getIamPolicy``
-  (``sa_policies``: who may act as the account);
+  delete; ``.../{email}/keys`` (``sa_keys``) and ``.../{email}:getIamPolicy`` /
+  ``:setIamPolicy`` (``sa_policies``: who may act as the account, :meth:`IAMFake.may_act_as`);
 * ``/v1/projects/{p}/roles[/{id}][:undelete]``: custom roles (create, get, patch
   ``includedPermissions``, undelete), kept in ``roles``;
 * ``/compute/v1/projects/{p}/zones/{z}/instances/{name}/setIamPolicy`` (kept in
@@ -52,6 +52,8 @@ INSTANCE_ADMIN = {f"compute.instances.{p}" for p in (
     "get", "delete", "setLabels", "setMetadata", "stop", "reset", "start", "setTags",
     "setServiceAccount", "attachDisk", "detachDisk", "getSerialPortOutput", "setMachineType")}
 ROLE_PERMISSIONS = {
+    "roles/iam.serviceAccountUser": {"iam.serviceAccounts.actAs", "iam.serviceAccounts.get",
+                                     "iam.serviceAccounts.list"},
     "roles/storage.objectViewer": {"storage.objects.get", "storage.objects.list"},
     "roles/storage.objectUser": {"storage.objects.get", "storage.objects.list",
                                  "storage.objects.create", "storage.objects.delete",
@@ -134,6 +136,14 @@ class IAMFake:
                    permission in self.role_permissions(b.get("role", ""))
                    for b in policy.get("bindings", []))
 
+    def may_act_as(self, member: str, email: str) -> bool:
+        """Whether ``member`` holds ``iam.serviceAccounts.actAs`` on the account ``email``:
+        by the account's own IAM policy (``sa_policies``) or the project's, unconditioned."""
+        return any(member in b.get("members", []) and "iam.serviceAccounts.actAs" in
+                   self.role_permissions(b.get("role", "")) and not b.get("condition")
+                   for b in (self.sa_policies.get(email) or {}).get("bindings", []) +
+                   (self.project_policy.get("bindings") or []))
+
     def add_bucket(self, name: str, uniform: bool = True) -> None:
         """A bucket with an empty policy (``uniform``: uniform bucket-level access)."""
         self._etag += 1
@@ -171,12 +181,23 @@ class IAMFake:
     def iam_route(self, method: str, path: str, query: dict, body):
         """The answer to an IAM or storage policy call, or None for another path."""
         m = re.fullmatch(rf"/v1/projects/{re.escape(self.project)}/serviceAccounts/([^/:]+)"
-                         r"(/keys|:getIamPolicy)", path)
+                         r"(/keys|:getIamPolicy|:setIamPolicy)", path)
         if m:
             if m[1] not in self.service_accounts:
                 return self._status_error(404, "NOT_FOUND", "Unknown service account")
             if m[2] == "/keys":
                 return 200, {"keys": list(self.sa_keys.get(m[1], []))}
+            if m[2] == ":setIamPolicy":
+                if "iam.serviceAccounts.setIamPolicy" in self.deny:
+                    return self._denied("iam.serviceAccounts.setIamPolicy",
+                                        f"projects/{self.project}/serviceAccounts/{m[1]}")
+                policy = (body or {}).get("policy") or {}
+                for b in policy.get("bindings", []):
+                    if not self.role_permissions(b.get("role", "")):
+                        return self._status_error(400, "INVALID_ARGUMENT",
+                                                  f"Role {b.get('role')} is not supported")
+                self.sa_policies[m[1]] = {"bindings": policy.get("bindings", [])}
+                return 200, dict(self.sa_policies[m[1]], etag="ACAB")
             return 200, dict(self.sa_policies.get(m[1]) or {}, etag="ACAB")
         m = re.fullmatch(rf"/v1/projects/{re.escape(self.project)}/serviceAccounts"
                          r"(?:/([^/]+))?", path)

@@ -382,18 +382,22 @@ def test_the_gcp_controllers_account_drives_the_clusters_it_is_given_and_nothing
     bound on the project without a condition) and hyperController (what driving does to
     instances and disks, bound once per cluster under an IAM condition on their names),
     read on the recipe's bucket prefix. With its token the real Compute client describes,
-    terminates and launches its clusters' instances; another cluster's instance, a
-    firewall rule, IAM (a role, an account, the project's or a bucket's policy) and writes
-    to the storage are refused. A second handover widens it to a second cluster; removing
-    the controller's cluster leaves no account and no binding of it."""
+    terminates and launches its clusters' instances; a replacement it launches carries a
+    node account of the cluster as it is (actAs, bound on those accounts only); a launch as
+    another cluster's account or the project's default one, another cluster's instance, a
+    firewall rule, IAM (a role, an account, the project's, an account's or a bucket's
+    policy) and writes to the storage are refused. The laptop's next launch keeps the
+    account a replacement runs as. A second handover widens it to a second cluster;
+    removing the controller's cluster leaves no account and no binding of it."""
     from google.auth.credentials import AnonymousCredentials, Credentials
 
-    from test_gcp import launch
+    from test_gcp import launch, node_account
     from test_gcp import spec as gspec
 
     from hypercli.providers.cloud import CloudError, CredentialsError
-    from hypercli.providers.gcp import (CONTROLLER_PERMISSIONS, CONTROLLER_READ_PERMISSIONS,
-                                        GCPAPI, controller_condition)
+    from hypercli.providers.gcp import (ACT_AS_ROLE, CONTROLLER_PERMISSIONS,
+                                        CONTROLLER_READ_PERMISSIONS, GCPAPI,
+                                        controller_condition)
     gcp.add_bucket("outs")
     api = GCPAPI("proj", "us-central1", credentials=AnonymousCredentials())
     launch(api, gspec())                                       # c1-0, c1-1: it drives c1
@@ -428,11 +432,39 @@ def test_the_gcp_controllers_account_drives_the_clusters_it_is_given_and_nothing
     assert sorted(v.node for v in mine_api.describe("c1")) == ["c1-0", "c1-1"]
     mine_api.terminate("c1", ["c1-0"])
     assert gcp.instances["us-central1-a"]["c1-0"]["status"] == "STOPPING"
-    node_sa = next(iter(gcp.service_accounts))  # a replacement runs as a node's account
-    boot = Boot({"c1-2": "#cloud-config\n"}, "root", "ssh-ed25519 AAAA k")
-    [vm], errors = mine_api.create(gspec(), ["c1-2"], boot, {
-        "network_tag": "hyper-c1", "service_account": node_sa})
-    assert errors == {} and vm.node == "c1-2"
+    # it may act as the node accounts of the clusters it drives, each bound on the account
+    # itself (not the project), and as no other account
+    node_sa, c9_sa = node_account("c1-0"), node_account("c9-0", cluster="c9")
+    default_sa = "123456789-compute@developer.gserviceaccount.com"
+    gcp.add_service_account(default_sa)  # the project's default account
+    assert gcp.may_act_as(member, node_sa) and gcp.may_act_as(member, node_account("c1-1"))
+    assert not gcp.may_act_as(member, c9_sa) and not gcp.may_act_as(member, default_sa)
+    assert gcp.sa_policies[node_sa]["bindings"] == [
+        {"role": ACT_AS_ROLE, "members": [member]}]
+    assert not [b for b in gcp.project_policy["bindings"] if member in b["members"] and
+                "iam.serviceAccounts.actAs" in gcp.role_permissions(b["role"])]
+    # a replacement, launched as the controller launches one (the handover names a node
+    # account of the cluster: cluster.service_account): it carries that account as it is
+    n = len(gcp.requests)
+    [vm], errors = launch(mine_api, gspec(identity=node_sa), nodes=("c1-2",))
+    assert errors == {} and vm.node == "c1-2" and vm.state == "running"
+    assert [a["email"] for a in
+            gcp.instances["us-central1-a"]["c1-2"]["serviceAccounts"]] == [node_sa]
+    assert not [(m, p) for m, p, _ in gcp.requests[n:] if p.endswith(
+        ("/serviceAccounts", "setIamPolicy", "/iam")) or (m == "PUT" and "/iam" in p)]
+    for other in (c9_sa, default_sa):  # another cluster's account, the project's default
+        boot = Boot({"c1-3": "#cloud-config\n"}, "root", "ssh-ed25519 AAAA k")
+        with pytest.raises(CredentialsError, match=f"not have access to service account "
+                           f"'{other}'"):
+            mine_api.create(gspec(identity=other), ["c1-3"], boot, {
+                "network_tag": "hyper-c1", "service_account": other})
+    assert "c1-3" not in gcp.instances["us-central1-a"]
+    # the laptop's next launch into the cluster keeps the account a replacement runs as,
+    # though the node it was made for is gone
+    del gcp.instances["us-central1-a"]["c1-0"]
+    [vm], errors = launch(api, gspec(), nodes=("c1-4",))
+    assert errors == {} and node_sa in gcp.service_accounts
+    assert node_account("c1-4") in gcp.service_accounts  # the laptop's: one per node
     beyond = {
         "delete another cluster's instance": lambda: mine_api.instances.delete_unary(
             project="proj", zone="us-central1-a", instance="c9-0"),
@@ -454,6 +486,9 @@ def test_the_gcp_controllers_account_drives_the_clusters_it_is_given_and_nothing
             {"accountId": "evil-account"}),
         "bind itself on the bucket": lambda: mine_api._rest(
             "PUT", f"{gcp.url}/storage/v1/b/outs/iam", "x", {"bindings": []}),
+        "let itself act as another account": lambda: mine_api._rest(
+            "POST", f"{gcp.url}/v1/projects/proj/serviceAccounts/{c9_sa}:setIamPolicy", "x",
+            {"policy": {"bindings": [{"role": ACT_AS_ROLE, "members": [member]}]}}),
     }
     for what, call in beyond.items():
         try:
@@ -474,8 +509,10 @@ def test_the_gcp_controllers_account_drives_the_clusters_it_is_given_and_nothing
     gcp.project_races = 2  # its own-roles check reads the policy first, then the binding
     n = len(gcp.requests)
     assert api.controller_identity(ctl, owner(), {"c9": {}}) == {"service_account": email}
-    assert [p for m, p, _ in gcp.requests[n:] if p.endswith(":setIamPolicy")] == [
+    assert [p for m, p, _ in gcp.requests[n:] if p.endswith(":setIamPolicy")
+            and "/serviceAccounts/" not in p] == [
         "/v1/projects/proj:setIamPolicy"] * 2  # refused once (stale etag), then set
+    assert gcp.may_act_as(member, c9_sa) and not gcp.may_act_as(member, default_sa)
     assert mine_api.describe("c9")
     mine_api.terminate("c9", ["c9-0"])
     assert gcp.instances["us-central1-a"]["c9-0"]["status"] == "STOPPING"
@@ -744,6 +781,36 @@ def test_an_azure_clusters_storage_identity_is_handed_to_the_controller_as_it_is
         "/subscriptions/sub-1/resourceGroups/hyper-c1/providers/Microsoft.ManagedIdentity/"
         f"userAssignedIdentities/{name}")
     assert handover_data(st, "c2")["identity"] is None
+
+
+def test_a_gcp_clusters_node_account_is_handed_to_the_controller_as_it_is(
+        hyper_home, monkeypatch):
+    """The controller may not make a service account, so the handover names a node account
+    of the cluster (that of its first node that is up, or its cluster.service_account) for
+    its replacements to run as, and the controller's side sets it as the cluster's
+    service_account; a cluster with no node up names none."""
+    from hypercli.controller.cloud import handover_data
+    from hypercli.controller.host import _cloud_cluster
+    from hypercli.providers.gcp import account_id
+    from hypercli.state import State
+    st = State()
+    st.put_cluster("g1", "gcp", {"options": {"region": "us-central1", "project": "proj"}})
+    mine = "mine@proj.iam.gserviceaccount.com"  # cluster.service_account
+    st.put_cluster("g2", "gcp", {"options": {"region": "us-central1", "project": "proj",
+                                             "service_account": mine}})
+    st.put_cluster("g3", "gcp", {"options": {"region": "us-central1", "project": "proj"}})
+    st.put_node("g1", "g1-0", slots=1, status="down")
+    st.put_node("g1", "g1-1", slots=1)
+    st.put_node("g2", "g2-0", slots=1)
+    aid = account_id(CloudSpec(cluster="g1", cluster_id=st.cluster_uid("g1")), "g1-1")
+    data = handover_data(st, "g1")
+    assert data["service_account"] == f"{aid}@proj.iam.gserviceaccount.com"
+    assert handover_data(st, "g2")["service_account"] == mine
+    assert handover_data(st, "g3")["service_account"] is None
+    export = {"cluster": {"name": "g1", "spec": json.dumps(st.cluster("g1")["spec"])}}
+    _cloud_cluster(dict(data, keys={}, owner=None), export)
+    assert json.loads(export["cluster"]["spec"])["options"]["service_account"] == \
+        data["service_account"]
 
 
 def test_a_squatted_controller_identity_is_refused_before_it_is_used(gcp, azure):

@@ -166,8 +166,11 @@ def handover_data(state: S.State, cluster: str) -> dict:
     (:func:`hypercli.controller.client.handover`): ``{"key": its private key, "keys":
     {path under keys/<cluster>/: text} (its key, its nodes' host keys, its places), "owner":
     the owner tag its resources carry, "iam_role": its instance profile or None, "identity":
-    its Azure storage identity or None}`` (what the controller's launches use as they are:
-    it may not make or change an identity)."""
+    its Azure storage identity or None, "service_account": the GCP service account of its
+    first node that is up (or its ``service_account`` option) or None}`` (what the
+    controller's launches use as they are: it may not make or change an identity; on GCP
+    :meth:`hypercli.providers.gcp.GCPAPI.controller_identity` lets it act as the cluster's
+    node accounts only)."""
     from hypercli.providers.cloud import owner
     from hypercli.providers.cloud_provider import keys_dir
     top = keys_dir(cluster)
@@ -193,8 +196,18 @@ def handover_data(state: S.State, cluster: str) -> dict:
                  f"{rg}/providers/Microsoft.ManagedIdentity/userAssignedIdentities/"
                  + identity_name(CloudSpec(cluster=cluster,
                                            cluster_id=state.cluster_uid(cluster))))
+    options = spec.get("options") or {}
+    account = options.get("service_account")
+    up = state.nodes(cluster, status="up")
+    if not account and row.get("provider") == "gcp" and up:
+        from hypercli.providers.cloud import CloudSpec
+        from hypercli.providers.cloud_provider import make_api
+        from hypercli.providers.gcp import account_id
+        aid = account_id(CloudSpec(cluster=cluster, cluster_id=state.cluster_uid(cluster)),
+                         up[0]["name"])
+        account = f"{aid}@{make_api('gcp', options).project}.iam.gserviceaccount.com"
     return {"key": keys.get("id_ed25519", ""), "keys": keys, "owner": owner(),
-            "iam_role": profile, "identity": ident}
+            "iam_role": profile, "identity": ident, "service_account": account}
 
 
 def remove(state: S.State, ctl: dict) -> list[str]:

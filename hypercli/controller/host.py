@@ -319,8 +319,9 @@ def submit(data: dict) -> dict:
 def _cloud_cluster(data: dict, export: dict) -> Path:
     """Put a cloud cluster's key folder here (``keys/<cluster>/``: its key, the host keys of
     its nodes, the places it was launched in: :mod:`hypercli.providers.cloud_provider`), set
-    its options so that a launch from here uses the cluster's instance profile or Azure
-    storage identity as it is (``iam_role``, ``identity``: the controller makes none), and
+    its options so that a launch from here uses the cluster's instance profile, Azure
+    storage identity or GCP node account as it is (``iam_role``, ``identity``,
+    ``service_account``: the controller makes none), and
     keep the user's owner tag for what it launches (``owner``, :func:`_owner`). Returns the
     key's path."""
     name = export["cluster"]["name"]
@@ -339,6 +340,8 @@ def _cloud_cluster(data: dict, export: dict) -> Path:
         options["iam_role"] = data["iam_role"]
     if data.get("identity"):  # an Azure cluster's storage identity, as it is
         options["identity"] = data["identity"]
+    if data.get("service_account"):  # a GCP cluster's node account, as it is
+        options["service_account"] = data["service_account"]
     export["cluster"]["spec"] = json.dumps(spec)
     if data.get("owner"):
         (S.home() / "owner").write_text(data["owner"])

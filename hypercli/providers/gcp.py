@@ -156,6 +156,11 @@ CONTROLLER_PERMISSIONS = sorted(
                                         "getGuestAttributes")]
     + [f"compute.disks.{p}" for p in ("create", "get", "delete", "setLabels")])
 DRIVES = "drives "  #: the title of a controller's conditional binding: ``drives <cluster>``
+#: the role a controller's account holds on each node account of the clusters it drives (that
+#: account's own IAM policy, not the project's): ``iam.serviceAccounts.actAs``, so that a
+#: replacement it launches runs as that account
+#: (cloud.google.com/iam/docs/service-account-permissions)
+ACT_AS_ROLE = "roles/iam.serviceAccountUser"
 #: what making the nodes' service accounts asks of the caller, project-wide
 IDENTITY_PERMISSIONS = ("iam.serviceAccounts.create", "iam.serviceAccounts.actAs")
 #: s that an insert is retried while Compute Engine does not know a new service account yet
@@ -895,7 +900,43 @@ class GCPAPI:
         act_role = self._custom_role(CONTROLLER_ROLE, CONTROLLER_PERMISSIONS,
                                      "hypercli controller: its user's clusters' instances")
         self._bind_controller(email, read_role, act_role, names)
+        self._let_act_as(f"serviceAccount:{email}", spec.cluster, clusters or {})
         return {"service_account": email}
+
+    def _let_act_as(self, member: str, own: str, clusters: dict) -> None:
+        """Give ``member`` (a controller's account) :data:`ACT_AS_ROLE` on the node accounts
+        of ``clusters`` (name → their ``cluster:`` options) and on nothing else: those whose
+        description names one of them (not ``own``, the controller's cluster) and a node, and
+        a cluster's ``service_account`` option. Each binding is on that account's own IAM
+        policy (``serviceAccounts.setIamPolicy``), added once. Raises CredentialsError (for
+        the cluster's own accounts), CloudError; a named ``service_account`` whose policy the
+        caller may not set gets a warning (the controller launches no node as it)."""
+        named = {o.get("service_account") for c, o in clusters.items()
+                 if c != own and (o or {}).get("service_account")}
+        found = {a["email"] for a in self._account_list()
+                 if _sa_field(a.get("description"), TAG_CLUSTER) in set(clusters) - {own}
+                 and _sa_field(a.get("description"), TAG_NODE) not in (None, "controller")}
+        for email in sorted(found | named):
+            url = self._sa_url(email)
+            try:
+                policy = self._rest("POST", f"{url}:getIamPolicy",
+                                    f"reading who may act as {email}", {})
+                bindings = policy.get("bindings") or []
+                if any(b.get("role") == ACT_AS_ROLE and member in b.get("members", [])
+                       and not b.get("condition") for b in bindings):
+                    continue
+                policy["bindings"] = bindings + [{"role": ACT_AS_ROLE, "members": [member]}]
+                self._rest("POST", f"{url}:setIamPolicy",
+                           f"letting the controller launch nodes as {email}",
+                           {"policy": policy})
+            except CloudError as e:
+                if email in named and e.code == "forbidden":
+                    log.warning("the controller may not launch nodes as %s (%s): it drives "
+                                "the nodes there are but launches no replacement", email, e)
+                    continue
+                self._denied(e, "iam.serviceAccounts.setIamPolicy",
+                             f"let the controller act as {email}")
+                raise
 
     def _controller_account(self, spec: CloudSpec, email: str) -> dict:
         """Create, or find when it is this controller's own, its service account. Raises
@@ -1142,11 +1183,15 @@ class GCPAPI:
     def _make_accounts(self, spec: CloudSpec, nodes: list[str]) -> dict[str, str]:
         """The new nodes' service accounts (node → e-mail), made and bound on the cluster's
         storage with the cluster's other accounts; the accounts of the cluster's nodes that
-        are gone (no instance, not being made now) are removed first."""
+        are gone (no instance, not being made now, none running as it) are removed first."""
         have = self._accounts(spec)
-        live = {v.node for v in self.describe(spec.cluster)} | set(nodes)
+        found = self._instances(spec.cluster)
+        live = {self._vm(i, z).node for z, i in found} | set(nodes)
+        # an account a node runs as stays, though its own node is gone: a controller's
+        # replacement carries an existing account as it is (controller_identity)
+        used = {sa.email for _, inst in found for sa in inst.service_accounts}
         for email, a in list(have.items()):
-            if _sa_field(a.get("description"), TAG_NODE) not in live:
+            if _sa_field(a.get("description"), TAG_NODE) not in live and email not in used:
                 self._delete_service_account(email)
                 del have[email]
         made = {}
