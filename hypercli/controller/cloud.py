@@ -13,7 +13,7 @@ pair, firewall, pinned host key, boot document, cost ledger), with these differe
   describe and terminate only what is tagged for the user's clusters), on GCP a service
   account (:meth:`hypercli.providers.gcp.GCPAPI.controller_identity`: custom roles bound
   on the project, acting only on the instances and disks named for the clusters it drives,
-  under IAM conditions), on Azure a user-assigned identity
+  under IAM conditions, and as their node accounts only, for its replacements), on Azure a user-assigned identity
   (:meth:`hypercli.providers.azure.AzureAPI.controller_identity`: a custom role assigned on
   the resource groups of the clusters it drives only); each reads the recipes' storage;
 * its node watcher's idle limit is ``controller_idle_minutes`` (default

@@ -869,7 +869,9 @@ class GCPAPI:
         roles :data:`CONTROLLER_READ_ROLE` and :data:`CONTROLLER_ROLE`, bound on the project
         (:meth:`_bind_controller`: the first without a condition, the second once per
         cluster the controller drives with an IAM condition on the names of that cluster's
-        instances and disks), and read on the ``gs`` grants of ``spec.grants``.
+        instances and disks), read on the ``gs`` grants of ``spec.grants``, and
+        :data:`ACT_AS_ROLE` on the node accounts of ``clusters`` only (:meth:`_let_act_as`:
+        a replacement it launches runs as one of them as it is).
 
         GCP's IAM conditions cannot test labels (the owner label of the node identities is
         not an attribute; cloud.google.com/iam/docs/conditions-attribute-reference lists
