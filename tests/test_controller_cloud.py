@@ -523,6 +523,9 @@ def test_the_gcp_controllers_account_drives_the_clusters_it_is_given_and_nothing
     assert not [b for b in gcp.project_policy["bindings"] if member in b["members"]]
     assert not [b for b in gcp.buckets["outs"]["policy"]["bindings"]
                 if member in b["members"]]
+    assert gcp.sa_policies[c9_sa] == {"bindings": []}  # nor may it act as a node account
+    assert not [a for a, p in gcp.sa_policies.items()
+                if any(member in b["members"] for b in p.get("bindings", []))]
 
 
 def test_the_azure_controllers_identity_acts_in_its_clusters_groups_and_nothing_else(azure):

@@ -1048,12 +1048,16 @@ class GCPAPI:
 
     def _unbind_project(self, email: str) -> None:
         """Take ``serviceAccount:<email>`` out of every binding of the project's IAM policy
-        (a controller's account, before it is deleted)."""
+        (a controller's account, before it is deleted), and out of the IAM policies of the
+        node accounts of the clusters it drove (:meth:`_let_act_as`)."""
         member = f"serviceAccount:{email}"
         policy = self._rest("POST", self._project_policy_url("getIamPolicy"),
                             f"reading the IAM policy of project {self.project}",
                             {"options": {"requestedPolicyVersion": 3}})
         old = policy.get("bindings") or []
+        titles = {(b.get("condition") or {}).get("title", "") for b in old
+                  if member in b.get("members", [])}
+        self._unlet_act_as(member, {t[len(DRIVES):] for t in titles if t.startswith(DRIVES)})
         kept = [dict(b, members=[m for m in b.get("members", []) if m != member]) for b in old]
         kept = [b for b in kept if b["members"]]
         if kept != old:
@@ -1061,6 +1065,28 @@ class GCPAPI:
             self._rest("POST", self._project_policy_url("setIamPolicy"),
                        f"setting the IAM policy of project {self.project}",
                        {"policy": policy, "updateMask": "bindings,etag,version"})
+
+    def _unlet_act_as(self, member: str, clusters: set) -> None:
+        """Take ``member`` out of the IAM policies of the node accounts of ``clusters``.
+        Best effort: a policy that cannot be read or set gets a warning (once ``member`` is
+        deleted, such a binding names a deleted account and grants nothing)."""
+        for a in self._account_list():
+            if _sa_field(a.get("description"), TAG_CLUSTER) not in clusters:
+                continue
+            url = self._sa_url(a["email"])
+            try:
+                policy = self._rest("POST", f"{url}:getIamPolicy",
+                                    f"reading who may act as {a['email']}", {})
+                old = policy.get("bindings") or []
+                kept = [dict(b, members=[m for m in b.get("members", []) if m != member])
+                        for b in old]
+                kept = [b for b in kept if b["members"]]
+                if kept != old:
+                    self._rest("POST", f"{url}:setIamPolicy",
+                               f"taking the controller off {a['email']}",
+                               {"policy": dict(policy, bindings=kept)})
+            except CloudError as e:
+                log.warning("%s may still act as %s: %s", member, a["email"], e)
 
     def _account_list(self) -> list[dict]:
         """Every service account of the project (IAM's JSON); [] with a warning when the
