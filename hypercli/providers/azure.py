@@ -703,40 +703,14 @@ class AzureAPI:
             return {}
         grants = [g for g in rights(spec.grants) if g.scheme == "az"]
         rg = spec.resource_group or f"hyper-{spec.cluster}"
-        name = identity_name(spec)
-        rid = (f"/subscriptions/{self.subscription}/resourceGroups/{rg}/providers/"
-               f"Microsoft.ManagedIdentity/userAssignedIdentities/{name}")
-        try:
-            found = self._arm("GET", f"{rid}?api-version={MSI_API}", f"reading {name}")
-        except CloudError as e:
-            if e.code not in ("ResourceNotFound", "NotFound", "404"):
-                raise
-            found = None
-        if found is not None:
-            self._check_identity(spec, rid, found)
-        try:
-            made = self._arm("PUT", f"{rid}?api-version={MSI_API}",
-                             f"creating the managed identity {name}",
-                             {"location": self.region,
-                              "tags": {**self._tags(spec.cluster), TAG_CLUSTER_ID: spec.tag}})
-        except CloudError as e:
-            self._refused(e, "Microsoft.ManagedIdentity/userAssignedIdentities/write",
-                          f"create the managed identity {name}")
-            raise
+        rid, made = self._put_identity(spec, rg, identity_name(spec), {})
         principal = made["properties"]["principalId"]
         wanted = []
         if grants:
-            accounts = self._account_ids()
             roles = self._roles(["blob-reader", "blob-writer"], required=True)
-            for g in grants:
-                account, container = g.bucket.split("/", 1)
-                if account not in accounts:
-                    raise UsageError(f"storage account {account} (az://{g.bucket}) not found "
-                                     f"in subscription {self.subscription}",
-                                     "check the recipe's storage and mounts")
-                wanted.append((f"{accounts[account]}/blobServices/default/containers/"
-                               f"{container}", roles["blob-writer" if g.write else "blob-reader"],
-                               prefix_condition(g.prefix) if g.prefix else None))
+            wanted = [(scope, roles["blob-writer" if g.write else "blob-reader"],
+                       prefix_condition(g.prefix) if g.prefix else None)
+                      for scope, g in self._container_scopes(grants)]
         self._set_assignments(principal, wanted)
         return {"identity": rid,
                 "node_env": {"AZURE_CLIENT_ID": made["properties"]["clientId"]}}
@@ -770,7 +744,29 @@ class AzureAPI:
         """
         rg = spec.resource_group or f"hyper-{spec.cluster}"
         self._own_group(spec, rg)
-        name = controller_identity_name(spec)
+        rid, made = self._put_identity(spec, rg, controller_identity_name(spec),
+                                       {TAG_OWNER: owner_tag})
+        principal = made["properties"]["principalId"]
+        roles = self._roles(["controller", "blob-reader"], required=True)
+        sub = f"/subscriptions/{self.subscription}/resourceGroups/"
+        scopes = {f"{sub}{(o or {}).get('resource_group') or f'hyper-{c}'}"
+                  for c, o in (clusters or {}).items()}
+        scopes |= {(ra.get("properties") or {}).get("scope", "") for ra in self._ours(principal)
+                   if (ra.get("properties") or {}).get("roleDefinitionId", "").endswith(
+                       "/" + roles["controller"])}
+        wanted = [(sc, roles["controller"], None) for sc in sorted(scopes) if sc]
+        grants = [g for g in rights(spec.grants) if g.scheme == "az"]
+        wanted += [(scope, roles["blob-reader"], prefix_condition(g.prefix) if g.prefix else None)
+                   for scope, g in self._container_scopes(grants)]
+        self._set_assignments(principal, list(dict.fromkeys(wanted)))
+        return {"identity": rid}
+
+    def _put_identity(self, spec: CloudSpec, rg: str, name: str, tags: dict) -> tuple:
+        """Make or update the user-assigned identity ``name`` in group ``rg``, tagged as
+        cluster ``spec.cluster``'s (plus ``tags``), after refusing one found there that is
+        not its own (:meth:`_check_identity`). Returns (its ARM id, the identity as the PUT
+        answered). Raises CredentialsError (the permission named), IdentityConflict,
+        CloudError."""
         rid = (f"/subscriptions/{self.subscription}/resourceGroups/{rg}/providers/"
                f"Microsoft.ManagedIdentity/userAssignedIdentities/{name}")
         try:
@@ -786,33 +782,26 @@ class AzureAPI:
                              f"creating the managed identity {name}",
                              {"location": self.region,
                               "tags": {**self._tags(spec.cluster), TAG_CLUSTER_ID: spec.tag,
-                                       TAG_OWNER: owner_tag}})
+                                       **tags}})
         except CloudError as e:
             self._refused(e, "Microsoft.ManagedIdentity/userAssignedIdentities/write",
                           f"create the managed identity {name}")
             raise
-        principal = made["properties"]["principalId"]
-        roles = self._roles(["controller", "blob-reader"], required=True)
-        sub = f"/subscriptions/{self.subscription}/resourceGroups/"
-        scopes = {f"{sub}{(o or {}).get('resource_group') or f'hyper-{c}'}"
-                  for c, o in (clusters or {}).items()}
-        scopes |= {(ra.get("properties") or {}).get("scope", "") for ra in self._ours(principal)
-                   if (ra.get("properties") or {}).get("roleDefinitionId", "").endswith(
-                       "/" + roles["controller"])}
-        wanted = [(sc, roles["controller"], None) for sc in sorted(scopes) if sc]
-        grants = [g for g in rights(spec.grants) if g.scheme == "az"]
+        return rid, made
+
+    def _container_scopes(self, grants: list) -> list[tuple]:
+        """(ARM scope of the blob container, grant) for each ``az`` grant. Raises
+        UsageError: a grant's storage account is not in the subscription."""
         accounts = self._account_ids() if grants else {}
+        out = []
         for g in grants:
             account, container = g.bucket.split("/", 1)
             if account not in accounts:
                 raise UsageError(f"storage account {account} (az://{g.bucket}) not found "
                                  f"in subscription {self.subscription}",
                                  "check the recipe's storage and mounts")
-            wanted.append((f"{accounts[account]}/blobServices/default/containers/{container}",
-                           roles["blob-reader"],
-                           prefix_condition(g.prefix) if g.prefix else None))
-        self._set_assignments(principal, list(dict.fromkeys(wanted)))
-        return {"identity": rid}
+            out.append((f"{accounts[account]}/blobServices/default/containers/{container}", g))
+        return out
 
     def _client_id(self, rid: str) -> str | None:
         """The client id of a user-assigned identity (for the node's SDK), or None with a
