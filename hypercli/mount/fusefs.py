@@ -63,13 +63,12 @@ import subprocess
 import sys
 import threading
 import time
-from bisect import bisect_right
 from collections import OrderedDict
 from pathlib import Path
 
 from hypercli.errors import InfraError, UsageError
 from hypercli.mount.cache import GiB, ChunkCache
-from hypercli.mount.index import BadEntry, CorruptIndex, Index
+from hypercli.mount.index import BadEntry, CorruptIndex, Index, pieces
 from hypercli.mount.store import StoreError, open_store
 
 log = logging.getLogger("hypercli.mount")
@@ -363,18 +362,11 @@ class ChunkFS:
         else:
             view = memoryview(into)
         pos = 0
-        i = max(0, bisect_right(n.starts, offset) - 1)
-        while offset < end and i < len(n.segs):
-            seq, coff, length = n.segs[i]
-            start = n.starts[i]
-            k = min(end, start + length) - offset
-            if k > 0:
-                got = self.cache.read(seq, coff + offset - start, k, into=view[pos:pos + k])
-                if got != k:
-                    raise StoreError(f"chunk {seq} ends before {e.path}")
-                offset += k
-                pos += k
-            i += 1
+        for seq, coff, k in pieces(n.segs, n.starts, offset, end):
+            got = self.cache.read(seq, coff, k, into=view[pos:pos + k])
+            if got != k:
+                raise StoreError(f"chunk {seq} ends before {e.path}")
+            pos += k
         return pos if into is not None else bytes(buf[:pos])
 
     @_op

@@ -66,12 +66,12 @@ import struct
 import subprocess
 import threading
 import time
-from bisect import bisect_right
 from concurrent.futures import ThreadPoolExecutor
 
 from hypercli.errors import InfraError
 from hypercli.mount.cache import ChunkCache, ChunkError
 from hypercli.mount.index import BadEntry, CorruptIndex, Index
+from hypercli.mount.index import pieces as layout_pieces
 from hypercli.mount.store import StoreError
 
 log = logging.getLogger("hypercli.mount")
@@ -533,16 +533,7 @@ class LowFS:
         if e.kind != "f":
             raise _Errno(errno.EISDIR if e.kind == "d" else errno.EINVAL)
         end = min(offset + size, e.size)
-        pieces = []
-        i = max(0, bisect_right(n.starts, offset) - 1)
-        while offset < end and i < len(n.segs):
-            seq, coff, length = n.segs[i]
-            start = n.starts[i]
-            k = min(end, start + length) - offset
-            if k > 0:
-                pieces.append((seq, coff + offset - start, k))
-                offset += k
-            i += 1
+        pieces = layout_pieces(n.segs, n.starts, offset, end)
         parts = []
         fast = self.chunks.fast
         for seq, off, k in pieces:

@@ -40,6 +40,7 @@ import re
 import sqlite3
 import stat
 import threading
+from bisect import bisect_right
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
@@ -174,6 +175,23 @@ def entry_of(row) -> Entry:
         raise _bad(path, f"symlink target {_r(target)} is not a path")
     return Entry(path, kind, size, KIND_TYPES[kind] | (mode & 0o777), float(mtime),
                  sha if kind == "f" else None, target if kind == "l" else None)
+
+
+def pieces(segs, starts, offset: int, end: int) -> list[tuple[int, int, int]]:
+    """The bytes ``[offset, end)`` of a file laid out as ``segs`` ((chunk seq, offset in the
+    chunk, length) each, in file order; ``starts``: each segment's offset in the file), as
+    (chunk seq, offset in that chunk, length) pieces in file order (bytes)."""
+    out = []
+    i = max(0, bisect_right(starts, offset) - 1)
+    while offset < end and i < len(segs):
+        seq, coff, length = segs[i]
+        start = starts[i]
+        k = min(end, start + length) - offset
+        if k > 0:
+            out.append((seq, coff + offset - start, k))
+            offset += k
+        i += 1
+    return out
 
 
 class Index:
