@@ -5,6 +5,7 @@ provider."""
 from __future__ import annotations
 
 import ctypes
+import errno
 import json
 import os
 import pty
@@ -77,17 +78,28 @@ class Terminal:
 def signal_a_thread(pid: int, sig: int) -> None:
     """Send ``sig`` to one thread of process ``pid`` other than its main thread, one that
     does not block it (tgkill(2)): as the kernel may pick any such thread for a signal sent
-    to the process."""
-    for tid in sorted(int(t) for t in os.listdir(f"/proc/{pid}/task")):
-        status = open(f"/proc/{pid}/task/{tid}/status").read()
-        blocked = int(status.split("SigBlk:")[1].split()[0], 16)
-        if tid != pid and not blocked & (1 << (sig - 1)):
-            break
-    else:
-        raise AssertionError(f"process {pid} has no thread but its main one to signal")
+    to the process. Threads come and go (a worker thread may end between the listing and the
+    signal): one that is gone is passed over and the listing is read again, for up to 10 s."""
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.tgkill(pid, tid, sig) != 0:
-        raise OSError(ctypes.get_errno(), f"tgkill({pid}, {tid}, {sig})")
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        for tid in sorted(int(t) for t in os.listdir(f"/proc/{pid}/task")):
+            if tid == pid:
+                continue
+            try:
+                with open(f"/proc/{pid}/task/{tid}/status") as f:
+                    status = f.read()
+            except (FileNotFoundError, ProcessLookupError):
+                continue  # this thread ended since the listing
+            blocked = int(status.split("SigBlk:")[1].split()[0], 16)
+            if blocked & (1 << (sig - 1)):
+                continue
+            if libc.tgkill(pid, tid, sig) == 0:
+                return
+            if ctypes.get_errno() != errno.ESRCH:
+                raise OSError(ctypes.get_errno(), f"tgkill({pid}, {tid}, {sig})")
+        time.sleep(0.05)
+    raise AssertionError(f"process {pid} has no thread but its main one to signal")
 
 
 # -- 4: a second Ctrl-C (or SIGTERM) at the interrupt question leaves at once --------------
