@@ -494,7 +494,8 @@ def mount(url: str, mountpoint: str | os.PathLike, *, cache_dir: str | os.PathLi
           min_free_bytes: int = GiB, prefetch: int = 2, jobs: int = 4,
           allow_other: bool = False, log_file: str | os.PathLike | None = None,
           timeout: float = 60.0, warm_entries: int = WARM_ENTRIES,
-          server: str | None = None, serving_processes: int | None = None) -> int:
+          server: str | None = None, serving_processes: int | None = None,
+          store_chunks: bool = False) -> int:
     """Mount the dataset at ``url`` read-only at ``mountpoint``.
 
     Args:
@@ -521,6 +522,9 @@ def mount(url: str, mountpoint: str | os.PathLike, *, cache_dir: str | os.PathLi
             ``$HYPER_MOUNT_SERVER``, else ``DEFAULT_SERVER``.
         serving_processes: processes serving a ``"low"`` mount (≥ 1; default
             ``$HYPER_MOUNT_SERVING_PROCESSES``, else 1).
+        store_chunks: a file's bytes in a chunk are pushed into the kernel's page cache at
+            its first read there (:class:`hypercli.mount.fuselow.LowFS`; served by
+            ``"low"`` whatever ``server`` says): for an image dataset's one file.
     Returns:
         0 after a foreground mount ends; the daemon's pid otherwise.
     Raises:
@@ -532,7 +536,7 @@ def mount(url: str, mountpoint: str | os.PathLike, *, cache_dir: str | os.PathLi
     mp = os.path.abspath(mountpoint)
     cache = Path(cache_dir).absolute()
     _check_mountpoint(mp)
-    server = _server(server)
+    server = "low" if store_chunks else _server(server)
     if serving_processes is None:
         serving_processes = int(os.environ.get("HYPER_MOUNT_SERVING_PROCESSES") or 1)
     if server == "mfusepy":
@@ -544,7 +548,7 @@ def mount(url: str, mountpoint: str | os.PathLike, *, cache_dir: str | os.PathLi
         serve(store, index, mp, cache_dir=cache, cache_bytes=cache_bytes,
               min_free_bytes=min_free_bytes, prefetch=prefetch, jobs=jobs,
               allow_other=allow_other, warm_entries=warm_entries, server=server,
-              serving_processes=serving_processes)
+              serving_processes=serving_processes, store_chunks=store_chunks)
         return 0
     log_path = Path(log_file).absolute() if log_file else cache / "mount.log"
     cmd = [sys.executable, "-m", "hypercli.mount.fusefs", url, mp, "--cache-dir", str(cache),
@@ -555,6 +559,8 @@ def mount(url: str, mountpoint: str | os.PathLike, *, cache_dir: str | os.PathLi
         cmd += ["--endpoint-url", endpoint_url]
     if allow_other:
         cmd.append("--allow-other")
+    if store_chunks:
+        cmd.append("--store-chunks")
     pkg_root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, FUSE_LIBRARY_NAME=os.environ.get("FUSE_LIBRARY_NAME", "fuse3"),
                PYTHONPATH=os.pathsep.join(filter(None, [pkg_root,
@@ -736,15 +742,15 @@ def _server(name: str | None) -> str:
 def serve(store, index: Index, mountpoint: str, *, cache_dir: str | os.PathLike,
           cache_bytes: int, min_free_bytes: int = GiB, prefetch: int = 2, jobs: int = 4,
           allow_other: bool = False, warm_entries: int = 0, server: str | None = None,
-          serving_processes: int = 1) -> None:
+          serving_processes: int = 1, store_chunks: bool = False) -> None:
     """Serve an opened dataset at mountpoint in this process until it is unmounted.
 
     Chunks go to ``cache_dir/chunks``. Once the mount is up, a thread raises its read-ahead
     (:func:`read_ahead`) and lists ``warm_entries`` entries (:func:`warm`; 0: none).
-    ``server``, ``serving_processes``: as :func:`mount`. Raises InfraError when the mount
-    fails.
+    ``server``, ``serving_processes``, ``store_chunks``: as :func:`mount`. Raises InfraError
+    when the mount fails.
     """
-    if _server(server) == "low":
+    if store_chunks or _server(server) == "low":
         from hypercli.mount import fuselow
 
         def started() -> None:
@@ -754,7 +760,8 @@ def serve(store, index: Index, mountpoint: str, *, cache_dir: str | os.PathLike,
         fuselow.serve(store, index, os.path.abspath(mountpoint), cache_dir=cache_dir,
                       cache_bytes=cache_bytes, min_free_bytes=min_free_bytes,
                       prefetch=prefetch, jobs=jobs, allow_other=allow_other,
-                      processes=serving_processes, on_start=started)
+                      processes=serving_processes, on_start=started,
+                      store_chunks=store_chunks)
         return
     mfusepy = load_mfusepy()
     cache = ChunkCache(store, index.chunk_list, Path(cache_dir) / "chunks",
@@ -842,6 +849,7 @@ def _main(argv: list[str] | None = None) -> int:
     p.add_argument("--allow-other", action="store_true")
     p.add_argument("--server", choices=SERVERS)
     p.add_argument("--serving-processes", type=int, default=1)
+    p.add_argument("--store-chunks", action="store_true")
     p.add_argument("--log-level", default="INFO")
     a = p.parse_args(argv)
     _log_to(sys.stderr, a.log_level)
@@ -852,7 +860,7 @@ def _main(argv: list[str] | None = None) -> int:
         serve(store, index, mp, cache_dir=a.cache_dir, cache_bytes=a.cache_bytes,
               min_free_bytes=a.min_free_bytes, prefetch=a.prefetch, jobs=a.jobs,
               allow_other=a.allow_other, server=a.server,
-              serving_processes=a.serving_processes)
+              serving_processes=a.serving_processes, store_chunks=a.store_chunks)
     except Exception as e:  # HyperError or not: the parent shows the last log lines
         log.error("%s", e, exc_info=not hasattr(e, "exit_code"))
         return 1

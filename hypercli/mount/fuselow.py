@@ -38,6 +38,9 @@ a handler and one ``os.writev`` of the reply. Rules:
   another process's help or the disk is handed to a thread, which asks the kernel to read the
   whole chunk ahead (``POSIX_FADV_WILLNEED``) and writes the reply when the bytes are there,
   while the loop goes on to the next request.
+- **Pages pushed, for one large file** (``store_chunks``, an image dataset's mount): the
+  first READ in a chunk has a thread of its own push the file's bytes in that chunk into
+  the kernel's page cache (``FUSE_NOTIFY_STORE``), so later reads there never come here.
 - **Answers**: INIT (READDIRPLUS always, symlinks cached, 1 MiB reads, async reads),
   LOOKUP (misses cached by the kernel for ``CACHE_TIMEOUT``), GETATTR, READLINK, READ,
   READDIR, READDIRPLUS, STATFS, GETXATTR/LISTXATTR (``user.hypercli.stats`` on the root:
@@ -59,6 +62,7 @@ import fcntl
 import json
 import logging
 import os
+import queue
 import signal
 import socket
 import stat
@@ -93,6 +97,10 @@ OUT_HDR = struct.Struct("<IiQ")
 _ATTR = "QQQqqqIIIIIIIIII"  # struct fuse_attr (88 bytes; times as signed s)
 ENTRY_OUT = struct.Struct("<QQQQII" + _ATTR)   # struct fuse_entry_out, 128 bytes
 ATTR_OUT = struct.Struct("<QII" + _ATTR)       # struct fuse_attr_out, 104 bytes
+STORE_OUT = struct.Struct("<QQII")  # struct fuse_notify_store_out: node, offset, size
+NOTIFY_STORE = 4                    # enum fuse_notify_code: FUSE_NOTIFY_STORE
+STORE_PIECE = 1 << 20               # bytes pushed into the page cache per message
+STORE_AGAIN = 1.0                   # s before a READ in a stored chunk stores it again
 READ_IN = struct.Struct("<QQI")                # fh, offset, size of struct fuse_read_in
 DIRENT = struct.Struct("<QQII")                # struct fuse_dirent without its name
 INIT_IN = struct.Struct("<IIII")
@@ -345,12 +353,18 @@ class LowFS:
         stats: a function returning the mount's counters as a dict (the stats xattr).
         counters: this process's slot of the shared counters (a ``memoryview`` of uint64).
         uid, gid: owner reported for every entry (default: this process's).
+        store_chunks: the first READ of a file's bytes in a chunk has a thread push all of
+            that file's bytes in the chunk into the kernel's page cache (FUSE_NOTIFY_STORE),
+            again when a READ shows some of them were dropped (at most once a second per
+            chunk): for one large file read at random places (an image dataset's, see
+            :mod:`hypercli.mount.image`), so that its reads after the first in a chunk never
+            reach this process.
     :meth:`handle` answers one request (bytes as read from ``/dev/fuse``) and is what the
     serving loop and the tests call.
     """
 
     def __init__(self, index: Index, chunks, *, stats, counters, uid: int | None = None,
-                 gid: int | None = None):
+                 gid: int | None = None, store_chunks: bool = False):
         self.index, self.chunks, self._stats, self.ctr = index, chunks, stats, counters
         self.uid = os.getuid() if uid is None else uid
         self.gid = os.getgid() if gid is None else gid
@@ -364,6 +378,11 @@ class LowFS:
         self.pool = ThreadPoolExecutor(THREADS, thread_name_prefix="hyper-read")
         self.fd = -1
         self._slow_lock = threading.Lock()
+        self.store_chunks = store_chunks
+        self._stored: dict[tuple[int, int], float] = {}  # (node, chunk) → when last stored
+        self._store_q: queue.SimpleQueue = queue.SimpleQueue()
+        if store_chunks:
+            threading.Thread(target=self._storer, daemon=True, name="hyper-store").start()
         self._ops = {op: 3 + 2 * _STAT_OPS.index(name) for op, name in OP_NAMES.items()}
         self.ctr[2] = os.getpid()
         self._handlers = {
@@ -536,6 +555,12 @@ class LowFS:
         pieces = layout_pieces(n.segs, n.starts, offset, end)
         parts = []
         fast = self.chunks.fast
+        if self.store_chunks:
+            now = time.monotonic()
+            for seq, _, _ in pieces:
+                if now - self._stored.get((nid, seq), -STORE_AGAIN) >= STORE_AGAIN:
+                    self._stored[(nid, seq)] = now
+                    self._store_q.put((nid, seq))
         for seq, off, k in pieces:
             data = fast(seq, off, k)
             if data is None:  # not held: a thread waits for it, the loop goes on
@@ -562,6 +587,38 @@ class LowFS:
         i = self._ops[READ]
         with self._slow_lock:
             self.ctr[i + 1] += time.perf_counter_ns() - t0
+
+    def _storer(self) -> None:
+        """The store thread (``store_chunks``): one (node, chunk) at a time, from a queue.
+        Its own thread, never the READ pool: a store waits on the kernel's lock of any page
+        a READ not yet answered is filling, and that READ's answer must not wait on it."""
+        while True:
+            nid, seq = self._store_q.get()
+            try:
+                self._store(nid, seq)
+            except Exception as e:  # a chunk that fails its check: its READs say EIO
+                log.warning("node %d, chunk %d not stored in the page cache: %s", nid, seq, e)
+
+    def _store(self, nid: int, seq: int) -> None:
+        """Push node ``nid``'s bytes in chunk ``seq`` into the kernel's page cache
+        (FUSE_NOTIFY_STORE, ``STORE_PIECE`` bytes a message; fuse.h's ``struct
+        fuse_notify_store_out``), as checked by the chunk cache."""
+        n = self._node(nid)
+        for (s, coff, length), start in zip(n.segs, n.starts):
+            if s != seq:
+                continue
+            for k in range(0, length, STORE_PIECE):
+                m = min(STORE_PIECE, length - k)
+                data = self.chunks.slow(seq, coff + k, m)
+                if len(data) != m:
+                    raise StoreError(f"chunk {seq} ends before node {nid}'s bytes in it")
+                try:
+                    os.writev(self.fd, [OUT_HDR.pack(OUT_HDR.size + STORE_OUT.size + m,
+                                                     NOTIFY_STORE, 0),
+                                        STORE_OUT.pack(nid, start + k, m, 0), data])
+                except OSError as e:  # ENOENT: the kernel has forgotten the node
+                    log.debug("node %d at %d not stored: %s", nid, start + k, e)
+                    return
 
     def _listing(self, nid: int, n: _Node, offset: int) -> tuple[int, list]:
         """A page of a folder's listing holding position ``offset`` (0 ``.``, 1 ``..``, then
@@ -854,7 +911,8 @@ def _stats_of(cache: ChunkCache, shared: _Shared) -> dict:
 
 def serve(store, index: Index, mountpoint: str, *, cache_dir, cache_bytes: int,
           min_free_bytes: int, prefetch: int = 2, jobs: int = 4, allow_other: bool = False,
-          warm_entries: int = 0, processes: int = 1, on_start=None) -> None:
+          warm_entries: int = 0, processes: int = 1, on_start=None,
+          store_chunks: bool = False) -> None:
     """Mount an opened dataset at ``mountpoint`` and serve it with ``processes`` processes
     (this one and ``processes - 1`` forked children) until it is unmounted.
 
@@ -864,6 +922,7 @@ def serve(store, index: Index, mountpoint: str, *, cache_dir, cache_bytes: int,
         cache_bytes, min_free_bytes, prefetch, jobs: as :class:`ChunkCache` (bytes, count).
         processes: serving processes, ≥ 1.
         on_start: called (in a thread of this process) once the kernel's INIT is answered.
+        store_chunks: push whole chunk pieces of a file into the page cache (:class:`LowFS`).
     Raises:
         InfraError: fusermount3 failed, or the kernel's INIT could not be answered.
     SIGTERM and SIGINT unmount (``fusermount3 -uz``): every process then ends.
@@ -900,7 +959,8 @@ def serve(store, index: Index, mountpoint: str, *, cache_dir, cache_bytes: int,
                 def stats() -> dict:
                     status, _, payload, _ = chunks.ask(b"S")
                     return json.loads(payload)
-                fs = LowFS(own, chunks, stats=stats, counters=shared.slot(i))
+                fs = LowFS(own, chunks, stats=stats, counters=shared.slot(i),
+                           store_chunks=store_chunks)
                 loop(fs, _clone(fd), sweep=chunks.sweep)
             except BaseException:
                 log.exception("serving process %d failed", os.getpid())
@@ -938,7 +998,7 @@ def serve(store, index: Index, mountpoint: str, *, cache_dir, cache_bytes: int,
     except ValueError:  # not the main thread: the caller handles signals
         old = None
     fs = LowFS(index, _Owned(cache), stats=lambda: _stats_of(cache, shared),
-               counters=shared.slot(0))
+               counters=shared.slot(0), store_chunks=store_chunks)
     if on_start is not None:
         threading.Thread(target=on_start, daemon=True, name="hyper-start").start()
     try:
