@@ -2,7 +2,7 @@
 # Debian packages the test suite needs. Installs the missing ones when run as root on a
 # Debian-like system; otherwise prints what is missing and goes on.
 set -euo pipefail
-packages=(python3-venv openssh-server iproute2 podman runc busybox-static docker-registry apache2-utils python3-sklearn python3-boto3 python3-torch fuse3 s3fs rclone parallel packer shellcheck chromium chromium-driver openjdk-17-jre-headless)
+packages=(python3-venv openssh-server iproute2 podman runc busybox-static docker-registry apache2-utils python3-sklearn python3-boto3 python3-torch fuse3 erofs-utils s3fs rclone parallel packer shellcheck chromium chromium-driver openjdk-17-jre-headless)
 missing=()
 for p in "${packages[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

@@ -40,8 +40,11 @@ def _show(name: str) -> str:
               help="Target chunk size in MiB (1-1024; 12-100 MB is best, paper fig. 2).")
 @click.option("--jobs", type=int, default=16, show_default=True, metavar="N",
               help="Parallel uploads.")
+@click.option("--image", is_flag=True,
+              help="Push DIR as one EROFS image (mkfs.erofs): its mounts serve files from "
+                   "the kernel, at local-disk speed for many readers (needs root on nodes).")
 @_ENDPOINT
-def push(src, url, chunk_size, jobs, endpoint_url):
+def push(src, url, chunk_size, jobs, endpoint_url, image):
     """Pack folder DIR into chunks at URL; upload only chunks the store lacks."""
     from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn,
                                TimeElapsedColumn, TransferSpeedColumn)
@@ -58,13 +61,23 @@ def push(src, url, chunk_size, jobs, endpoint_url):
             bar.update(task, completed=done, total=total,
                        up=f"{uploaded / 1e6:,.1f} MB uploaded")
 
-        r = pack.push(src, url, chunk_size=chunk_size * pack.MiB, jobs=jobs,
-                      endpoint_url=endpoint_url, progress=progress)
+        kw = dict(chunk_size=chunk_size * pack.MiB, jobs=jobs, endpoint_url=endpoint_url,
+                  progress=progress)
+        if image:
+            from hypercli.mount import image as image_
+            r, source = image_.push(src, url, **kw)
+        else:
+            r = pack.push(src, url, **kw)
     for w in r.warnings:
         err.print(text(("warning:", "yellow"), f" {_show(w)}"), soft_wrap=True)
     rate = r.bytes / 1e6 / r.seconds if r.seconds else 0.0
-    what = (f"pushed {plural(r.files, 'file')}, {plural(r.dirs, 'folder')}, "
-            f"{plural(r.symlinks, 'symlink')} ({r.bytes / 1e6:,.1f} MB) to {r.url}")
+    if image:
+        what = (f"pushed {plural(source['files'], 'file')}, "
+                f"{plural(source['dirs'], 'folder')} ({source['bytes'] / 1e6:,.1f} MB) as "
+                f"an image of {r.bytes / 1e6:,.1f} MB to {r.url}")
+    else:
+        what = (f"pushed {plural(r.files, 'file')}, {plural(r.dirs, 'folder')}, "
+                f"{plural(r.symlinks, 'symlink')} ({r.bytes / 1e6:,.1f} MB) to {r.url}")
     if r.chunks_uploaded == 0:  # a speed of nothing would mean nothing
         click.echo(f"{what}: nothing new to upload (the store has all "
                    f"{plural(r.chunks, 'chunk')} already), {r.seconds:.1f} s")
@@ -156,9 +169,20 @@ def verify(url, jobs, endpoint_url):
 def mount(url, mountpoint, cache_dir, cache_size, foreground, allow_other, endpoint_url,
           warm_entries):
     """Mount the dataset at URL read-only at MOUNTPOINT (an existing folder)."""
+    from hypercli.errors import UsageError
+    from hypercli.mount import image
     from hypercli.mount.fusefs import mount as mount_
     from hypercli.state import folder
     cache = cache_dir or str(folder("cache"))
+    if image.dataset_is_image(url, endpoint_url=endpoint_url):
+        if foreground:
+            raise UsageError(f"{url} is an image dataset: it is mounted as a daemon only",
+                             "leave out --foreground")
+        pid = image.mount(url, mountpoint, cache_dir=cache, cache_bytes=cache_size << 20,
+                          endpoint_url=endpoint_url, allow_other=allow_other)
+        click.echo(f"mounted the image dataset {url} at {mountpoint} (daemon pid {pid}); "
+                   f"`hyper data unmount {mountpoint}` ends it")
+        return
     pid = mount_(url, mountpoint, cache_dir=cache, cache_bytes=cache_size << 20,
                  endpoint_url=endpoint_url, foreground=foreground, allow_other=allow_other,
                  warm_entries=warm_entries)
@@ -172,6 +196,10 @@ def mount(url, mountpoint, cache_dir, cache_size, foreground, allow_other, endpo
 @click.option("--lazy", is_flag=True, help="Detach now even if programs still use it.")
 def unmount(mountpoint, lazy):
     """Unmount a dataset mounted with `hyper data mount`."""
+    from hypercli.mount import image
     from hypercli.mount.fusefs import unmount as unmount_
-    unmount_(mountpoint, lazy=lazy)
+    if image.mounted_image(mountpoint):
+        image.unmount(mountpoint, lazy=lazy)
+    else:
+        unmount_(mountpoint, lazy=lazy)
     click.echo(f"unmounted {mountpoint}")

@@ -63,7 +63,13 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     try:
         if a.cmd == "mount":
+            from hypercli.mount import image
             from hypercli.mount.fusefs import mount
+            if image.dataset_is_image(a.url):
+                pid = image.mount(a.url, a.mountpoint, cache_dir=a.cache_dir,
+                                  cache_bytes=a.cache_mib << 20, allow_other=True)
+                print(f"mounted the image dataset {a.url} at {a.mountpoint} (pid {pid})")
+                return 0
             pid = mount(a.url, a.mountpoint, cache_dir=a.cache_dir, cache_bytes=a.cache_mib << 20,
                         foreground=False, allow_other=True)
             print(f"mounted {a.url} at {a.mountpoint} (pid {pid})")

@@ -427,7 +427,8 @@ def _insert(db: sqlite3.Connection, files: list, segments: list) -> None:
 
 def push(src_dir: str | os.PathLike, url: str, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
          jobs: int = 16, endpoint_url: str | None = None,
-         progress: Callable[[int, int, int], None] | None = None) -> PushReport:
+         progress: Callable[[int, int, int], None] | None = None,
+         extra: dict | None = None) -> PushReport:
     """Pack the folder ``src_dir`` into a dataset at ``url``; upload only what is new.
 
     Folders, files and symlinks (stored as links, not followed) are packed in sorted path
@@ -448,6 +449,8 @@ def push(src_dir: str | os.PathLike, url: str, *, chunk_size: int = DEFAULT_CHUN
         endpoint_url: an S3-compatible endpoint (default ``$HYPER_S3_ENDPOINT_URL``).
         progress: called as ``progress(done, total, uploaded)`` in bytes from any thread,
             where ``done`` counts the bytes of chunks uploaded or found present.
+        extra: more keys for the manifest (an image dataset's ``layout`` and ``source``,
+            :mod:`hypercli.mount.image`); never one of the keys above.
     Raises:
         UsageError: src_dir is not a folder, chunk_size or jobs out of range, a bad URL.
         StoreError: the store cannot be listed or written (unreachable endpoint, no bucket).
@@ -504,6 +507,7 @@ def push(src_dir: str | os.PathLike, url: str, *, chunk_size: int = DEFAULT_CHUN
                 "index": index_key, "index_sha256": index_sha,
                 "chunks": [list(c) for c in packer.chunks],
                 "files": counts["f"], "dirs": counts["d"], "bytes": nbytes}
+    manifest.update({k: v for k, v in (extra or {}).items() if k not in manifest})
     store.put(MANIFEST, json.dumps(manifest, separators=(",", ":")).encode())
     return PushReport(url=store.url, files=counts["f"], dirs=counts["d"], symlinks=counts["l"],
                       bytes=nbytes, chunks=len(packer.chunks), chunks_uploaded=up.uploaded,
