@@ -19,6 +19,12 @@ delay (0 and 20 ms) and each W, the sides take turns, ``--rounds`` times (median
     lowmount  the same as mount, served by ``hypercli.mount.fuselow`` (the FUSE protocol read
             from /dev/fuse by ``--serving-processes`` processes) instead of libfuse's
             high-level API through mfusepy; its daemon CPU is that of all its processes
+    image   the same files pushed as an image dataset (``hypercli.mount.image.push``: one
+            EROFS image made by mkfs.erofs, 64 MiB chunks) and mounted by
+            ``hypercli.mount.image.mount`` (the kernel's EROFS reading the image through a
+            fresh chunked mount, empty chunk cache, whose daemon pushes each chunk into the
+            page cache), page cache dropped after it is up; its daemon CPU printed as the
+            mounts'. Needs root and erofs-utils
     copy    ``hypercli.mount.copy.make_copy`` into a fresh folder (chunks fetched in parallel,
             checked, unpacked to local disk): its time to ready is printed beside the mount's
             first epoch; then the page cache dropped and the copy read cold, and again
@@ -37,7 +43,7 @@ Figures vary ±50% run to run on this 2-core shared machine: compare ratios with
 
 Usage (from the repo root, as root):
     .venv/bin/python bench/bench_loader.py [--files N] [--workers 0,2,4,8] [--delays 0,20]
-        [--sides local,mount,lowmount,copy] [--serving-processes N] [--rounds 2]
+        [--sides local,mount,lowmount,image,copy] [--serving-processes N] [--rounds 2]
         [--cores 0,1] [--store moto|s3rver] [--json F]
 """
 
@@ -173,6 +179,34 @@ def run_mount(s3, url, files, w, seed, paths, **mount_kw) -> dict:
             "lookups": st.get("ops", {}).get("getattr", {}).get("calls")}
 
 
+def run_image(s3, url, files, w, seed, paths) -> dict:
+    from hypercli.mount import image
+    cache = bs.tmpdir("bench-loader-cache-")
+    mp = bs.tmpdir("bench-mnt-image-")
+    t0 = time.perf_counter()
+    pid = image.mount(url, mp, cache_dir=cache, cache_bytes=4 << 30, endpoint_url=s3.endpoint)
+    up = time.perf_counter() - t0
+    try:
+        drop(paths)
+        c0 = cpu_s(pid)
+        cold = epoch(mp, files, w, seed)
+        c1 = cpu_s(pid)
+        warm = epoch(mp, files, w, seed + 1)
+        drop(paths)
+        again = epoch(mp, files, w, seed + 2)
+    finally:
+        image.unmount(mp)
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:
+            pass
+        shutil.rmtree(cache, ignore_errors=True)
+    daemon = None if c0 is None or c1 is None else c1 - c0
+    return {"cold": cold["files_s"], "warm": warm["files_s"], "mount_s": up,
+            "dropped": again["files_s"], "cold_s": cold["seconds"], "daemon_cpu_s": daemon,
+            "reads": None, "read_us": None}
+
+
 def run_copy(server, url, files, w, seed, paths) -> dict:
     from hypercli.mount.copy import make_copy
     root = bs.tmpdir("bench-loader-copy-")
@@ -236,6 +270,13 @@ def main() -> int:
         push = bs.push_hyper(server, src, "loader")
         url = f"s3://{bs.BUCKET}/loader"
         print(f"{len(files):,} files pushed: {push['chunks']} chunks, {push['seconds']:.1f} s")
+        image_url = f"s3://{bs.BUCKET}/loader-image"
+        if "image" in sides:
+            from hypercli.mount import image
+            t0 = time.perf_counter()
+            rep, _ = image.push(src, image_url, endpoint_url=server.endpoint)
+            print(f"the same as an image dataset: {rep.bytes:,} bytes of image, "
+                  f"{rep.chunks} chunks, {time.perf_counter() - t0:.1f} s (mkfs.erofs included)")
         if a.cores:
             cores = {int(x) for x in a.cores.split(",")}
             os.sched_setaffinity(0, cores)
@@ -258,6 +299,8 @@ def main() -> int:
                             runs[s].append(run_mount(
                                 server, url, files, w, seed, paths, server="low",
                                 serving_processes=a.serving_processes))
+                        elif s == "image":
+                            runs[s].append(run_image(server, image_url, files, w, seed, paths))
                         else:
                             runs[s].append(run_copy(server, url, files, w, seed, paths))
                 results["runs"][key] = runs
@@ -272,7 +315,7 @@ def main() -> int:
                             line.append(f"{s}/local cold {med[s]['cold'] / med['local']['cold']:.2f}"
                                         f" warm {med[s]['warm'] / med['local']['warm']:.2f}")
                 print(" | ".join(line), flush=True)
-                for side in ("mount", "lowmount"):
+                for side in ("mount", "lowmount", "image"):
                     if side not in runs:
                         continue
                     rs = runs[side]
@@ -281,9 +324,10 @@ def main() -> int:
                           f" s, cold epoch {statistics.median(x['cold_s'] for x in rs):.2f} s, "
                           f"daemon CPU {statistics.median(d) if d else float('nan'):.2f} s "
                           f"({statistics.median(d) / len(files) * 1e6 if d else float('nan'):.0f}"
-                          f" µs a file), {rs[-1]['reads']} READs, "
+                          " µs a file)" + ("" if rs[-1]["reads"] is None else
+                                           f", {rs[-1]['reads']} READs, "
                           f"{(rs[-1]['read_us'] or 0) / max(1, rs[-1]['reads'] or 0):.0f} µs "
-                          "each in the READ handler", flush=True)
+                          "each in the READ handler"), flush=True)
                 if "copy" in runs:
                     rs = runs["copy"]
                     print(f"{'':>19} copy: ready in "
