@@ -237,3 +237,148 @@ def test_stored_chunks_answer_later_reads_from_the_page_cache(tmp_path, store):
         assert reads < 128, reads
     else:
         assert reads > 160, reads
+
+
+# -- attacks: a hostile store, a hostile task, a careless user ---------------------------
+def daemons_of(store: str) -> list[int]:
+    """Pids of the mount daemons serving ``store`` (found for assertions and cleanup)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        try:
+            cmd = (d / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"hypercli.mount.fusefs" in cmd and store.encode() in cmd:
+            pids.append(int(d.name))
+    return pids
+
+
+@pytest.fixture
+def stop_daemons():
+    """Stops (by pid) the daemons of the stores given, once the test is over."""
+    stores: list[str] = []
+    yield stores.append
+    for store in stores:
+        for pid in daemons_of(store):
+            os.kill(pid, 9)
+
+
+def hostile(tmp_path: Path, name: str, make) -> str:
+    """A dataset whose manifest says it is an image but whose contents ``make(folder)``
+    laid out; its file:// URL."""
+    src = tmp_path / f"{name}-src"
+    src.mkdir()
+    make(src)
+    url = f"file://{tmp_path}/{name}"
+    pack.push(src, url, chunk_size=MiB, extra={"layout": "erofs"})
+    return url
+
+
+def host_image(tmp_path: Path) -> Path:
+    """An EROFS image lying on the node, holding a secret (no part of any dataset)."""
+    (tmp_path / "host" / "sec").mkdir(parents=True)
+    (tmp_path / "host" / "sec" / "key").write_text("secret of the node\n")
+    subprocess.run(["mkfs.erofs", "--quiet", str(tmp_path / "host.erofs"),
+                    str(tmp_path / "host" / "sec")], check=True)
+    return tmp_path / "host.erofs"
+
+
+@pytest.mark.parametrize("shape", ["symlink", "folder", "missing", "extra"])
+def test_a_dataset_that_is_not_one_image_file_is_refused(tmp_path, unmount_after,
+                                                        stop_daemons, shape):
+    """A store's manifest claims "layout": "erofs" but ``image.erofs`` is a symlink to an
+    image on the node (the kernel would mount the node's file), a folder, absent, or has
+    other files beside it: refused with the reason, nothing left mounted."""
+    from hypercli.errors import HyperError
+    real = tmp_path / "real.erofs"
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "a").write_text("a")
+    subprocess.run(["mkfs.erofs", "--quiet", str(real), str(tmp_path / "r")], check=True)
+    secret = host_image(tmp_path)
+
+    def make(src: Path) -> None:
+        if shape == "symlink":
+            os.symlink(secret, src / image.IMAGE)
+        elif shape == "folder":
+            (src / image.IMAGE).mkdir()
+            (src / image.IMAGE / "x").write_text("x")
+        elif shape == "missing":
+            shutil.copy(real, src / "other.erofs")
+        else:
+            shutil.copy(real, src / image.IMAGE)
+            (src / "notes.txt").write_text("more")
+    url = hostile(tmp_path, "bad", make)
+    stop_daemons(f"{tmp_path}/bad")
+    mnt, cache = tmp_path / "mnt", tmp_path / "cache"
+    mnt.mkdir()
+    unmount_after(mnt)
+    with pytest.raises(HyperError) as e:
+        image.mount(url, mnt, cache_dir=cache, cache_bytes=64 * MiB)
+    assert "image.erofs" in str(e.value) and e.value.hint, e.value
+    assert mounted(mnt) is None and mounts_under(cache) == []
+    assert not (mnt / "key").exists()
+    assert all(gone(pid) for pid in daemons_of(f"{tmp_path}/bad"))
+
+
+def test_a_planted_private_folder_or_mount_point_symlink_is_refused(tmp_path,
+                                                                   unmount_after,
+                                                                   stop_daemons):
+    """Someone else made the private folder of a mount point a symlink to another folder
+    (fusermount3 would mount there), or the mount point itself a symlink: refused, the
+    folder they point at is left as it was; a folder of another owner's too."""
+    from hypercli.errors import UsageError
+    url = f"file://{tmp_path}/store"
+    stop_daemons(f"{tmp_path}/store")
+    tree(tmp_path / "src")
+    image.push(tmp_path / "src", url, chunk_size=MiB)
+    mnt, cache, victim = tmp_path / "mnt", tmp_path / "cache", tmp_path / "victim"
+    mnt.mkdir()
+    victim.mkdir()
+    (victim / "keep").write_text("keep")
+    unmount_after(mnt)
+    unmount_after(victim)
+    inner = image.backing_dir(cache, str(mnt))
+    inner.parent.mkdir(parents=True)
+    os.symlink(victim, inner)
+    with pytest.raises(UsageError) as e:
+        image.mount(url, mnt, cache_dir=cache, cache_bytes=64 * MiB)
+    assert str(inner) in str(e.value) and "symlink" in str(e.value)
+    assert mounted(victim) is None and mounted(mnt) is None
+    assert [p.name for p in victim.iterdir()] == ["keep"]
+    os.unlink(inner)
+    inner.mkdir()
+    os.chown(inner, 65534, 65534)  # another user's
+    with pytest.raises(UsageError):
+        image.mount(url, mnt, cache_dir=cache, cache_bytes=64 * MiB)
+    assert mounted(mnt) is None
+    inner.rmdir()
+    link = tmp_path / "link"
+    os.symlink(victim, link)  # the mount point a task replaced by a symlink
+    with pytest.raises(UsageError) as e:
+        image.mount(url, link, cache_dir=cache, cache_bytes=64 * MiB)
+    assert "symlink" in str(e.value)
+    assert mounted(victim) is None and mounts_under(cache) == []
+    assert daemons_of(f"{tmp_path}/store") == []
+
+
+def test_something_else_mounted_at_the_private_folder_is_never_unmounted(tmp_path,
+                                                                        unmount_after,
+                                                                        stop_daemons):
+    url = f"file://{tmp_path}/store"
+    stop_daemons(f"{tmp_path}/store")
+    tree(tmp_path / "src")
+    image.push(tmp_path / "src", url, chunk_size=MiB)
+    mnt, cache = tmp_path / "mnt", tmp_path / "cache"
+    mnt.mkdir()
+    inner = image.backing_dir(cache, str(mnt))
+    inner.mkdir(parents=True, mode=0o700)
+    inner.parent.chmod(0o700)
+    unmount_after(mnt)
+    unmount_after(inner)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "theirs", str(inner)], check=True)
+    (inner / "theirs").write_text("x")
+    from hypercli.errors import UsageError
+    with pytest.raises(UsageError) as e:
+        image.mount(url, mnt, cache_dir=cache, cache_bytes=64 * MiB)
+    assert "tmpfs" in str(e.value)
+    assert (inner / "theirs").read_text() == "x" and mounted(mnt) is None

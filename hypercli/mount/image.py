@@ -39,7 +39,9 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import re
 import shutil
+import stat
 import subprocess
 import tempfile
 from pathlib import Path
@@ -128,7 +130,7 @@ def dataset_is_image(url: str, *, endpoint_url: str | None = None) -> bool:
 
 def backing_dir(cache_dir: str | os.PathLike, mountpoint: str) -> Path:
     """The private folder where the image's FUSE mount is made for ``mountpoint``."""
-    key = hashlib.sha256(os.path.abspath(mountpoint).encode()).hexdigest()[:16]
+    key = hashlib.sha256(os.fsencode(os.path.abspath(mountpoint))).hexdigest()[:16]
     return Path(cache_dir).absolute() / "image-mounts" / key
 
 
@@ -151,19 +153,20 @@ def mount(url: str, mountpoint: str | os.PathLike, *, cache_dir: str | os.PathLi
     """
     from hypercli.mount import fusefs
     mp = os.path.abspath(mountpoint)
+    if os.path.islink(mp):  # mount(2) would follow it: the mount would land elsewhere
+        raise UsageError(f"{mp}: a symlink, not a folder", "give a real folder as the "
+                         "mount point")
     fusefs._check_mountpoint(mp)
     if not dataset_is_image(url, endpoint_url=endpoint_url):
         raise UsageError(f"{url} is not an image dataset",
                          "mount it with `hyper data mount`, or push it with --image")
-    inner = backing_dir(cache_dir, mp)
-    if os.path.ismount(inner):  # a backing mount left by a mount that failed half-way
-        fusefs.unmount(inner, lazy=True)
-    inner.mkdir(parents=True, exist_ok=True)
+    inner = _private_dir(cache_dir, mp)
     pid = fusefs.mount(url, inner, cache_dir=cache_dir, cache_bytes=cache_bytes,
                        endpoint_url=endpoint_url, foreground=False, allow_other=allow_other,
                        timeout=timeout, warm_entries=0, store_chunks=True)
     libc = ctypes.CDLL(None, use_errno=True)
     try:
+        _check_image(url, inner)
         if libc.mount(str(inner / IMAGE).encode(), mp.encode(), b"erofs",
                       MS_RDONLY | MS_NOSUID | MS_NODEV, None) != 0:
             err = ctypes.get_errno()
@@ -177,9 +180,83 @@ def mount(url: str, mountpoint: str | os.PathLike, *, cache_dir: str | os.PathLi
     finally:  # the image's FUSE mount stays only as the EROFS mount's backing file
         try:
             fusefs.unmount(inner, lazy=True)
-        except InfraError:
+        except (InfraError, UsageError):
             pass
     return pid
+
+
+def _private_dir(cache_dir: str | os.PathLike, mp: str) -> Path:
+    """:func:`backing_dir` of ``mp``, made (mode 0700) or checked: each of ``image-mounts``
+    and its ``<key>`` must be a real folder of this user's that no one else can write (not
+    a symlink someone planted, which ``fusermount3`` would follow). A FUSE mount of
+    hypercli's left there by a mount that failed half-way is detached; anything else
+    mounted there is refused, never unmounted.
+
+    Raises:
+        UsageError: naming the folder that is not this user's own, or what is mounted there.
+    """
+    from hypercli.mount import fusefs
+    inner = backing_dir(cache_dir, mp)
+    inner.parent.parent.mkdir(parents=True, exist_ok=True)
+    for folder in (inner.parent, inner):
+        try:
+            os.mkdir(folder, 0o700)
+        except FileExistsError:
+            pass
+        kind = _mount_type(str(folder))
+        if kind == "fuse.hyper" and folder == inner:  # left by a mount failed half-way
+            fusefs.unmount(inner, lazy=True)
+        elif kind is not None:
+            raise UsageError(f"{folder}: a {kind} file system is mounted there, not "
+                             "hypercli's", f"unmount it (`umount {folder}`)")
+        st = os.lstat(folder)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+            raise UsageError(f"{folder}: not a private folder of this user's (a symlink, "
+                             "another owner's, or writable by others)",
+                             "remove it: hypercli makes it again")
+    return inner
+
+
+def _mount_type(path: str) -> str | None:
+    """The type of the mount on top at ``path`` (``/proc/self/mountinfo``), or None."""
+    kind = None
+    with open("/proc/self/mountinfo", "rb") as f:
+        for line in f:
+            fields = line.split()
+            if _unescape(fields[4]) == path:
+                rest = fields[fields.index(b"-") + 1:]
+                kind = rest[0].decode(errors="replace")
+    return kind
+
+
+def _unescape(field: bytes) -> str:
+    """A path field of ``/proc/self/mountinfo`` (octal escapes for space, tab, newline and
+    backslash, proc(5)), decoded as the file system's names are."""
+    return os.fsdecode(re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m.group(1), 8)]),
+                              field))
+
+
+def _check_image(url: str, inner: Path) -> None:
+    """Check that the dataset mounted at ``inner`` is one regular file ``image.erofs`` and
+    nothing else: a symlink there would have the kernel mount whatever file it names on
+    this node, a folder or other files are not an image dataset's.
+
+    Raises:
+        DatasetError: naming what the dataset holds instead.
+    """
+    from hypercli.mount.pack import DatasetError
+    names = sorted(os.listdir(inner))
+    try:
+        st = os.lstat(inner / IMAGE)
+    except FileNotFoundError:
+        st = None
+    if names != [IMAGE] or st is None or not stat.S_ISREG(st.st_mode):
+        what = ("a symlink" if st and stat.S_ISLNK(st.st_mode) else "a folder"
+                if st and stat.S_ISDIR(st.st_mode) else "a regular file" if st else "missing")
+        shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+        raise DatasetError(f"{url}: not an image dataset's contents: it must hold one file "
+                           f"{IMAGE} and nothing else; {IMAGE} is {what}, entries: {shown}",
+                           "push the folder again with `hyper data push --image`")
 
 
 def mounted_image(mountpoint: str | os.PathLike) -> bool:
@@ -189,19 +266,18 @@ def mounted_image(mountpoint: str | os.PathLike) -> bool:
     mp = os.path.abspath(mountpoint)
     top = None
     try:
-        with open("/proc/self/mountinfo") as f:
+        with open("/proc/self/mountinfo", "rb") as f:
             for line in f:
                 fields = line.split()
-                target = fields[4].encode().decode("unicode_escape")
-                if target == mp:
+                if _unescape(fields[4]) == mp:
                     top = fields
     except OSError:
         return False
     if top is None:
         return False
-    rest = top[top.index("-") + 1:]
-    key = hashlib.sha256(mp.encode()).hexdigest()[:16]
-    return len(rest) >= 2 and rest[0] == "erofs" and rest[1].endswith(
+    rest = top[top.index(b"-") + 1:]
+    key = hashlib.sha256(os.fsencode(mp)).hexdigest()[:16]
+    return len(rest) >= 2 and rest[0] == b"erofs" and _unescape(rest[1]).endswith(
         f"/image-mounts/{key}/{IMAGE}")
 
 
