@@ -382,3 +382,56 @@ def test_something_else_mounted_at_the_private_folder_is_never_unmounted(tmp_pat
         image.mount(url, mnt, cache_dir=cache, cache_bytes=64 * MiB)
     assert "tmpfs" in str(e.value)
     assert (inner / "theirs").read_text() == "x" and mounted(mnt) is None
+
+
+def test_unmount_refuses_what_hypercli_did_not_mount(hyper, tmp_path, unmount_after):
+    """``hyper data unmount`` on a tmpfs, on an EROFS mount made by hand, and on a tmpfs
+    mounted over an image mount: refused (fusermount3 run by root unmounts any of them),
+    all left mounted."""
+    secret = host_image(tmp_path)
+    for name, cmd in (("t", ["mount", "-t", "tmpfs", "-o", "size=1m", "theirs"]),
+                      ("e", ["mount", "-t", "erofs", "-o", "ro", str(secret)])):
+        mp = tmp_path / name
+        mp.mkdir()
+        unmount_after(mp)
+        subprocess.run([*cmd, str(mp)], check=True)
+        r = hyper("data", "unmount", mp)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stdout + r.stderr
+        assert "not a dataset mount of hypercli's" in r.stderr, r.stderr
+        assert mounted(mp) is not None
+    url = f"file://{tmp_path}/store"
+    tree(tmp_path / "src")
+    image.push(tmp_path / "src", url, chunk_size=MiB)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    unmount_after(mnt)
+    pid = image.mount(url, mnt, cache_dir=tmp_path / "cache", cache_bytes=64 * MiB)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "over", str(mnt)], check=True)
+    r = hyper("data", "unmount", mnt)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert [line.split()[2] for line in open("/proc/mounts")
+            if line.split()[1] == str(mnt)] == ["erofs", "tmpfs"]
+    subprocess.run(["umount", str(mnt)], check=True)
+    r = hyper("data", "unmount", mnt)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert mounted(mnt) is None and gone(pid)
+
+
+def test_a_mount_point_with_accents_unmounts_and_refuses_a_second_mount(
+        hyper, tmp_path, unmount_after):
+    url = f"file://{tmp_path}/store"
+    files = tree(tmp_path / "src")
+    image.push(tmp_path / "src", url, chunk_size=MiB)
+    mnt = tmp_path / "données-été"
+    mnt.mkdir()
+    unmount_after(mnt)
+    r = hyper("data", "mount", url, mnt, "--cache-dir", tmp_path / "cache")
+    assert r.returncode == 0, r.stdout + r.stderr
+    pid = int(r.stdout.split("daemon pid ")[1].split(")")[0])
+    assert (mnt / "part-0" / "f000.bin").read_bytes() == files["part-0/f000.bin"]
+    r = hyper("data", "mount", url, mnt, "--cache-dir", tmp_path / "cache")
+    assert r.returncode == 2 and "already a mount point" in r.stderr, r.stdout + r.stderr
+    assert image.mounted_image(mnt)
+    r = hyper("data", "unmount", mnt)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert not os.path.ismount(mnt) and gone(pid)

@@ -455,6 +455,25 @@ def _mounted(mountpoint: str) -> bool:
     return False
 
 
+def mount_path(field: bytes) -> str:
+    """A path field of ``/proc/self/mountinfo`` (octal escapes for space, tab, newline and
+    backslash, proc(5)), decoded as file names are (``os.fsdecode``)."""
+    return os.fsdecode(re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m.group(1), 8)]), field))
+
+
+def mount_type(path: str) -> str | None:
+    """The type of the mount on top at absolute ``path`` (``"fuse.hyper"`` for a dataset
+    mount of hypercli's, ``"erofs"``, ``"tmpfs"``...), read from ``/proc/self/mountinfo``
+    (proc(5)); None when nothing is mounted there."""
+    kind = None
+    with open("/proc/self/mountinfo", "rb") as f:
+        for line in f:
+            fields = line.split()
+            if mount_path(fields[4]) == path:
+                kind = fields[fields.index(b"-") + 1].decode(errors="replace")
+    return kind
+
+
 def open_dataset(url: str, cache_dir: str | os.PathLike, *, endpoint_url: str | None = None
                  ) -> tuple:
     """(store, manifest, index) of the dataset at url, its index cached in
@@ -801,12 +820,17 @@ def unmount(mountpoint: str | os.PathLike, *, lazy: bool = False, timeout: float
     detaches it now and lets programs still using it finish). Its daemon then exits.
 
     Raises:
-        UsageError: mountpoint is not mounted.
+        UsageError: mountpoint is not mounted, or what is mounted on top there is no dataset
+            mount of hypercli's (``fuse.hyper``).
         InfraError: fusermount3 failed (busy: a program still uses the mount).
     """
     mp = os.path.abspath(mountpoint)
-    if not _mounted(mp):
+    kind = mount_type(mp)
+    if kind is None:
         raise UsageError(f"{mp}: not mounted")
+    if kind != "fuse.hyper":  # fusermount3 run by root unmounts any file system
+        raise UsageError(f"{mp}: a {kind} file system is mounted there, not a dataset mount "
+                         "of hypercli's", "hypercli unmounts only what it mounted")
     try:
         r = subprocess.run(["fusermount3", "-uz" if lazy else "-u", mp], capture_output=True,
                            text=True, timeout=timeout)

@@ -39,7 +39,6 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
-import re
 import shutil
 import stat
 import subprocess
@@ -203,7 +202,7 @@ def _private_dir(cache_dir: str | os.PathLike, mp: str) -> Path:
             os.mkdir(folder, 0o700)
         except FileExistsError:
             pass
-        kind = _mount_type(str(folder))
+        kind = fusefs.mount_type(str(folder))
         if kind == "fuse.hyper" and folder == inner:  # left by a mount failed half-way
             fusefs.unmount(inner, lazy=True)
         elif kind is not None:
@@ -215,25 +214,6 @@ def _private_dir(cache_dir: str | os.PathLike, mp: str) -> Path:
                              "another owner's, or writable by others)",
                              "remove it: hypercli makes it again")
     return inner
-
-
-def _mount_type(path: str) -> str | None:
-    """The type of the mount on top at ``path`` (``/proc/self/mountinfo``), or None."""
-    kind = None
-    with open("/proc/self/mountinfo", "rb") as f:
-        for line in f:
-            fields = line.split()
-            if _unescape(fields[4]) == path:
-                rest = fields[fields.index(b"-") + 1:]
-                kind = rest[0].decode(errors="replace")
-    return kind
-
-
-def _unescape(field: bytes) -> str:
-    """A path field of ``/proc/self/mountinfo`` (octal escapes for space, tab, newline and
-    backslash, proc(5)), decoded as the file system's names are."""
-    return os.fsdecode(re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m.group(1), 8)]),
-                              field))
 
 
 def _check_image(url: str, inner: Path) -> None:
@@ -263,13 +243,14 @@ def mounted_image(mountpoint: str | os.PathLike) -> bool:
     """Whether the mount on top at ``mountpoint`` is an image mount made by :func:`mount`
     (an EROFS mount whose backing file is an ``image-mounts/<key>/image.erofs`` of this
     module), read from ``/proc/self/mountinfo`` (proc(5))."""
+    from hypercli.mount.fusefs import mount_path
     mp = os.path.abspath(mountpoint)
     top = None
     try:
         with open("/proc/self/mountinfo", "rb") as f:
             for line in f:
                 fields = line.split()
-                if _unescape(fields[4]) == mp:
+                if mount_path(fields[4]) == mp:
                     top = fields
     except OSError:
         return False
@@ -277,7 +258,7 @@ def mounted_image(mountpoint: str | os.PathLike) -> bool:
         return False
     rest = top[top.index(b"-") + 1:]
     key = hashlib.sha256(os.fsencode(mp)).hexdigest()[:16]
-    return len(rest) >= 2 and rest[0] == b"erofs" and _unescape(rest[1]).endswith(
+    return len(rest) >= 2 and rest[0] == b"erofs" and mount_path(rest[1]).endswith(
         f"/image-mounts/{key}/{IMAGE}")
 
 
