@@ -435,3 +435,49 @@ def test_a_mount_point_with_accents_unmounts_and_refuses_a_second_mount(
     r = hyper("data", "unmount", mnt)
     assert r.returncode == 0, r.stdout + r.stderr
     assert not os.path.ismount(mnt) and gone(pid)
+
+
+def test_an_index_naming_a_chunk_again_and_again_stores_it_once(tmp_path):
+    """A store's index makes ``image.erofs`` 300 copies of its bytes in chunk 0 (1 MiB
+    chunk, a 300 MiB file): the store of chunk 0 for one READ pushes at most the chunk's
+    size into the page cache, not 300 times it."""
+    from test_dataset_boundary import rewrite_index
+
+    from hypercli.mount import fuselow, fusefs
+    from hypercli.mount.cache import ChunkCache
+    from hypercli.mount.store import open_store
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / image.IMAGE).write_bytes(os.urandom(3 * MiB))
+    url = f"file://{tmp_path}/store"
+    pack.push(src, url, chunk_size=MiB, extra={"layout": "erofs"})
+    rewrite_index(url, tmp_path, f"""
+        WITH RECURSIVE k(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM k WHERE i < 300)
+        INSERT INTO segments SELECT s.path, 100000 + k.i, s.chunk, s.offset, s.length
+            FROM segments s, k WHERE s.path = '{image.IMAGE}' AND s.chunk = 0;
+        UPDATE files SET size = (SELECT SUM(length) FROM segments
+                                 WHERE path = '{image.IMAGE}') WHERE path = '{image.IMAGE}';
+    """)
+    _, _, index = fusefs.open_dataset(url, tmp_path / "c")
+    size0 = index.chunk_list[0][2]
+    cache = ChunkCache(open_store(url), index.chunk_list, tmp_path / "c" / "chunks",
+                       max_bytes=64 * MiB)
+    counters = memoryview(bytearray(8 * fuselow._SLOT)).cast("Q")
+    fs = fuselow.LowFS(index, fuselow._Owned(cache), stats=dict, counters=counters)
+    out = tmp_path / "notify"
+    fs.fd = os.open(out, os.O_WRONLY | os.O_CREAT, 0o600)  # what would go to /dev/fuse
+    try:
+        err, parts = fs.handle(fuselow.IN_HDR.pack(40 + len(image.IMAGE) + 1, fuselow.LOOKUP,
+                                                   7, 1, 0, 0, 0, 0, 0)
+                               + image.IMAGE.encode() + b"\0")
+        assert err == 0
+        entry = fuselow.ENTRY_OUT.unpack(b"".join(parts))
+        nid, size = entry[0], entry[7]  # node id, attr.size
+        assert size > 300 * size0 // 2  # the index was taken as written
+        fs._store(nid, 0)
+    finally:
+        os.close(fs.fd)
+        fs.pool.shutdown()
+        cache.close()
+    headers = fuselow.OUT_HDR.size + fuselow.STORE_OUT.size
+    assert 0 < out.stat().st_size <= size0 + headers * (size0 // fuselow.STORE_PIECE + 2)

@@ -602,11 +602,18 @@ class LowFS:
     def _store(self, nid: int, seq: int) -> None:
         """Push node ``nid``'s bytes in chunk ``seq`` into the kernel's page cache
         (FUSE_NOTIFY_STORE, ``STORE_PIECE`` bytes a message; fuse.h's ``struct
-        fuse_notify_store_out``), as checked by the chunk cache."""
+        fuse_notify_store_out``), as checked by the chunk cache. At most the chunk's size
+        in all: a file's bytes in a chunk fit in it, and an index naming the same bytes of a
+        chunk again and again must not make one READ fill the page cache with more."""
         n = self._node(nid)
+        left = self.index.chunk_list[seq][2]
         for (s, coff, length), start in zip(n.segs, n.starts):
             if s != seq:
                 continue
+            length = min(length, left)
+            left -= length
+            if length <= 0:
+                return
             for k in range(0, length, STORE_PIECE):
                 m = min(STORE_PIECE, length - k)
                 data = self.chunks.slow(seq, coff + k, m)
