@@ -481,3 +481,50 @@ def test_an_index_naming_a_chunk_again_and_again_stores_it_once(tmp_path):
         cache.close()
     headers = fuselow.OUT_HDR.size + fuselow.STORE_OUT.size
     assert 0 < out.stat().st_size <= size0 + headers * (size0 // fuselow.STORE_PIECE + 2)
+
+
+def test_reads_fail_at_once_when_the_daemon_dies_and_a_recipe_mounts_it_again(
+        s3, hyper, tmp_path, unmount_after):
+    """The image's daemon killed (-9) while the image is mounted: a read of bytes the
+    kernel does not hold fails at once (ENOTCONN, no hang), but the EROFS mount still
+    answers ``statfs``; the next run of a recipe on that node mounts it again, and its
+    tasks read the right bytes; ``hyper down`` then unmounts it."""
+    s3.make_bucket("bkt")
+    files = tree(tmp_path / "src")
+    big = os.urandom(40 * MiB)  # no task reads it: no byte of its end in the page cache
+    (tmp_path / "src" / "big.bin").write_bytes(big)
+    image.push(tmp_path / "src", "s3://bkt/img", chunk_size=MiB, endpoint_url=s3.endpoint)
+    mnt = tmp_path / "mnt"
+    flag = tmp_path / "read-big"  # the second run's task reads 4 KiB of big.bin too
+    cmd = (f'cat "{mnt}"/part-*/*.bin | sha256sum | cut -c1-64 > "$HYPER_OUTPUT/sum" && '
+           f'if [ -e "{flag}" ]; then dd if="{mnt}/big.bin" bs=4096 skip=5000 count=1 of="$HYPER_OUTPUT/tail"; fi')
+    recipe = {"name": "imaged", "cluster": {"workers": 1}, "storage": "s3://bkt/out",
+              "mounts": {str(mnt): "chunks+s3://bkt/img"},
+              "experiments": {"read": {"parameters": {"i": [0]}, "command": cmd}}}
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    want = hashlib.sha256(b"".join(files[k] for k in sorted(files)
+                                   if k.endswith(".bin") and k.count("/") == 1)).hexdigest()
+    unmount_after(mnt)
+    r = hyper("run", path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    pids = daemons_of("s3://bkt/img")
+    assert len(pids) == 1, pids
+    os.kill(pids[0], 9)
+    assert gone(pids[0])
+    reader = subprocess.run(  # in its own process: a hang would end at the timeout
+        ["dd", f"if={mnt / 'big.bin'}", "bs=4096", "skip=5000", "count=1", "of=/dev/null"],
+        capture_output=True, timeout=60)
+    assert reader.returncode != 0 and (b"Input/output error" in reader.stderr or
+                                       b"not connected" in reader.stderr), reader
+    os.statvfs(mnt)  # still answers: only the daemon's pid tells it is dead
+    flag.touch()
+    r = hyper("run", path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = tmp_path / "out-2"
+    pack.pull("s3://bkt/out/imaged-2/read-0000", out)
+    assert (out / "sum").read_text().strip() == want
+    assert (out / "tail").read_bytes() == big[5000 * 4096:5001 * 4096]
+    r = hyper("down", "imaged")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert mounted(mnt) is None

@@ -133,6 +133,15 @@ def backing_dir(cache_dir: str | os.PathLike, mountpoint: str) -> Path:
     return Path(cache_dir).absolute() / "image-mounts" / key
 
 
+def pid_file(cache_dir: str | os.PathLike, mountpoint: str) -> Path:
+    """The file beside :func:`backing_dir` holding the pid of the daemon serving the image
+    mounted at ``mountpoint``: once that daemon has died, the EROFS mount still answers
+    ``statfs`` and lists what the kernel holds, but its other reads fail (ENOTCONN), so a
+    node's mount command (:func:`hypercli.providers.runtime.mount_command`) checks it."""
+    key = hashlib.sha256(os.fsencode(os.path.abspath(mountpoint))).hexdigest()[:16]
+    return Path(cache_dir) / "image-mounts" / f"{key}.pid"  # relative stays relative
+
+
 def mount(url: str, mountpoint: str | os.PathLike, *, cache_dir: str | os.PathLike,
           cache_bytes: int, endpoint_url: str | None = None, allow_other: bool = False,
           timeout: float = 60.0) -> int:
@@ -176,6 +185,10 @@ def mount(url: str, mountpoint: str | os.PathLike, *, cache_dir: str | os.PathLi
             raise InfraError(f"the kernel refused the image of {url} at {mp}: "
                              f"{os.strerror(err)}", "the node's kernel needs EROFS with "
                              "file-backed mounts (Linux ≥ 6.12)")
+        fd = os.open(inner.with_name(inner.name + ".pid"),
+                     os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{pid}\n")
     finally:  # the image's FUSE mount stays only as the EROFS mount's backing file
         try:
             fusefs.unmount(inner, lazy=True)

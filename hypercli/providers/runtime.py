@@ -119,7 +119,25 @@ def mount_command(hyper: str, url: str, path: str, cache: str, rw: bool = False,
         cmd = (f"if command -v goofys >/dev/null; then {goofys}; elif command -v s3fs "
                f">/dev/null; then {s3fs}; else echo 'neither goofys nor s3fs is installed' >&2; "
                "exit 127; fi")
-    return f"{_serving(p)} || {{ {_detach(p)}; mkdir -p {p} && {cmd}; }}"
+    serving = _serving(p)
+    if url.startswith("chunks+") and not copy:  # an image mount whose daemon died: again
+        from hypercli.mount.image import pid_file
+        pid = shlex.quote(str(pid_file(cache, path)))
+        serving += (f" && {{ [ \"$(stat -f -c %T {p})\" != erofs ] || {_daemon_alive(pid)}; }}")
+    return f"{serving} || {{ {_detach(p)}; mkdir -p {p} && {cmd}; }}"
+
+
+def _daemon_alive(pidfile: str) -> str:
+    """Shell test: the process named in quoted PID file ``pidfile`` runs (not a zombie: a
+    daemon killed on a node whose PID 1 reaps no one stays one) and is a dataset mount's
+    daemon (``python -m hypercli.mount.fusefs``), so a later process given the same PID is
+    not taken for it."""
+    return (f"{{ read pid < {pidfile}; }} 2>/dev/null && "
+            "case \"$pid\" in ''|*[!0-9]*) false ;; esac && "
+            "s=$(sed 's/.*) //' /proc/\"$pid\"/stat 2>/dev/null | cut -d' ' -f1) && "
+            "[ -n \"$s\" ] && [ \"$s\" != Z ] && "
+            "tr '\\0' '\\n' < /proc/\"$pid\"/cmdline 2>/dev/null | "
+            "grep -qx hypercli.mount.fusefs")
 
 
 def _record(path: str, root: str) -> str:
