@@ -488,7 +488,7 @@ def test_reads_fail_at_once_when_the_daemon_dies_and_a_recipe_mounts_it_again(
     """The image's daemon killed (-9) while the image is mounted: a read of bytes the
     kernel does not hold fails at once (ENOTCONN, no hang), but the EROFS mount still
     answers ``statfs``; the next run of a recipe on that node mounts it again, and its
-    tasks read the right bytes; ``hyper down`` then unmounts it."""
+    tasks read the right bytes; ``hyper down`` unmounts it, its daemon dead again."""
     s3.make_bucket("bkt")
     files = tree(tmp_path / "src")
     big = os.urandom(40 * MiB)  # no task reads it: no byte of its end in the page cache
@@ -525,6 +525,10 @@ def test_reads_fail_at_once_when_the_daemon_dies_and_a_recipe_mounts_it_again(
     pack.pull("s3://bkt/out/imaged-2/read-0000", out)
     assert (out / "sum").read_text().strip() == want
     assert (out / "tail").read_bytes() == big[5000 * 4096:5001 * 4096]
+    pids = daemons_of("s3://bkt/img")
+    assert len(pids) == 1, pids
+    os.kill(pids[0], 9)  # dead again: hyper down still takes its mount away
+    assert gone(pids[0])
     r = hyper("down", "imaged")
-    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.returncode == 0 and f"mount {mnt}" in r.stdout, r.stdout + r.stderr
     assert mounted(mnt) is None
