@@ -532,3 +532,16 @@ def test_reads_fail_at_once_when_the_daemon_dies_and_a_recipe_mounts_it_again(
     r = hyper("down", "imaged")
     assert r.returncode == 0 and f"mount {mnt}" in r.stdout, r.stdout + r.stderr
     assert mounted(mnt) is None
+
+
+def test_push_counts_a_symlink_to_a_folder_as_no_folder(hyper, tmp_path):
+    src = tmp_path / "src"
+    (src / "a").mkdir(parents=True)
+    (src / "a" / "x").write_bytes(b"x" * 10)
+    os.symlink("a", src / "to-a")
+    os.symlink("a/x", src / "to-x")
+    r = hyper("data", "push", "--image", src, f"file://{tmp_path}/store")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "pushed 1 file, 1 folder (0.0 MB)" in r.stdout, r.stdout
+    m = json.loads((tmp_path / "store" / "manifest.json").read_text())
+    assert m["source"] == {"files": 1, "dirs": 1, "bytes": 10}

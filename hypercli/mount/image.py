@@ -72,12 +72,12 @@ def build(src_dir: str | os.PathLike, out: str | os.PathLike) -> dict:
         raise UsageError("an image dataset needs mkfs.erofs, which is not installed",
                          "install erofs-utils (Debian: apt-get install erofs-utils)")
     files = dirs = nbytes = 0
-    for root, dnames, fnames in os.walk(src):
-        dirs += len(dnames)
-        for name in fnames:
+    for root, dnames, fnames in os.walk(src):  # a symlink to a folder is in dnames
+        for name in dnames + fnames:
             st = os.lstat(os.path.join(root, name))
-            if os.path.isfile(os.path.join(root, name)) and not os.path.islink(
-                    os.path.join(root, name)):
+            if stat.S_ISDIR(st.st_mode):
+                dirs += 1
+            elif stat.S_ISREG(st.st_mode):
                 files += 1
                 nbytes += st.st_size
     r = subprocess.run([exe, "--quiet", "--all-root", "--preserve-mtime", str(out), str(src)],
