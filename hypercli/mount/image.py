@@ -20,6 +20,11 @@ data-loader workers on few cores that daemon, not the disk, sets the pace (bench
   mount is detached at once (``fusermount3 -uz``): it lives on only as the EROFS mount's
   backing file, so unmounting the mount point (``umount``) ends the daemon too, and nothing
   else is left in the mount table.
+- **Checks** (a hostile store, a hostile task): the private folder is made 0700 and
+  refused when it is a symlink, another user's, or has another mount on it; the mounted
+  dataset must be one regular file ``image.erofs`` and nothing else (a symlink there would
+  have the kernel mount a file of the node); a mount point that is a symlink is refused.
+  The daemon's pid is kept beside the private folder (:func:`pid_file`).
 - **What the kernel does**: lookups, listings, opens and reads of the files are EROFS's,
   from its own page cache; a byte of the image not yet in the page cache is read through
   the FUSE file, whose daemon fetches and checks its chunk (an unreadable or corrupt chunk is
