@@ -240,15 +240,18 @@ def test_stored_chunks_answer_later_reads_from_the_page_cache(tmp_path, store):
 
 
 # -- attacks: a hostile store, a hostile task, a careless user ---------------------------
-def daemons_of(store: str) -> list[int]:
-    """Pids of the mount daemons serving ``store`` (found for assertions and cleanup)."""
+def daemons_of(marker: str) -> list[int]:
+    """Pids of the running mount daemons with ``marker`` (a store's URL, a test's own
+    folder) in an argument (found for assertions and cleanup; zombies left out)."""
     pids = []
     for d in Path("/proc").iterdir():
         try:
             cmd = (d / "cmdline").read_bytes().split(b"\0")
-        except OSError:
+            state = (d / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
             continue
-        if b"hypercli.mount.fusefs" in cmd and store.encode() in cmd:
+        if b"hypercli.mount.fusefs" in cmd and state != "Z" and any(
+                marker.encode() in arg for arg in cmd):
             pids.append(int(d.name))
     return pids
 
@@ -497,7 +500,8 @@ def test_reads_fail_at_once_when_the_daemon_dies_and_a_recipe_mounts_it_again(
     mnt = tmp_path / "mnt"
     flag = tmp_path / "read-big"  # the second run's task reads 4 KiB of big.bin too
     cmd = (f'cat "{mnt}"/part-*/*.bin | sha256sum | cut -c1-64 > "$HYPER_OUTPUT/sum" && '
-           f'if [ -e "{flag}" ]; then dd if="{mnt}/big.bin" bs=4096 skip=5000 count=1 of="$HYPER_OUTPUT/tail"; fi')
+           f'if [ -e "{flag}" ]; then dd if="{mnt}/big.bin" bs=4096 skip=5000 count=1 '
+           'of="$HYPER_OUTPUT/tail"; fi')
     recipe = {"name": "imaged", "cluster": {"workers": 1}, "storage": "s3://bkt/out",
               "mounts": {str(mnt): "chunks+s3://bkt/img"},
               "experiments": {"read": {"parameters": {"i": [0]}, "command": cmd}}}
@@ -508,7 +512,7 @@ def test_reads_fail_at_once_when_the_daemon_dies_and_a_recipe_mounts_it_again(
     unmount_after(mnt)
     r = hyper("run", path)
     assert r.returncode == 0, r.stdout + r.stderr
-    pids = daemons_of("s3://bkt/img")
+    pids = daemons_of(str(tmp_path))
     assert len(pids) == 1, pids
     os.kill(pids[0], 9)
     assert gone(pids[0])
@@ -525,7 +529,7 @@ def test_reads_fail_at_once_when_the_daemon_dies_and_a_recipe_mounts_it_again(
     pack.pull("s3://bkt/out/imaged-2/read-0000", out)
     assert (out / "sum").read_text().strip() == want
     assert (out / "tail").read_bytes() == big[5000 * 4096:5001 * 4096]
-    pids = daemons_of("s3://bkt/img")
+    pids = daemons_of(str(tmp_path))
     assert len(pids) == 1, pids
     os.kill(pids[0], 9)  # dead again: hyper down still takes its mount away
     assert gone(pids[0])
@@ -545,3 +549,40 @@ def test_push_counts_a_symlink_to_a_folder_as_no_folder(hyper, tmp_path):
     assert "pushed 1 file, 1 folder (0.0 MB)" in r.stdout, r.stdout
     m = json.loads((tmp_path / "store" / "manifest.json").read_text())
     assert m["source"] == {"files": 1, "dirs": 1, "bytes": 10}
+
+
+def test_no_extended_attribute_of_an_image_is_seen_at_its_mount(tmp_path, unmount_after):
+    """A store's own image puts a forged ``user.hypercli.stats`` on its root (what
+    ``mount_stats`` reads) and an attribute on a file: the mount shows neither; and a pushed
+    folder's attributes are not put in its image at all."""
+    from hypercli.mount import fusefs
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a").write_text("a")
+    os.setxattr(src, fusefs.STATS_XATTR, b'{"downloads": 0, "forged": true}')
+    os.setxattr(src / "a", "user.note", b"kept?")
+    (tmp_path / "own").mkdir()
+    subprocess.run(["mkfs.erofs", "--quiet", str(tmp_path / "own" / image.IMAGE), str(src)],
+                   check=True)
+    own = f"file://{tmp_path}/own-store"
+    pack.push(tmp_path / "own", own, chunk_size=MiB, extra={"layout": "erofs"})
+    pushed = f"file://{tmp_path}/pushed"
+    image.push(src, pushed, chunk_size=MiB)
+    for i, url in enumerate((own, pushed)):
+        mnt = tmp_path / f"mnt-{i}"
+        mnt.mkdir()
+        unmount_after(mnt)
+        pid = image.mount(url, mnt, cache_dir=tmp_path / "cache", cache_bytes=64 * MiB)
+        assert (mnt / "a").read_text() == "a"
+        with pytest.raises(OSError) as e:
+            fusefs.mount_stats(mnt)
+        assert e.value.errno in (errno.ENODATA, errno.EOPNOTSUPP), e.value
+        assert os.listxattr(mnt / "a") == [] and os.listxattr(mnt) == []
+        image.unmount(mnt)
+        assert gone(pid)
+    pack.pull(pushed, tmp_path / "pulled")
+    for path in ("/", "/a"):
+        r = subprocess.run(["dump.erofs", f"--path={path}", str(tmp_path / "pulled" /
+                                                                image.IMAGE)],
+                           capture_output=True, text=True)
+        assert r.returncode == 0 and "Xattr size: 0" in r.stdout, (path, r.stdout, r.stderr)

@@ -6,10 +6,11 @@ data-loader workers on few cores that daemon, not the disk, sets the pace (bench
 
 - **Push** (:func:`push`, ``hyper data push --image``): the folder is made into one
   read-only EROFS image by ``mkfs.erofs`` (Debian's ``erofs-utils``; files, folders,
-  symlinks and modes kept, owned by root), and the image is pushed as a one-file dataset
-  (:func:`hypercli.mount.pack.push`: content-defined chunks, each checked by SHA-256, only
-  new chunks uploaded) whose manifest says ``"layout": "erofs"`` and counts the source's
-  files, folders and bytes under ``"source"``.
+  symlinks and modes kept, owned by root; extended attributes not), and the image is
+  pushed as a one-file dataset (:func:`hypercli.mount.pack.push`: content-defined chunks,
+  each checked by SHA-256, only new chunks uploaded) whose manifest says
+  ``"layout": "erofs"`` and counts the source's files, folders and bytes under
+  ``"source"``.
 - **Mount** (:func:`mount`; a recipe's ``chunks+`` mount of such a dataset does it on the
   node): the dataset is mounted as usual (the chunk cache, its cap and checks) at a private
   folder under the cache, served by :mod:`hypercli.mount.fuselow` with ``store_chunks``: the
@@ -55,11 +56,16 @@ from hypercli.errors import InfraError, UsageError
 LAYOUT = "erofs"          # the manifest's "layout" of an image dataset
 IMAGE = "image.erofs"     # the one file of an image dataset
 MS_RDONLY, MS_NOSUID, MS_NODEV = 1, 2, 4   # <sys/mount.h>
+#: EROFS options (Documentation/filesystems/erofs.rst): no user.* extended attributes and no
+#: ACLs from an image (a store's own image could hold a forged ``user.hypercli.stats`` or
+#: ACLs), as a plain dataset's mount has none
+OPTIONS = b"nouser_xattr,noacl"
 
 
 def build(src_dir: str | os.PathLike, out: str | os.PathLike) -> dict:
     """Make the EROFS image ``out`` of folder ``src_dir`` with ``mkfs.erofs`` (uncompressed,
-    files owned by root, modes, symlinks and modification times kept).
+    files owned by root, modes, symlinks and modification times kept; extended attributes
+    not, as in a plain dataset).
 
     Returns:
         the source's counts: {"files", "dirs", "bytes"} (folders below the root; bytes of
@@ -85,7 +91,8 @@ def build(src_dir: str | os.PathLike, out: str | os.PathLike) -> dict:
             elif stat.S_ISREG(st.st_mode):
                 files += 1
                 nbytes += st.st_size
-    r = subprocess.run([exe, "--quiet", "--all-root", "--preserve-mtime", str(out), str(src)],
+    r = subprocess.run([exe, "--quiet", "--all-root", "--preserve-mtime", "-x", "-1",
+                        str(out), str(src)],
                        capture_output=True, text=True)
     if r.returncode != 0:
         tail = " ".join((r.stderr or r.stdout).strip().splitlines()[-3:])
@@ -181,7 +188,7 @@ def mount(url: str, mountpoint: str | os.PathLike, *, cache_dir: str | os.PathLi
     try:
         _check_image(url, inner)
         if libc.mount(str(inner / IMAGE).encode(), mp.encode(), b"erofs",
-                      MS_RDONLY | MS_NOSUID | MS_NODEV, None) != 0:
+                      MS_RDONLY | MS_NOSUID | MS_NODEV, OPTIONS) != 0:
             err = ctypes.get_errno()
             if err == 1:  # EPERM
                 raise UsageError(f"mounting the image dataset {url} at {mp} needs root",
