@@ -586,3 +586,22 @@ def test_no_extended_attribute_of_an_image_is_seen_at_its_mount(tmp_path, unmoun
                                                                 image.IMAGE)],
                            capture_output=True, text=True)
         assert r.returncode == 0 and "Xattr size: 0" in r.stdout, (path, r.stdout, r.stderr)
+
+
+def test_an_image_file_that_is_not_erofs_is_refused_naming_both_causes(tmp_path,
+                                                                      unmount_after,
+                                                                      stop_daemons):
+    from hypercli.errors import InfraError
+
+    def make(src: Path) -> None:
+        (src / image.IMAGE).write_bytes(os.urandom(64 * 1024))
+    url = hostile(tmp_path, "junk", make)
+    stop_daemons(f"{tmp_path}/junk")
+    mnt, cache = tmp_path / "mnt", tmp_path / "cache"
+    mnt.mkdir()
+    unmount_after(mnt)
+    with pytest.raises(InfraError) as e:
+        image.mount(url, mnt, cache_dir=cache, cache_bytes=64 * MiB)
+    assert "not an EROFS image" in e.value.hint and "6.12" in e.value.hint, e.value.hint
+    assert mounted(mnt) is None and mounts_under(cache) == []
+    assert all(gone(pid) for pid in daemons_of(f"{tmp_path}/junk"))

@@ -195,8 +195,10 @@ def mount(url: str, mountpoint: str | os.PathLike, *, cache_dir: str | os.PathLi
                                  "run as root on the node, or push the dataset without "
                                  "--image")
             raise InfraError(f"the kernel refused the image of {url} at {mp}: "
-                             f"{os.strerror(err)}", "the node's kernel needs EROFS with "
-                             "file-backed mounts (Linux ≥ 6.12)")
+                             f"{os.strerror(err)}", "either the dataset's image.erofs is not "
+                             "an EROFS image (push the folder again with --image), or the "
+                             "node's kernel lacks EROFS with file-backed mounts "
+                             "(Linux ≥ 6.12; dmesg says which)")
         fd = os.open(inner.with_name(inner.name + ".pid"),
                      os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w") as f:
