@@ -605,3 +605,22 @@ def test_an_image_file_that_is_not_erofs_is_refused_naming_both_causes(tmp_path,
     assert "not an EROFS image" in e.value.hint and "6.12" in e.value.hint, e.value.hint
     assert mounted(mnt) is None and mounts_under(cache) == []
     assert all(gone(pid) for pid in daemons_of(f"{tmp_path}/junk"))
+
+
+def test_unmount_refuses_an_erofs_mount_named_like_an_image_mount(hyper, tmp_path,
+                                                                  unmount_after):
+    """An EROFS mount made by hand from a file at ``.../image-mounts/<key>/image.erofs`` (the
+    path an image mount of that mount point has): not hypercli's, refused, left mounted."""
+    secret = host_image(tmp_path)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    fake = image.backing_dir(tmp_path / "theirs", str(mnt))
+    fake.mkdir(parents=True)
+    shutil.copy(secret, fake / image.IMAGE)
+    unmount_after(mnt)
+    subprocess.run(["mount", "-t", "erofs", "-o", "ro", str(fake / image.IMAGE), str(mnt)],
+                   check=True)
+    assert not image.mounted_image(mnt)
+    r = hyper("data", "unmount", mnt)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stdout + r.stderr
+    assert (mnt / "key").read_text() == "secret of the node\n"

@@ -269,7 +269,8 @@ def _check_image(url: str, inner: Path) -> None:
 def mounted_image(mountpoint: str | os.PathLike) -> bool:
     """Whether the mount on top at ``mountpoint`` is an image mount made by :func:`mount`
     (an EROFS mount whose backing file is an ``image-mounts/<key>/image.erofs`` of this
-    module), read from ``/proc/self/mountinfo`` (proc(5))."""
+    module, in private folders of this user's with the daemon's pid file beside them), read
+    from ``/proc/self/mountinfo`` (proc(5)). An EROFS mount made otherwise is not."""
     from hypercli.mount.fusefs import mount_path
     mp = os.path.abspath(mountpoint)
     top = None
@@ -285,8 +286,19 @@ def mounted_image(mountpoint: str | os.PathLike) -> bool:
         return False
     rest = top[top.index(b"-") + 1:]
     key = hashlib.sha256(os.fsencode(mp)).hexdigest()[:16]
-    return len(rest) >= 2 and rest[0] == b"erofs" and mount_path(rest[1]).endswith(
-        f"/image-mounts/{key}/{IMAGE}")
+    if len(rest) < 2 or rest[0] != b"erofs" or not mount_path(rest[1]).endswith(
+            f"/image-mounts/{key}/{IMAGE}"):
+        return False
+    inner = Path(mount_path(rest[1])).parent  # made 0700 by :func:`_private_dir`, and the
+    try:                                      # daemon's pid written beside it on success
+        for path, kind in ((inner.parent, stat.S_ISDIR), (inner, stat.S_ISDIR),
+                           (inner.with_name(inner.name + ".pid"), stat.S_ISREG)):
+            st = os.lstat(path)
+            if not kind(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+                return False
+    except OSError:
+        return False
+    return True
 
 
 def unmount(mountpoint: str | os.PathLike, *, lazy: bool = False) -> None:
