@@ -237,3 +237,28 @@ def test_stored_chunks_answer_later_reads_from_the_page_cache(tmp_path, store):
         assert reads < 128, reads
     else:
         assert reads > 160, reads
+
+
+def test_mode_copy_of_an_image_dataset_mounts_the_local_image(s3, tmp_path, unmount_after):
+    """``mode: copy`` copies the image file to the node's disk and mounts it with EROFS (the
+    folder of files, not a folder holding ``image.erofs``); the copy counts as in use while
+    mounted, so no other copy's room-making drops it."""
+    from hypercli.mount import copy
+    s3.make_bucket("bkt")
+    files = tree(tmp_path / "src")
+    image.push(tmp_path / "src", "s3://bkt/img", chunk_size=MiB, endpoint_url=s3.endpoint)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    unmount_after(mnt)
+    r = run_node("copy", "s3://bkt/img", mnt, "--root", tmp_path / "copies")
+    assert r.returncode == 0, r.stderr
+    assert [line.split()[2] for line in open("/proc/mounts")
+            if line.split()[1] == str(mnt)] == ["erofs"]
+    assert {"ro", "nosuid", "nodev"} <= set(mounted(mnt).split(","))
+    got = {str(p.relative_to(mnt)): p.read_bytes() for p in mnt.rglob("*")
+           if p.is_file() and not p.is_symlink()}
+    assert got == files
+    key = next(p.name for p in (tmp_path / "copies").iterdir() if len(p.name) == 64)
+    assert copy._in_use(key)
+    subprocess.run(["umount", str(mnt)], check=True)
+    assert not copy._in_use(key)

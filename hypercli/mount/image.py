@@ -162,24 +162,35 @@ def mount(url: str, mountpoint: str | os.PathLike, *, cache_dir: str | os.PathLi
     pid = fusefs.mount(url, inner, cache_dir=cache_dir, cache_bytes=cache_bytes,
                        endpoint_url=endpoint_url, foreground=False, allow_other=allow_other,
                        timeout=timeout, warm_entries=0, store_chunks=True)
-    libc = ctypes.CDLL(None, use_errno=True)
     try:
-        if libc.mount(str(inner / IMAGE).encode(), mp.encode(), b"erofs",
-                      MS_RDONLY | MS_NOSUID | MS_NODEV, None) != 0:
-            err = ctypes.get_errno()
-            if err == 1:  # EPERM
-                raise UsageError(f"mounting the image dataset {url} at {mp} needs root",
-                                 "run as root on the node, or push the dataset without "
-                                 "--image")
-            raise InfraError(f"the kernel refused the image of {url} at {mp}: "
-                             f"{os.strerror(err)}", "the node's kernel needs EROFS with "
-                             "file-backed mounts (Linux ≥ 6.12)")
+        mount_file(inner / IMAGE, mp, url)
     finally:  # the image's FUSE mount stays only as the EROFS mount's backing file
         try:
             fusefs.unmount(inner, lazy=True)
         except InfraError:
             pass
     return pid
+
+
+def mount_file(path: str | os.PathLike, mountpoint: str | os.PathLike, what: str) -> None:
+    """Mount the EROFS image file ``path`` at ``mountpoint``, ``ro,nosuid,nodev``
+    (``mount(2)``, a file-backed EROFS mount). ``what`` names the dataset in errors.
+
+    Raises:
+        UsageError: no right to mount (not root).
+        InfraError: the kernel refused the image (its reason in the message).
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    mp = os.path.abspath(mountpoint)
+    if libc.mount(os.fsencode(os.path.abspath(path)), os.fsencode(mp), b"erofs",
+                  MS_RDONLY | MS_NOSUID | MS_NODEV, None) != 0:
+        err = ctypes.get_errno()
+        if err == 1:  # EPERM
+            raise UsageError(f"mounting the image dataset {what} at {mp} needs root",
+                             "run as root on the node, or push the dataset without --image")
+        raise InfraError(f"the kernel refused the image of {what} at {mp}: "
+                         f"{os.strerror(err)}", "the node's kernel needs EROFS with "
+                         "file-backed mounts (Linux ≥ 6.12)")
 
 
 def mounted_image(mountpoint: str | os.PathLike) -> bool:
