@@ -90,6 +90,14 @@ def test_push_mount_read_and_unmount_with_the_cli(s3, hyper, tmp_path, unmount_a
     assert r.returncode == 0, r.stdout + r.stderr
     assert mounted(mnt) is None
     assert gone(pid), "the image's daemon outlived its mount"
+    r = hyper("data", "pull", "s3://bkt/img", tmp_path / "pulled")  # the image, and a note
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "is an image dataset" in r.stderr and "fsck.erofs --extract" in r.stderr
+    subprocess.run(["fsck.erofs", f"--extract={tmp_path / 'unpacked'}",
+                    str(tmp_path / "pulled" / image.IMAGE)], check=True, capture_output=True)
+    assert {str(p.relative_to(tmp_path / "unpacked")): p.read_bytes()
+            for p in (tmp_path / "unpacked").rglob("*")
+            if p.is_file() and not p.is_symlink()} == files
 
 
 def test_a_corrupt_chunk_is_eio_for_its_files_and_never_other_bytes(s3, tmp_path,
