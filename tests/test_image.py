@@ -90,6 +90,14 @@ def test_push_mount_read_and_unmount_with_the_cli(s3, hyper, tmp_path, unmount_a
     assert r.returncode == 0, r.stdout + r.stderr
     assert mounted(mnt) is None
     assert gone(pid), "the image's daemon outlived its mount"
+    r = hyper("data", "pull", "s3://bkt/img", tmp_path / "pulled")  # the image, and a note
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "is an image dataset" in r.stderr and "fsck.erofs --extract" in r.stderr
+    subprocess.run(["fsck.erofs", f"--extract={tmp_path / 'unpacked'}",
+                    str(tmp_path / "pulled" / image.IMAGE)], check=True, capture_output=True)
+    assert {str(p.relative_to(tmp_path / "unpacked")): p.read_bytes()
+            for p in (tmp_path / "unpacked").rglob("*")
+            if p.is_file() and not p.is_symlink()} == files
 
 
 def test_a_corrupt_chunk_is_eio_for_its_files_and_never_other_bytes(s3, tmp_path,
@@ -237,6 +245,31 @@ def test_stored_chunks_answer_later_reads_from_the_page_cache(tmp_path, store):
         assert reads < 128, reads
     else:
         assert reads > 160, reads
+
+
+def test_mode_copy_of_an_image_dataset_mounts_the_local_image(s3, tmp_path, unmount_after):
+    """``mode: copy`` copies the image file to the node's disk and mounts it with EROFS (the
+    folder of files, not a folder holding ``image.erofs``); the copy counts as in use while
+    mounted, so no other copy's room-making drops it."""
+    from hypercli.mount import copy
+    s3.make_bucket("bkt")
+    files = tree(tmp_path / "src")
+    image.push(tmp_path / "src", "s3://bkt/img", chunk_size=MiB, endpoint_url=s3.endpoint)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    unmount_after(mnt)
+    r = run_node("copy", "s3://bkt/img", mnt, "--root", tmp_path / "copies")
+    assert r.returncode == 0, r.stderr
+    assert [line.split()[2] for line in open("/proc/mounts")
+            if line.split()[1] == str(mnt)] == ["erofs"]
+    assert {"ro", "nosuid", "nodev"} <= set(mounted(mnt).split(","))
+    got = {str(p.relative_to(mnt)): p.read_bytes() for p in mnt.rglob("*")
+           if p.is_file() and not p.is_symlink()}
+    assert got == files
+    key = next(p.name for p in (tmp_path / "copies").iterdir() if len(p.name) == 64)
+    assert copy._in_use(key)
+    subprocess.run(["umount", str(mnt)], check=True)
+    assert not copy._in_use(key)
 
 
 # -- attacks: a hostile store, a hostile task, a careless user ---------------------------
@@ -624,3 +657,16 @@ def test_unmount_refuses_an_erofs_mount_named_like_an_image_mount(hyper, tmp_pat
     r = hyper("data", "unmount", mnt)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stdout + r.stderr
     assert (mnt / "key").read_text() == "secret of the node\n"
+
+
+def test_mode_copy_refuses_an_image_that_is_a_symlink(tmp_path, unmount_after):
+    """``mode: copy`` of a store's dataset whose ``image.erofs`` is a symlink to an image on
+    the node: refused, the node's image not mounted."""
+    secret = host_image(tmp_path)
+    url = hostile(tmp_path, "bad", lambda src: os.symlink(secret, src / image.IMAGE))
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    unmount_after(mnt)
+    r = run_node("copy", url, mnt, "--root", tmp_path / "copies")
+    assert r.returncode != 0 and "image.erofs is a symlink" in r.stderr, r.stdout + r.stderr
+    assert mounted(mnt) is None and not (mnt / "key").exists()

@@ -131,6 +131,12 @@ def pull(url, dest, path_prefix, jobs, endpoint_url):
                f"{plural(r.symlinks, 'symlink')} ({r.bytes / 1e6:,.1f} MB, "
                f"{plural(r.chunks, 'chunk')}) into {dest}: {r.seconds:.1f} s, "
                f"{rate:,.1f} MB/s")
+    from hypercli.mount import image
+    if image.dataset_is_image(url, endpoint_url=endpoint_url):
+        img = f"{dest.rstrip('/')}/{image.IMAGE}"
+        click.echo(f"note: {url} is an image dataset: {img} is its EROFS image; "
+                   f"`fsck.erofs --extract=DIR {img}` unpacks its files, "
+                   f"`mount -o ro {img} DIR` (as root) shows them", err=True)
 
 
 @data.command()

@@ -8,6 +8,9 @@ construction, however many processes read it at once (bench/RESULTS.md §14).
     make_copy(url, root, budget_bytes=..., min_free_bytes=...)   fetch it, or find it there
     bind(copy_path, mountpoint)                                    read-only bind mount of it
 
+An image dataset's copy (:mod:`hypercli.mount.image`) is its one image file, mounted by the
+kernel's EROFS at the mount point (``ro,nosuid,nodev``) instead of bound.
+
 Layout under ``root`` (a folder of the node's, ``0o700``: no other user reaches a copy but
 through its mount):
 
@@ -89,13 +92,18 @@ def _bytes(home: Path) -> int:
 
 
 def _in_use(key: str) -> bool:
-    """Whether a mount of this system shows ``<key>/data`` (a bind mount of the copy): field 4
-    of /proc/self/mountinfo is the mount's root within its file system (proc(5))."""
+    """Whether a mount of this system shows ``<key>/data`` (a bind mount of the copy: field 4
+    of /proc/self/mountinfo is the mount's root within its file system, proc(5)) or is an
+    image dataset's EROFS mount of ``<key>/data/image.erofs`` (its source, after ``-``)."""
     try:
         with open("/proc/self/mountinfo") as f:
             for line in f:
                 parts = line.split(" ")
                 if len(parts) > 4 and parts[3].endswith(f"/{key}/data"):
+                    return True
+                rest = parts[parts.index("-") + 1:] if "-" in parts else []
+                if len(rest) > 1 and rest[0] == "erofs" and rest[1].endswith(
+                        f"/{key}/data/image.erofs"):
                     return True
     except OSError:
         return True  # cannot tell: keep it
@@ -225,11 +233,17 @@ def make_copy(url: str, root: str | os.PathLike, *, endpoint_url: str | None = N
     key = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
     home = base / key
     data = home / "data"
+    attach = bind
+    if manifest.get("layout") == "erofs":  # an image dataset: its copy is the image file
+        from hypercli.mount import image
+
+        def attach(data: Path, mountpoint) -> None:
+            image.mount_file(data / image.IMAGE, mountpoint, url)
     with _locked(base, key):
         if data.is_dir():
             (home / "used").touch()
             if mountpoint is not None:
-                bind(data, mountpoint)
+                attach(data, mountpoint)
             return Copy(data, key, _bytes(home), False, time.monotonic() - t0)
         index = Index(fetch_index(store, manifest, base / "index"))
         need = index.count()[2]
@@ -250,7 +264,7 @@ def make_copy(url: str, root: str | os.PathLike, *, endpoint_url: str | None = N
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         if mountpoint is not None:
-            bind(data, mountpoint)
+            attach(data, mountpoint)
         return Copy(data, key, need, True, time.monotonic() - t0, tuple(dropped))
 
 

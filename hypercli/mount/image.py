@@ -184,21 +184,8 @@ def mount(url: str, mountpoint: str | os.PathLike, *, cache_dir: str | os.PathLi
     pid = fusefs.mount(url, inner, cache_dir=cache_dir, cache_bytes=cache_bytes,
                        endpoint_url=endpoint_url, foreground=False, allow_other=allow_other,
                        timeout=timeout, warm_entries=0, store_chunks=True)
-    libc = ctypes.CDLL(None, use_errno=True)
     try:
-        _check_image(url, inner)
-        if libc.mount(str(inner / IMAGE).encode(), mp.encode(), b"erofs",
-                      MS_RDONLY | MS_NOSUID | MS_NODEV, OPTIONS) != 0:
-            err = ctypes.get_errno()
-            if err == 1:  # EPERM
-                raise UsageError(f"mounting the image dataset {url} at {mp} needs root",
-                                 "run as root on the node, or push the dataset without "
-                                 "--image")
-            raise InfraError(f"the kernel refused the image of {url} at {mp}: "
-                             f"{os.strerror(err)}", "either the dataset's image.erofs is not "
-                             "an EROFS image (push the folder again with --image), or the "
-                             "node's kernel lacks EROFS with file-backed mounts "
-                             "(Linux ≥ 6.12; dmesg says which)")
+        mount_file(inner / IMAGE, mp, url)
         fd = os.open(inner.with_name(inner.name + ".pid"),
                      os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w") as f:
@@ -209,6 +196,37 @@ def mount(url: str, mountpoint: str | os.PathLike, *, cache_dir: str | os.PathLi
         except (InfraError, UsageError):
             pass
     return pid
+
+
+def mount_file(path: str | os.PathLike, mountpoint: str | os.PathLike, what: str) -> None:
+    """Mount the EROFS image file ``path`` at ``mountpoint``, ``ro,nosuid,nodev``
+    (``mount(2)``, a file-backed EROFS mount). ``what`` names the dataset in errors.
+
+    The image must be a regular file alone in its folder (:func:`_check_image`), and
+    mounting follows no symlink at ``mountpoint``.
+
+    Raises:
+        UsageError: no right to mount (not root); the mount point is a symlink.
+        DatasetError: ``path`` is not a regular file alone in its folder.
+        InfraError: the kernel refused the image (its reason in the message).
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    mp = os.path.abspath(mountpoint)
+    if os.path.islink(mp):  # mount(2) would follow it: the mount would land elsewhere
+        raise UsageError(f"{mp}: a symlink, not a folder", "give a real folder as the "
+                         "mount point")
+    _check_image(what, Path(path).parent)
+    if libc.mount(os.fsencode(os.path.abspath(path)), os.fsencode(mp), b"erofs",
+                  MS_RDONLY | MS_NOSUID | MS_NODEV, OPTIONS) != 0:
+        err = ctypes.get_errno()
+        if err == 1:  # EPERM
+            raise UsageError(f"mounting the image dataset {what} at {mp} needs root",
+                             "run as root on the node, or push the dataset without --image")
+        raise InfraError(f"the kernel refused the image of {what} at {mp}: "
+                         f"{os.strerror(err)}", "either the dataset's image.erofs is not an "
+                         "EROFS image (push the folder again with --image), or the node's "
+                         "kernel lacks EROFS with file-backed mounts (Linux ≥ 6.12; dmesg "
+                         "says which)")
 
 
 def _private_dir(cache_dir: str | os.PathLike, mp: str) -> Path:
