@@ -670,3 +670,27 @@ def test_mode_copy_refuses_an_image_that_is_a_symlink(tmp_path, unmount_after):
     r = run_node("copy", url, mnt, "--root", tmp_path / "copies")
     assert r.returncode != 0 and "image.erofs is a symlink" in r.stderr, r.stdout + r.stderr
     assert mounted(mnt) is None and not (mnt / "key").exists()
+
+
+def test_the_node_mount_command_leaves_a_live_plain_mount_as_it_is(tmp_path):
+    """The check added for image mounts whose daemon died must not take a live plain
+    dataset mount for a dead one (a shell ``||`` not grouped had every plain mount detached
+    and mounted again by each task that needed it, under the tasks reading it)."""
+    from hypercli.mount import fusefs
+    from hypercli.providers import runtime
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "f").write_bytes(b"f")
+    pack.push(tmp_path / "src", f"file://{tmp_path}/store", chunk_size=MiB)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    pid = fusefs.mount(f"file://{tmp_path}/store", mnt, cache_dir=tmp_path / "cache",
+                       cache_bytes=64 * MiB, foreground=False, warm_entries=0)
+    try:
+        cmd = runtime.mount_command("echo MOUNTED AGAIN", f"chunks+file://{tmp_path}/store",
+                                    str(mnt), str(tmp_path / "cache"))
+        r = subprocess.run(["sh", "-c", cmd], capture_output=True, text=True)
+        assert r.returncode == 0 and "MOUNTED AGAIN" not in r.stdout, r.stdout + r.stderr
+        assert fusefs.mount_type(str(mnt)) == "fuse.hyper"
+    finally:
+        fusefs.unmount(mnt)
+    assert gone(pid)

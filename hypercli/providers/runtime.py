@@ -123,7 +123,8 @@ def mount_command(hyper: str, url: str, path: str, cache: str, rw: bool = False,
     if url.startswith("chunks+") and not copy:  # an image mount whose daemon died: again
         from hypercli.mount.image import pid_file
         pid = shlex.quote(str(pid_file(cache, path)))
-        serving += (f" && {{ [ \"$(stat -f -c %T {p})\" != erofs ] || {_daemon_alive(pid)}; }}")
+        serving += (f" && {{ [ \"$(stat -f -c %T {p})\" != erofs ] || "
+                    f"{{ {_daemon_alive(pid)}; }}; }}")  # grouped: && binds no tighter than ||
     return f"{serving} || {{ {_detach(p)}; mkdir -p {p} && {cmd}; }}"
 
 
