@@ -58,6 +58,27 @@ def tree(root: Path) -> dict[str, bytes]:
     return files
 
 
+def image_recipe(tmp_path: Path, mnt: Path, command: str, *, workers: int,
+                 tasks: int) -> Path:
+    """A recipe ``imaged`` (local cluster of ``workers``) mounting the image dataset
+    ``s3://bkt/img`` at ``mnt``, experiment ``read`` of ``tasks`` tasks running ``command``,
+    outputs to ``s3://bkt/out``; written to ``tmp_path/r.yaml``, whose path is returned."""
+    recipe = {"name": "imaged", "cluster": {"workers": workers}, "storage": "s3://bkt/out",
+              "mounts": {str(mnt): "chunks+s3://bkt/img"},
+              "experiments": {"read": {"parameters": {"i": list(range(tasks))},
+                                       "command": command}}}
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def bins_sum(files: dict[str, bytes]) -> str:
+    """SHA-256 (hex) of the ``part-*/*.bin`` files of :func:`tree`, in name order: what
+    ``cat part-*/*.bin | sha256sum`` prints."""
+    return hashlib.sha256(b"".join(files[k] for k in sorted(files)
+                                   if k.endswith(".bin") and k.count("/") == 1)).hexdigest()
+
+
 def test_push_mount_read_and_unmount_with_the_cli(s3, hyper, tmp_path, unmount_after):
     s3.make_bucket("bkt")
     files = tree(tmp_path / "src")
@@ -179,16 +200,9 @@ def test_a_recipe_reads_an_image_dataset_on_its_nodes(s3, hyper, hyper_home, tmp
     files = tree(tmp_path / "src")
     image.push(tmp_path / "src", "s3://bkt/img", chunk_size=MiB, endpoint_url=s3.endpoint)
     mnt = tmp_path / "mnt"
-    recipe = {"name": "imaged", "cluster": {"workers": 2}, "storage": "s3://bkt/out",
-              "mounts": {str(mnt): "chunks+s3://bkt/img"},
-              "experiments": {"read": {
-                  "parameters": {"i": [0, 1]},
-                  "command": f'cat "{mnt}"/part-*/*.bin | sha256sum | cut -c1-64 '
-                             '> "$HYPER_OUTPUT/sum"'}}}
-    path = tmp_path / "r.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    want = hashlib.sha256(b"".join(files[k] for k in sorted(files)
-                                   if k.endswith(".bin") and k.count("/") == 1)).hexdigest()
+    path = image_recipe(tmp_path, mnt, f'cat "{mnt}"/part-*/*.bin | sha256sum | cut -c1-64 '
+                        '> "$HYPER_OUTPUT/sum"', workers=2, tasks=2)
+    want = bins_sum(files)
     unmount_after(mnt)
     r = hyper("run", path)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -535,13 +549,8 @@ def test_reads_fail_at_once_when_the_daemon_dies_and_a_recipe_mounts_it_again(
     cmd = (f'cat "{mnt}"/part-*/*.bin | sha256sum | cut -c1-64 > "$HYPER_OUTPUT/sum" && '
            f'if [ -e "{flag}" ]; then dd if="{mnt}/big.bin" bs=4096 skip=5000 count=1 '
            'of="$HYPER_OUTPUT/tail"; fi')
-    recipe = {"name": "imaged", "cluster": {"workers": 1}, "storage": "s3://bkt/out",
-              "mounts": {str(mnt): "chunks+s3://bkt/img"},
-              "experiments": {"read": {"parameters": {"i": [0]}, "command": cmd}}}
-    path = tmp_path / "r.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    want = hashlib.sha256(b"".join(files[k] for k in sorted(files)
-                                   if k.endswith(".bin") and k.count("/") == 1)).hexdigest()
+    path = image_recipe(tmp_path, mnt, cmd, workers=1, tasks=1)
+    want = bins_sum(files)
     unmount_after(mnt)
     r = hyper("run", path)
     assert r.returncode == 0, r.stdout + r.stderr

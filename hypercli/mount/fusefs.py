@@ -461,17 +461,26 @@ def mount_path(field: bytes) -> str:
     return os.fsdecode(re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m.group(1), 8)]), field))
 
 
-def mount_type(path: str) -> str | None:
-    """The type of the mount on top at absolute ``path`` (``"fuse.hyper"`` for a dataset
-    mount of hypercli's, ``"erofs"``, ``"tmpfs"``...), read from ``/proc/self/mountinfo``
-    (proc(5)); None when nothing is mounted there."""
-    kind = None
+def top_mount(path: str) -> tuple[str, str] | None:
+    """``(type, source)`` of the mount on top at absolute ``path`` (type ``"fuse.hyper"`` for
+    a dataset mount of hypercli's, ``"erofs"``, ``"tmpfs"``...; the source decoded as
+    :func:`mount_path`), read from ``/proc/self/mountinfo`` (proc(5)); None when nothing is
+    mounted there."""
+    top = None
     with open("/proc/self/mountinfo", "rb") as f:
         for line in f:
             fields = line.split()
             if mount_path(fields[4]) == path:
-                kind = fields[fields.index(b"-") + 1].decode(errors="replace")
-    return kind
+                top = fields[fields.index(b"-") + 1:]
+    if top is None:
+        return None
+    return top[0].decode(errors="replace"), mount_path(top[1]) if len(top) > 1 else ""
+
+
+def mount_type(path: str) -> str | None:
+    """The type of the mount on top at absolute ``path`` (:func:`top_mount`), or None."""
+    top = top_mount(path)
+    return None if top is None else top[0]
 
 
 def open_dataset(url: str, cache_dir: str | os.PathLike, *, endpoint_url: str | None = None

@@ -139,10 +139,15 @@ def dataset_is_image(url: str, *, endpoint_url: str | None = None) -> bool:
     return is_image(load_manifest(open_store(url, endpoint_url=endpoint_url)))
 
 
+def _key(mountpoint: str | os.PathLike) -> str:
+    """The name of ``mountpoint``'s private folder: 16 hex digits of the SHA-256 of its
+    absolute path."""
+    return hashlib.sha256(os.fsencode(os.path.abspath(mountpoint))).hexdigest()[:16]
+
+
 def backing_dir(cache_dir: str | os.PathLike, mountpoint: str) -> Path:
     """The private folder where the image's FUSE mount is made for ``mountpoint``."""
-    key = hashlib.sha256(os.fsencode(os.path.abspath(mountpoint))).hexdigest()[:16]
-    return Path(cache_dir).absolute() / "image-mounts" / key
+    return Path(cache_dir).absolute() / "image-mounts" / _key(mountpoint)
 
 
 def pid_file(cache_dir: str | os.PathLike, mountpoint: str) -> Path:
@@ -150,8 +155,8 @@ def pid_file(cache_dir: str | os.PathLike, mountpoint: str) -> Path:
     mounted at ``mountpoint``: once that daemon has died, the EROFS mount still answers
     ``statfs`` and lists what the kernel holds, but its other reads fail (ENOTCONN), so a
     node's mount command (:func:`hypercli.providers.runtime.mount_command`) checks it."""
-    key = hashlib.sha256(os.fsencode(os.path.abspath(mountpoint))).hexdigest()[:16]
-    return Path(cache_dir) / "image-mounts" / f"{key}.pid"  # relative stays relative
+    # a relative cache_dir stays relative (the node's mount command is run from its home)
+    return Path(cache_dir) / "image-mounts" / f"{_key(mountpoint)}.pid"
 
 
 def mount(url: str, mountpoint: str | os.PathLike, *, cache_dir: str | os.PathLike,
@@ -186,7 +191,7 @@ def mount(url: str, mountpoint: str | os.PathLike, *, cache_dir: str | os.PathLi
                        timeout=timeout, warm_entries=0, store_chunks=True)
     try:
         mount_file(inner / IMAGE, mp, url)
-        fd = os.open(inner.with_name(inner.name + ".pid"),
+        fd = os.open(pid_file(cache_dir, mp),
                      os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(f"{pid}\n")
@@ -289,26 +294,17 @@ def mounted_image(mountpoint: str | os.PathLike) -> bool:
     (an EROFS mount whose backing file is an ``image-mounts/<key>/image.erofs`` of this
     module, in private folders of this user's with the daemon's pid file beside them), read
     from ``/proc/self/mountinfo`` (proc(5)). An EROFS mount made otherwise is not."""
-    from hypercli.mount.fusefs import mount_path
+    from hypercli.mount.fusefs import top_mount
     mp = os.path.abspath(mountpoint)
-    top = None
     try:
-        with open("/proc/self/mountinfo", "rb") as f:
-            for line in f:
-                fields = line.split()
-                if mount_path(fields[4]) == mp:
-                    top = fields
+        top = top_mount(mp)
     except OSError:
         return False
-    if top is None:
+    if top is None or top[0] != "erofs" or not top[1].endswith(
+            f"/image-mounts/{_key(mp)}/{IMAGE}"):
         return False
-    rest = top[top.index(b"-") + 1:]
-    key = hashlib.sha256(os.fsencode(mp)).hexdigest()[:16]
-    if len(rest) < 2 or rest[0] != b"erofs" or not mount_path(rest[1]).endswith(
-            f"/image-mounts/{key}/{IMAGE}"):
-        return False
-    inner = Path(mount_path(rest[1])).parent  # made 0700 by :func:`_private_dir`, and the
-    try:                                      # daemon's pid written beside it on success
+    inner = Path(top[1]).parent  # made 0700 by _private_dir, the daemon's pid beside it
+    try:
         for path, kind in ((inner.parent, stat.S_ISDIR), (inner, stat.S_ISDIR),
                            (inner.with_name(inner.name + ".pid"), stat.S_ISREG)):
             st = os.lstat(path)
