@@ -99,7 +99,8 @@ def test_a_corrupt_block_is_refused(tmp_path):
     C.save(src, url, 1, tmp_path / "s.json")
     [(pack, _)] = open_store(url).list("packs/")
     p = tmp_path / "store" / pack
-    p.write_bytes(b"x" + p.read_bytes()[1:])
+    data = p.read_bytes()
+    p.write_bytes(bytes([data[0] ^ 0xFF]) + data[1:])  # always another byte
     out = tmp_path / "out"
     with pytest.raises(StoreError, match="does not match"):
         C.restore(url, out, tmp_path / "o.json")
