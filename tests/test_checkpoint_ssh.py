@@ -135,10 +135,12 @@ def test_sharded_checkpoint_resumes_on_a_spare_with_every_ranks_shard(ssh_hosts,
     state, summary = run_in_process(path)
     t.join()
     by = {(a["number"], a["rank"]): a for a in state.attempts("lab-1", "train-0000")}
-    logs = {k: (Path(State().path).parent / "logs" / a["id"] / "stdout").read_text()
-            if (Path(State().path).parent / "logs" / a["id"] / "stdout").exists() else ""
-            for k, a in by.items()}
-    assert summary.exit_code == 0, (by, logs)
+    def log(a, name):
+        f = Path(State().path).parent / "logs" / a["id"] / name
+        return f.read_text() if f.exists() else ""
+    logs = {k: log(a, "stdout") for k, a in by.items()}
+    assert summary.exit_code == 0, [(k, a["status"], a["exit_code"], a["error"], a["node"],
+                                     logs[k], log(a, "stderr")[-1500:]) for k, a in by.items()]
     assert by[(1, 1)]["status"] == "lost" and by[(1, 1)]["node"] == killed["node"]
     last = max(n for n, _ in by)
     assert [by[(last, r)]["status"] for r in (0, 1)] == ["succeeded"] * 2

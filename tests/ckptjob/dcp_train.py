@@ -3,8 +3,11 @@
 it) and saves it each step into ``$HYPER_CHECKPOINT/step-<n>/`` with ``dcp.save``, so each
 rank's folder holds its own shard (``__<rank>_0.distcp``); rank 0's ``.metadata`` is sent to
 every rank (no shared file system), then each rank marks the step ``done``. The last KEEP
-steps are kept. On start, the ranks resume from the newest step every rank has done, each
-loading its own shard, and check it holds what that step should.
+steps are kept; an old step loses its ``done`` mark before its files, so a step marked done
+is whole at any moment a save or a kill catches (a folder saved halfway through removing a
+step once gave a retry a marked step without its shard). On start, the ranks resume from the
+newest step every rank has done, each loading its own shard, and check it holds what that
+step should.
 
 Rank 0 appends {"start", "steps", "shards_ok"} to $HYPER_METRICS at the end.
 Usage: dcp_train.py STEPS PAUSE"""
@@ -56,7 +59,8 @@ for step in range(start + 1, steps + 1):
             f.write(meta[0])
     dist.barrier()
     open(os.path.join(path, "done"), "w").close()
-    for old in sorted(done_steps())[:-KEEP]:
+    for old in sorted(done_steps())[:-KEEP]:  # its mark first: a step is never half done
+        os.unlink(os.path.join(ck, f"step-{old:06d}", "done"))
         shutil.rmtree(os.path.join(ck, f"step-{old:06d}"), ignore_errors=True)
 ok = ok and bool(torch.all(shard[f"w{rank}"] == (rank + 1) * steps))
 flag = torch.tensor([1 if ok else 0])
