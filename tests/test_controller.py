@@ -87,9 +87,18 @@ def plant_decoys(workers) -> None:
 
 
 def backups_of(workers, wid: str) -> list[str]:
-    """The files of ``wid``'s backups left on the worker hosts still up."""
-    return [f for h in workers for f in h.run("ls /root/.hyper/controller").stdout.split()
-            if f.startswith(f"{wid}.")]
+    """The files of ``wid``'s backups left on the worker hosts still up, but for the lease
+    record (and its lock file) that stays once they are dropped: held with no expiry, ended."""
+    out = []
+    for h in workers:
+        mine = [f for f in h.run("ls /root/.hyper/controller").stdout.split()
+                if f.startswith(f"{wid}.")]
+        for f in [f for f in mine if f.endswith(".json")]:
+            lease = json.loads(h.run(f"cat /root/.hyper/controller/{f}").stdout or "{}")
+            if lease.get("ended") is True and lease.get("ttl") is None:
+                mine = [x for x in mine if x not in (f, f[:-len(".json")] + ".lock")]
+        out += mine
+    return out
 
 
 def decoys_kept(workers) -> bool:
@@ -394,8 +403,7 @@ def test_top_cost_and_ui_show_what_the_controller_knows(ssh_hosts, tmp_path, hyp
                  timeout=300, interval=1, what="the dashboard showing the workflow's end")
         assert {t["status"] for t in _ui(f"/api/w/{wid}", base, jar)["tasks"]} == {"succeeded"}
         # its records are here now: its backups went from the nodes, nothing else there did
-        wait_for(lambda: not any(wid in h.run("ls /root/.hyper/controller").stdout
-                                 for h in workers), timeout=60, interval=0.5,
+        wait_for(lambda: not backups_of(workers, wid), timeout=60, interval=0.5,
                  what="the workflow's backups removed from the nodes")
         assert all(h.run("test -d /root/.hyper/controller").returncode == 0 for h in workers)
     finally:

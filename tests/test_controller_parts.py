@@ -382,12 +382,42 @@ def test_drop_removes_only_the_workflows_own_backup_files(tmp_path):
         assert (tmp_path / "n0" / "far-1.t0.blob").exists()
         assert ctl.drop() == 3
         left = sorted(p.name for n in ("n0", "n1", "n2") for p in (tmp_path / n).iterdir())
-        assert left == ["far-2.t9.json"], left
+        assert left == ["far-1.t0.json"] * 3 + ["far-1.t0.lock"] * 3 + ["far-2.t9.json"], \
+            left  # the lease record and its lock file stay
+        kept = json.loads((tmp_path / "n1" / "far-1.t0.json").read_text())
+        assert (kept["holder"], kept["ttl"], kept["ended"]) == ("controller A", None, True)
         assert precious.read_text() == "keep"
     finally:
         ctl.close()
         if other is not None:
             other.close()
+
+
+def test_a_driver_cut_off_finds_its_lease_lost_after_the_records_were_dropped(tmp_path):
+    """Controller A is cut off; its lease expires and this machine (B) takes the workflow
+    over, drives it to its end and drops the backups. A, back, must find the lease taken
+    (and stop), not an empty place where it may write its lease and drive the ended
+    workflow again."""
+    from hypercli.controller.backup import LeaseLost
+    a = _local_replicas(tmp_path, "controller A", None, ttl=0.2)
+    b = None
+    try:
+        blob = pack({"workflow": {"id": "far-1", "spec": "{}"}, "tasks": [], "attempts": []})
+        a.write(blob)
+        time.sleep(0.3)  # A's lease expired by the replicas' clocks (A cut off)
+        b = _local_replicas(tmp_path, "here B", None, ttl=None)
+        b.write(blob)
+        assert b.drop() == 3
+        with pytest.raises(LeaseLost):
+            a.write(None)  # A back: its renewal
+        with pytest.raises(LeaseLost):
+            a.write(blob)
+        assert all(json.loads((tmp_path / n / "far-1.t0.json").read_text())["holder"]
+                   == "here B" for n in ("n0", "n1", "n2"))
+    finally:
+        a.close()
+        if b is not None:
+            b.close()
 
 
 def test_a_launch_is_sent_only_once_its_intents_are_backed_up(tmp_path):

@@ -124,13 +124,18 @@ for line in sys.stdin:
             continue
         if q["op"] == "drop":  # the workflow's records are safe elsewhere: its files go;
             gone = 0          # a symlink planted in their place is removed, never followed
-            for ext in (".json", ".blob", ".intents", ".log", ".json.tmp", ".blob.tmp",
-                        ".intents.tmp", ".log.tmp", ".lock"):
+            for ext in (".blob", ".intents", ".log", ".json.tmp", ".blob.tmp",
+                        ".intents.tmp", ".log.tmp"):
                 try:
                     os.unlink(base + ext)
                     gone += 1
                 except OSError:
                     pass
+            # but the lease stays, held by the dropper for good: a driver cut off before
+            # the workflow ended here must find it taken, not free to take again
+            put(meta_p, json.dumps({"holder": q["holder"], "ttl": None, "renewed_at": now,
+                                    "seq": (have or {}).get("seq", 0), "mac": None,
+                                    "ended": True}).encode())
             answer({"ok": True, "removed": gone})
             continue
         if q["op"] in ("intent", "delta"):
@@ -570,11 +575,14 @@ class Replicas:
         self._check(self._wait(futures, self.quorum))
 
     def drop(self) -> int:
-        """Remove this workflow's backup files from every replica that answers (its records
-        are kept elsewhere now: the user's machine copied them), unless another holder's
-        live lease is there. Only the files of :data:`NODE_SCRIPT`'s names are removed, each
-        unlinked (a symlink a task put in one's place is removed, not followed). Returns how
-        many replicas removed them."""
+        """Remove this workflow's backups from every replica that answers (its records are
+        kept elsewhere now: the user's machine copied them), unless another holder's live
+        lease is there. The records go (blob, intents, deltas: only the files of
+        :data:`NODE_SCRIPT`'s names, each unlinked, so a symlink a task put in one's place is
+        removed, not followed); the lease record stays, this holder's with no expiry and
+        ``"ended": true`` (a few bytes, kept), so a controller cut off before
+        the workflow ended elsewhere finds its lease lost when it is back, never free to take
+        and drive the ended workflow again. Returns how many replicas removed them."""
         answers = self._all({"op": "drop", "workflow": self.name, "holder": self.holder})
         return sum(isinstance(a, dict) and a.get("ok") is True for a in answers)
 
