@@ -14,4 +14,7 @@ python3 -m venv .venv
 .venv/bin/python -c 'import torch' 2>/dev/null \
   || .venv/bin/python -m pip install -q 'torch==2.13.0+cpu' \
   || echo "note: no CPU build of PyTorch 2.13.0 here: the distributed-training tests are skipped" >&2
-exec .venv/bin/python -m pytest -q "$@"
+# whole test files in two pytest processes (pytest-xdist; the longest files first, see
+# LONG_FILES in tests/conftest.py): most tests wait on hosts, containers and servers, so two
+# share 2 cores well; `-n 0` after it runs them in one process
+exec .venv/bin/python -m pytest -q -n 2 --dist loadfile "$@"
