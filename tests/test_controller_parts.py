@@ -92,6 +92,70 @@ def test_a_replica_keeps_one_holder_until_its_lease_expires_or_is_handed_on(tmp_
         "far-1.blob", "far-1.intents", "far-1.json", "far-1.lock", "far-2.lock"]
 
 
+def test_a_node_witnesses_a_launch_and_refuses_one_from_a_holder_that_lost_the_lease(
+        tmp_path):
+    """A controller's launch to a replica node carries its witness (the signed intent of
+    the attempt): the node's agent appends it beside the workflow's backups before it
+    starts the attempt, where a takeover reads it (HMAC checked), and a whole copy
+    numbered after it drops it. Once another holder took the workflow over on that node,
+    a launch witnessed by the old holder is refused and never run."""
+    import os
+    import signal
+
+    from hypercli.controller.backup import Replicas, new_key, trusted
+    from hypercli.node.client import local_agent
+    folder = tmp_path / "node" / "controller"
+    rep = _Replica(folder)
+    agent = local_agent("n1", tmp_path / "node")
+    pid = agent.call("hello")["pid"]
+    key = new_key()
+    wf = {"id": "far-1", "spec": {"token": "t0", "backup_key": key}}
+    node = {"name": "n1", "cluster": "far", "info": {"root": str(tmp_path / "node")}}
+    old, new = (Replicas(None, [node], wf, h, seq=1) for h in ("controller A", "here B"))
+
+    def launch(aid: str, witness: dict) -> dict:
+        return agent.call("launch", attempts=[{"id": aid, "script": "true", "env": {},
+                                               "cwd": str(tmp_path),
+                                               "witness": witness}])["states"][aid]
+    try:
+        w = dict(op="write", workflow="far-1.t0")
+        assert rep(**w, holder="controller A", ttl=30, seq=1, blob="a1")["ok"]
+        rows = [["far-1.a-0000.1", "far-1", "a-0000", 1, "n1", 0]]
+        first = old.witness("n1", rows)
+        assert old.witness("n9", rows) is None  # not a replica: no witness
+        assert launch("far-1.a-0000.1", first)["state"] != "refused"
+        got = trusted([rep(op="read", workflow="far-1.t0")], key, "far-1.t0")[0]
+        assert got["intents"] == [first["line"]]  # the node's own record of the launch
+        assert first["line"]["seq"] == 2  # numbered as an intent: after blob 1
+        forged = dict(first, line={**first["line"], "rows": [["far-1.x.1", "far-1", "a-0001",
+                                                             1, "n1", 0]]})
+        launch("far-1.x.1", forged)  # a line whose HMAC fails is not taken
+        got = trusted([rep(op="read", workflow="far-1.t0")], key, "far-1.t0")[0]
+        assert got["intents"] == [first["line"]]
+        assert rep(**w, holder="here B", ttl=None, seq=3, blob="b3", handoff="controller A",
+                   )["ok"]  # taken over: blob 3 holds the attempt, the witness goes
+        assert rep(op="read", workflow="far-1.t0")["intents"] == []
+        late = old.witness("n1", [["far-1.a-0002.1", "far-1", "a-0002", 1, "n1", 0]])
+        st = launch("far-1.a-0002.1", late)
+        assert st["state"] == "refused" and "here B" in st["error"], st
+        assert st.get("lacks") is None
+        assert not (tmp_path / "node" / "tasks" / "far-1.a-0002.1").exists()  # never run
+        assert rep(op="read", workflow="far-1.t0")["intents"] == []
+        new.seq = 3
+        mine = new.witness("n1", [["far-1.a-0003.1", "far-1", "a-0003", 1, "n1", 0]])
+        assert launch("far-1.a-0003.1", mine)["state"] != "refused"
+        assert [i["seq"] for i in rep(op="read", workflow="far-1.t0")["intents"]] == [4]
+        # a record name that could leave the folder is refused, nothing written
+        bad = dict(mine, name="../../x")
+        assert launch("far-1.a-0004.1", bad)["state"] == "refused"
+        assert not (tmp_path / "x.intents").exists()
+    finally:
+        rep.close()
+        agent.close()
+        if not wait_for(lambda: not os.path.exists(f"/proc/{pid}"), timeout=10):
+            os.kill(pid, signal.SIGKILL)
+
+
 def test_a_workflows_records_move_between_state_files(tmp_path, write_recipe, monkeypatch):
     from hypercli.plan import build_plan
     from hypercli.recipe import load_recipe
