@@ -156,6 +156,40 @@ def test_a_node_witnesses_a_launch_and_refuses_one_from_a_holder_that_lost_the_l
             os.kill(pid, signal.SIGKILL)
 
 
+def test_a_takeover_reads_a_witness_on_a_node_with_no_record_yet(tmp_path):
+    """A node that missed the handover's whole copy (it took none yet) but got a launch
+    holds only that launch's witness: a read answers it (found: false, its intents), its
+    HMAC is checked, and it becomes a launching attempt beside the blob of the others."""
+    from hypercli.controller.backup import mac, new_key, trusted, with_intents
+    from hypercli.node.agent import Agent
+    key = new_key()
+    ctl = _local_replicas(tmp_path, "controller A", key)
+    try:
+        blob = pack({"workflow": {"id": "far-1", "spec": "{}"}, "attempts": [],
+                     "tasks": [{"id": "a-0000", "status": "pending", "attempts": 0}]})
+        for r in ctl.replicas[:2]:  # n2 is not reached
+            got = r.call({"op": "write", "workflow": "far-1.t0", "holder": "controller A",
+                          "ttl": 30, "seq": 1, "blob": blob,
+                          "mac": mac(key, "far-1.t0", "blob", 1, blob)})
+            assert got == {"ok": True}
+        ctl.seq = 1
+        w = ctl.witness("n2", [["far-1.a-0000.1", "far-1", "a-0000", 1, "n2", 0]])
+        assert w["dir"] == "~/.hyper/controller"  # the replicas' folder on the node
+        assert Agent._witness(str(tmp_path / "n2"), w["name"], w["holder"],
+                              [w["line"]]) is None
+        Agent._witness(str(tmp_path / "n2"), w["name"], w["holder"],  # a forged line
+                       [{**w["line"], "rows": [["far-1.x.1", "far-1", "a-0000", 1, "n2"]]}])
+        answers = ctl.read()
+        assert [a["found"] for a in answers] == [True, True, False]
+        assert [len(a.get("intents") or []) for a in answers] == [0, 0, 1]  # checked
+        export = with_intents(unpack(blob), 1, answers)
+        assert [(a["id"], a["node"], a["status"]) for a in export["attempts"]] == [
+            ("far-1.a-0000.1", "n2", "launching")]
+        assert trusted(answers, key, "far-1.t0") == answers
+    finally:
+        ctl.close()
+
+
 def test_a_workflows_records_move_between_state_files(tmp_path, write_recipe, monkeypatch):
     from hypercli.plan import build_plan
     from hypercli.recipe import load_recipe
