@@ -40,8 +40,10 @@ whose node does not answer at the takeover is known to no one; the new driver ru
 again elsewhere. When that node comes back, the attempt runs on there to its end, watched by
 no driver: its logs and output are never collected, its use of the node is counted by no
 driver's claims, its witness line stays in that node's ``.intents`` unread (the takeover is
-done) until the backups are removed, and nothing fences it. Each replica is served by one small Python process on one SSH channel that stays
-open (``python3 -I -S -c``; the node needs nothing but its python3, as for the agent).
+done) until the backups are removed, and nothing fences it.
+
+Each replica is served by one small Python process on one SSH channel that stays open
+(``python3 -I -S -c``; the node needs nothing but its python3, as for the agent).
 
 Tasks: a task that runs as root on a node (no ``image:``) can write these files. So nothing
 read from a replica is trusted on its own: each blob and intent carries an HMAC-SHA256 (RFC

@@ -14,9 +14,9 @@ node's agent writes before it starts the attempt, :func:`_gated`) and goes at on
 to any other node waits in its node's thread until the group commit (:class:`_Intents`, one
 append per APPEND_GAP s at most, the scheduler never waiting) has it on a majority; the
 whole records follow within FLUSH_EVERY s of any change, so whoever takes the workflow over
-knows every attempt that may have started, but for the gap the backup module names. A lease it loses (another driver took
-the workflow) stops that thread at once, leaving the tasks running. It exits after IDLE_EXIT s
-with nothing to drive.
+knows every attempt that may have started, but for the gap the backup module names. A lease
+it loses (another driver took the workflow) stops that thread at once, leaving the tasks
+running. It exits after IDLE_EXIT s with nothing to drive.
 """
 
 from __future__ import annotations
