@@ -547,6 +547,61 @@ def test_a_launch_is_sent_only_once_its_intents_are_backed_up(tmp_path):
         ctl.close()
 
 
+def test_a_launch_to_a_replica_goes_with_its_witness_and_one_elsewhere_waits(tmp_path):
+    """While the intents' append is under way, a launch to a replica node is sent at once,
+    carrying the signed intent of every rank of its attempt (its witness); a launch to a
+    node that is not a replica (a replacement node) is sent only once the append is on a
+    majority, without a witness."""
+    import threading
+
+    from hypercli.controller.backup import trusted
+    from hypercli.controller.host import _gated, _Intents
+
+    class Worker:  # a scheduler's node thread: what reaches _handle is sent to the node
+        def __init__(self, node):
+            self.node, self.sent = node, []
+
+        def _handle(self, op, payload):
+            self.sent.append((op, [(s["id"], s.get("witness")) for s in payload]))
+            return False
+
+    ctl = _local_replicas(tmp_path, "controller A", "ab" * 32)
+    intents = _Intents(ctl, lambda e: None, lambda s: None)
+    stall = threading.Event()
+    try:
+        ctl.write(pack({"workflow": {"id": "far-1", "spec": "{}"}, "tasks": [],
+                        "attempts": []}))
+        real = ctl.intend
+        ctl.intend = lambda rows: (stall.wait(60), real(rows))[1]  # the append under way
+        intents.start()
+        gates, rep, other = {}, Worker("n1"), Worker("far-9")
+        for w in (rep, other):
+            _gated(w, gates, intents.stats, ctl.witness)
+        gang = [("far-1.a-0000.1-r0", "far-1", "a-0000", 1, "n1", 0),
+                ("far-1.a-0000.1-r1", "far-1", "a-0000", 1, "n2", 1)]
+        alone = [("far-1.a-0001.1", "far-1", "a-0001", 1, "far-9", 0)]
+        batch = intents.add(gang + alone)
+        gates.update({r[0]: batch for r in gang + alone})
+        rep._handle("launch", [{"id": gang[0][0]}])  # returns: sent without waiting
+        [(op, [(aid, w)])] = rep.sent
+        assert aid == gang[0][0] and w["holder"] == "controller A"
+        assert sorted(r[0] for r in w["line"]["rows"]) == [gang[0][0], gang[1][0]]
+        line = {"found": False, "intents": [w["line"]]}
+        assert trusted([line], ctl.key, ctl.name)[0]["intents"] == [w["line"]]  # signed
+        t = threading.Thread(target=other._handle, args=("launch", [{"id": alone[0][0]}]))
+        t.start()
+        t.join(1)
+        assert other.sent == []  # not a replica: waits for the append
+        stall.set()
+        t.join(60)
+        assert other.sent == [("launch", [(alone[0][0], None)])]
+    finally:
+        stall.set()
+        intents.stop()
+        intents.join(10)
+        ctl.close()
+
+
 def _workflow(tmp_path, write_recipe, tasks: int = 3):
     """A state file with change tracking on and a planned workflow of ``tasks`` tasks on a
     cluster of one node: (state, workflow id)."""
