@@ -20,7 +20,8 @@ Rules (paper section III-D for the re-run of lost work):
     nodes. A rank that fails or is lost stops the others; the attempt ends when its last rank
     has, and counts as one success (every rank exited 0) or one failure.
   * An attempt its node *refused* (a container task where the container runtime does not
-    work; an ``engine:`` task where the engine is not installed) uses no retry: the task goes
+    work; an ``engine:`` task where the engine is not installed; a controller's launch on a
+    node that saw another driver take the workflow over) uses no retry: the task goes
     back to the queue and that node gets no more tasks that need what it lacks; when no node
     is left that could hold a ready task, the run ends (InfraError, naming what is missing).
   * A failed attempt (exit code ≠ 0) or a lost one (its node, or the agent that started it, died)
@@ -999,8 +1000,8 @@ class Scheduler:
                             "lost; result discarded" % st.get("code"))
                     att_upd.append({"id": aid, "error": note})
                 continue
-            lacks = st.get("lacks") or "containers"
-            if st["state"] == "refused" and lacks not in self.lacking.get(node, {}):
+            lacks = st.get("lacks", "containers")  # null: nothing the node lacks (a lease)
+            if st["state"] == "refused" and lacks and lacks not in self.lacking.get(node, {}):
                 self.lacking.setdefault(node, {})[lacks] = st.get("error") or "refused"
                 what = "container" if lacks == "containers" else lacks
                 self.state.event("node", f"no {what} tasks here any more: {st.get('error')}",

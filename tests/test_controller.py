@@ -6,6 +6,7 @@ over from the backups on the nodes. Every task ends with exactly one success."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sysconfig
@@ -34,18 +35,20 @@ def open_gate(hosts) -> None:
         h.run("touch /root/go", check=True)
 
 
-def controller_recipe(tmp_path, pool, controller, workers, name: str = "far", gate: int = 3):
+def controller_recipe(tmp_path, pool, controller, workers, name: str = "far", gate: int = 3,
+                      tasks: int = 9, env: str = ""):
     """A recipe of the ssh cluster ``workers`` driven by the host ``controller``, whose
     Python runs with this checkout's packages (the hosts' /usr/bin/python3 is the same 3.11;
-    this Python's own binary lives under /root, which each host has its own of); 9 tasks,
-    those from ``gate`` on waiting for :func:`open_gate`."""
-    controller.run(f"printf '#!/bin/sh\\nPYTHONPATH=\"$PYTHONPATH:{PACKAGES}\" exec "
+    this Python's own binary lives under /root, which each host has its own of), and
+    ``env`` (``NAME=value ...``) in its environment; ``tasks`` tasks, those from ``gate`` on
+    waiting for :func:`open_gate`."""
+    controller.run(f"printf '#!/bin/sh\\n{env} PYTHONPATH=\"$PYTHONPATH:{PACKAGES}\" exec "
                    f"/usr/bin/python3 \"$@\"\\n' > /root/py3 && chmod +x /root/py3", check=True)
     recipe = {"name": name, "workdir": "none",
               "cluster": {"provider": "ssh", "hosts": [h.address() for h in workers],
                           "identity_file": str(pool.client_key),
                           "controller": controller.address(), "controller_python": "/root/py3"},
-              "experiments": {"work": {"parameters": {"i": list(range(9))}, "retries": 2,
+              "experiments": {"work": {"parameters": {"i": list(range(tasks))}, "retries": 2,
                                        "command": COMMAND % gate}}}
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
@@ -201,6 +204,57 @@ def test_controller_killed_is_taken_over_from_the_backups(ssh_hosts, tmp_path, h
     wait_for(lambda: not backups_of(workers, wid), timeout=60, interval=0.5,
              what="the controller's backups removed once the workflow ended here")
     assert decoys_kept(workers)
+
+
+def test_a_launch_known_only_to_its_node_is_taken_over_not_run_again(ssh_hosts, tmp_path,
+                                                                      hyper, hyper_home):
+    """The controller dies after its launches reached their nodes and before their intents
+    reached any other replica (the test seam HYPER_TEST_UNSAFE_NO_APPENDS: the controller
+    appends no intent and writes no records after the handover's): each node kept its own
+    launch's witness beside the backups, so `hyper attach` finds every attempt there and
+    re-attaches it, though another workflow run from here meanwhile took a slot on the
+    first node (a driver that did not know the attempts would place their tasks anew, on
+    other nodes). Each task starts once and succeeds with its first attempt."""
+    hosts = ssh_hosts.start(4, share=(ROOT, PACKAGES))
+    controller, workers = hosts[0], hosts[1:]
+    path = controller_recipe(tmp_path, ssh_hosts, controller, workers, gate=0, tasks=3,
+                             env="HYPER_TEST_UNSAFE_NO_APPENDS=1")
+    r = hyper("run", path, "--controller", "--trust-new-hosts", "-d", timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    wid = next(line.split()[0] for line in r.stdout.splitlines()
+               if "is driven by the controller" in line)
+    wait_for(lambda: len(starts(workers)) >= 3, timeout=300, interval=0.5,
+             what="the three tasks started by the controller")
+    controller.kill()
+    # each node holds the signed intent of the attempt launched there, and no other does
+    for h in workers:
+        lines = h.run(f"cat /root/.hyper/controller/{wid}.*.intents").stdout.splitlines()
+        assert len(lines) == 1 and len(json.loads(lines[0])["rows"]) == 1, lines
+    other = yaml.safe_load(path.read_text())
+    other["name"], other["cluster"]["name"] = "near", "far"
+    del other["cluster"]["controller"], other["cluster"]["controller_python"]
+    other["experiments"] = {"hold": {"command": "while [ ! -e /root/go2 ]; do sleep 0.2; "
+                                                "done"}}
+    near = tmp_path / "near.yaml"
+    near.write_text(yaml.safe_dump(other, sort_keys=False))
+    r = hyper("run", near, "-d", timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    held = re.search(r"near-[0-9]+", r.stdout).group(0)
+    wait_for(lambda: [row["status"] for row in ps(hyper, held)] == ["running"],
+             timeout=300, interval=0.5, what="the other workflow's task running")
+    open_gate(workers)
+    try:
+        r = hyper("attach", wid, timeout=600)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "took" in r.stdout and "over from the controller" in r.stdout, r.stdout
+        rows = ps(hyper, wid)
+        assert [(row["status"], row["attempts"]) for row in rows] == [("succeeded", 1)] * 3
+        assert sorted(starts(workers), key=int) == ["0", "1", "2"]  # none twice
+    finally:
+        for h in workers:
+            h.run("touch /root/go2")
+        wait_for(lambda: [row["status"] for row in ps(hyper, held)] == ["succeeded"],
+                 timeout=300, interval=0.5, what="the other workflow's end")
 
 
 def test_a_controller_cut_off_and_back_stops_driving_what_was_taken_over(ssh_hosts, tmp_path,

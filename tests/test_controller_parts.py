@@ -92,6 +92,104 @@ def test_a_replica_keeps_one_holder_until_its_lease_expires_or_is_handed_on(tmp_
         "far-1.blob", "far-1.intents", "far-1.json", "far-1.lock", "far-2.lock"]
 
 
+def test_a_node_witnesses_a_launch_and_refuses_one_from_a_holder_that_lost_the_lease(
+        tmp_path):
+    """A controller's launch to a replica node carries its witness (the signed intent of
+    the attempt): the node's agent appends it beside the workflow's backups before it
+    starts the attempt, where a takeover reads it (HMAC checked), and a whole copy
+    numbered after it drops it. Once another holder took the workflow over on that node,
+    a launch witnessed by the old holder is refused and never run."""
+    import os
+    import signal
+
+    from hypercli.controller.backup import Replicas, new_key, trusted
+    from hypercli.node.client import local_agent
+    folder = tmp_path / "node" / "controller"
+    rep = _Replica(folder)
+    agent = local_agent("n1", tmp_path / "node")
+    pid = agent.call("hello")["pid"]
+    key = new_key()
+    wf = {"id": "far-1", "spec": {"token": "t0", "backup_key": key}}
+    node = {"name": "n1", "cluster": "far", "info": {"root": str(tmp_path / "node")}}
+    old, new = (Replicas(None, [node], wf, h, seq=1) for h in ("controller A", "here B"))
+
+    def launch(aid: str, witness: dict) -> dict:
+        return agent.call("launch", attempts=[{"id": aid, "script": "true", "env": {},
+                                               "cwd": str(tmp_path),
+                                               "witness": witness}])["states"][aid]
+    try:
+        w = dict(op="write", workflow="far-1.t0")
+        assert rep(**w, holder="controller A", ttl=30, seq=1, blob="a1")["ok"]
+        rows = [["far-1.a-0000.1", "far-1", "a-0000", 1, "n1", 0]]
+        first = old.witness("n1", rows)
+        assert old.witness("n9", rows) is None  # not a replica: no witness
+        assert launch("far-1.a-0000.1", first)["state"] != "refused"
+        got = trusted([rep(op="read", workflow="far-1.t0")], key, "far-1.t0")[0]
+        assert got["intents"] == [first["line"]]  # the node's own record of the launch
+        assert first["line"]["seq"] == 2  # numbered as an intent: after blob 1
+        forged = dict(first, line={**first["line"], "rows": [["far-1.x.1", "far-1", "a-0001",
+                                                             1, "n1", 0]]})
+        launch("far-1.x.1", forged)  # a line whose HMAC fails is not taken
+        got = trusted([rep(op="read", workflow="far-1.t0")], key, "far-1.t0")[0]
+        assert got["intents"] == [first["line"]]
+        assert rep(**w, holder="here B", ttl=None, seq=3, blob="b3", handoff="controller A",
+                   )["ok"]  # taken over: blob 3 holds the attempt, the witness goes
+        assert rep(op="read", workflow="far-1.t0")["intents"] == []
+        late = old.witness("n1", [["far-1.a-0002.1", "far-1", "a-0002", 1, "n1", 0]])
+        st = launch("far-1.a-0002.1", late)
+        assert st["state"] == "refused" and "here B" in st["error"], st
+        assert st.get("lacks") is None
+        assert not (tmp_path / "node" / "tasks" / "far-1.a-0002.1").exists()  # never run
+        assert rep(op="read", workflow="far-1.t0")["intents"] == []
+        new.seq = 3
+        mine = new.witness("n1", [["far-1.a-0003.1", "far-1", "a-0003", 1, "n1", 0]])
+        assert launch("far-1.a-0003.1", mine)["state"] != "refused"
+        assert [i["seq"] for i in rep(op="read", workflow="far-1.t0")["intents"]] == [4]
+        # a record name that could leave the folder is refused, nothing written
+        bad = dict(mine, name="../../x")
+        assert launch("far-1.a-0004.1", bad)["state"] == "refused"
+        assert not (tmp_path / "x.intents").exists()
+    finally:
+        rep.close()
+        agent.close()
+        if not wait_for(lambda: not os.path.exists(f"/proc/{pid}"), timeout=10):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_takeover_reads_a_witness_on_a_node_with_no_record_yet(tmp_path):
+    """A node that missed the handover's whole copy (it took none yet) but got a launch
+    holds only that launch's witness: a read answers it (found: false, its intents), its
+    HMAC is checked, and it becomes a launching attempt beside the blob of the others."""
+    from hypercli.controller.backup import mac, new_key, trusted, with_intents
+    from hypercli.node.agent import Agent
+    key = new_key()
+    ctl = _local_replicas(tmp_path, "controller A", key)
+    try:
+        blob = pack({"workflow": {"id": "far-1", "spec": "{}"}, "attempts": [],
+                     "tasks": [{"id": "a-0000", "status": "pending", "attempts": 0}]})
+        for r in ctl.replicas[:2]:  # n2 is not reached
+            got = r.call({"op": "write", "workflow": "far-1.t0", "holder": "controller A",
+                          "ttl": 30, "seq": 1, "blob": blob,
+                          "mac": mac(key, "far-1.t0", "blob", 1, blob)})
+            assert got == {"ok": True}
+        ctl.seq = 1
+        w = ctl.witness("n2", [["far-1.a-0000.1", "far-1", "a-0000", 1, "n2", 0]])
+        assert w["dir"] == "~/.hyper/controller"  # the replicas' folder on the node
+        assert Agent._witness(str(tmp_path / "n2"), w["name"], w["holder"],
+                              [w["line"]]) is None
+        Agent._witness(str(tmp_path / "n2"), w["name"], w["holder"],  # a forged line
+                       [{**w["line"], "rows": [["far-1.x.1", "far-1", "a-0000", 1, "n2"]]}])
+        answers = ctl.read()
+        assert [a["found"] for a in answers] == [True, True, False]
+        assert [len(a.get("intents") or []) for a in answers] == [0, 0, 1]  # checked
+        export = with_intents(unpack(blob), 1, answers)
+        assert [(a["id"], a["node"], a["status"]) for a in export["attempts"]] == [
+            ("far-1.a-0000.1", "n2", "launching")]
+        assert trusted(answers, key, "far-1.t0") == answers
+    finally:
+        ctl.close()
+
+
 def test_a_workflows_records_move_between_state_files(tmp_path, write_recipe, monkeypatch):
     from hypercli.plan import build_plan
     from hypercli.recipe import load_recipe
@@ -472,6 +570,61 @@ def test_a_launch_is_sent_only_once_its_intents_are_backed_up(tmp_path):
         w._handle("launch", [{"id": "far-1.a-0002.1"}])
         assert [op for op, ids in w.sent if "far-1.a-0002.1" in ids] == []
         assert isinstance(failures[0], LeaseLost)
+    finally:
+        stall.set()
+        intents.stop()
+        intents.join(10)
+        ctl.close()
+
+
+def test_a_launch_to_a_replica_goes_with_its_witness_and_one_elsewhere_waits(tmp_path):
+    """While the intents' append is under way, a launch to a replica node is sent at once,
+    carrying the signed intent of every rank of its attempt (its witness); a launch to a
+    node that is not a replica (a replacement node) is sent only once the append is on a
+    majority, without a witness."""
+    import threading
+
+    from hypercli.controller.backup import trusted
+    from hypercli.controller.host import _gated, _Intents
+
+    class Worker:  # a scheduler's node thread: what reaches _handle is sent to the node
+        def __init__(self, node):
+            self.node, self.sent = node, []
+
+        def _handle(self, op, payload):
+            self.sent.append((op, [(s["id"], s.get("witness")) for s in payload]))
+            return False
+
+    ctl = _local_replicas(tmp_path, "controller A", "ab" * 32)
+    intents = _Intents(ctl, lambda e: None, lambda s: None)
+    stall = threading.Event()
+    try:
+        ctl.write(pack({"workflow": {"id": "far-1", "spec": "{}"}, "tasks": [],
+                        "attempts": []}))
+        real = ctl.intend
+        ctl.intend = lambda rows: (stall.wait(60), real(rows))[1]  # the append under way
+        intents.start()
+        gates, rep, other = {}, Worker("n1"), Worker("far-9")
+        for w in (rep, other):
+            _gated(w, gates, intents.stats, ctl.witness)
+        gang = [("far-1.a-0000.1-r0", "far-1", "a-0000", 1, "n1", 0),
+                ("far-1.a-0000.1-r1", "far-1", "a-0000", 1, "n2", 1)]
+        alone = [("far-1.a-0001.1", "far-1", "a-0001", 1, "far-9", 0)]
+        batch = intents.add(gang + alone)
+        gates.update({r[0]: batch for r in gang + alone})
+        rep._handle("launch", [{"id": gang[0][0]}])  # returns: sent without waiting
+        [(op, [(aid, w)])] = rep.sent
+        assert aid == gang[0][0] and w["holder"] == "controller A"
+        assert sorted(r[0] for r in w["line"]["rows"]) == [gang[0][0], gang[1][0]]
+        line = {"found": False, "intents": [w["line"]]}
+        assert trusted([line], ctl.key, ctl.name)[0]["intents"] == [w["line"]]  # signed
+        t = threading.Thread(target=other._handle, args=("launch", [{"id": alone[0][0]}]))
+        t.start()
+        t.join(1)
+        assert other.sent == []  # not a replica: waits for the append
+        stall.set()
+        t.join(60)
+        assert other.sent == [("launch", [(alone[0][0], None)])]
     finally:
         stall.set()
         intents.stop()

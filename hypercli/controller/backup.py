@@ -25,8 +25,25 @@ now and then the whole records again (a blob), which drops the intents and delta
 Whoever takes the workflow over applies the deltas newer than the newest blob in order
 (:func:`with_changes`), then adds the intents newer than it as attempts still launching; the
 agent's launch is idempotent per attempt id, so one the node did get is
-re-attached. Each replica is served by one small Python process on one SSH channel that stays
-open (``python3 -I -S -c``; the node needs nothing but its python3, as for the agent).
+re-attached.
+
+The node as the witness of its own launches: a launch to a replica node carries the intent of
+its attempt (every rank of it), numbered and signed as an intent (:meth:`Replicas.witness`),
+and that node's agent appends it to ``.intents`` under the flock of ``.lock`` (this server's
+lock) and fsyncs it before it starts the attempt (:meth:`hypercli.node.agent.Agent.witness`);
+it refuses the launch when ``.json`` there names another holder whose lease is live by its
+own clock (the rule of this server). So the controller sends such a launch at once; the
+intents still go to a majority, several launches in one append, for the case of a node that
+dies with its witness. A read of a node with no record yet answers the witnesses it has.
+What is left uncovered: an attempt whose controller died before its majority append and
+whose node does not answer at the takeover is known to no one; the new driver runs its task
+again elsewhere. When that node comes back, the attempt runs on there to its end, watched by
+no driver: its logs and output are never collected, its use of the node is counted by no
+driver's claims, its witness line stays in that node's ``.intents`` unread (the takeover is
+done) until the backups are removed, and nothing fences it.
+
+Each replica is served by one small Python process on one SSH channel that stays open
+(``python3 -I -S -c``; the node needs nothing but its python3, as for the agent).
 
 Tasks: a task that runs as root on a node (no ``image:``) can write these files. So nothing
 read from a replica is trusted on its own: each blob and intent carries an HMAC-SHA256 (RFC
@@ -105,8 +122,9 @@ for line in sys.stdin:
         now = time.time()
         have = load(meta_p)
         if q["op"] == "read":
-            if have is None:
-                answer({"found": False})
+            if have is None:  # a launch's witness may be here before any record (agent.py)
+                w = intents(int_p)
+                answer({"found": False, **({"intents": w} if w else {})})
                 continue
             try:
                 with open(blob_p, "rb") as f:
@@ -573,6 +591,26 @@ class Replicas:
                                   "ttl": self.ttl, "seq": seq, "delta": text,
                                   "mac": mac(self.key, self.name, "delta", seq, text)})
         self._check(self._wait(futures, self.quorum))
+
+    def witness(self, node: str, rows: list) -> dict | None:
+        """The witness of a launch to replica ``node`` (a node name): the signed intent of
+        ``rows`` (``State.start_attempts`` rows: every rank of the attempts launched), which
+        that node's agent appends to this record's ``.intents`` there before it starts them
+        (:meth:`hypercli.node.agent.Agent.witness`). ``{"dir": the replicas' folder on the
+        node, "name", "holder", "line": {"seq", "mac", "rows"}}``; None when ``node`` is not
+        a replica. Its number is taken as an intent's: the rows were committed before, so a
+        blob numbered after it holds them (and drops it), one numbered before keeps it."""
+        rep = next((r for r in self.replicas if r.node["name"] == node), None)
+        if rep is None:
+            return None
+        rows = [list(r) for r in rows]
+        with self.lock:
+            self.seq += 1
+            seq = self.seq
+        root = (rep.node.get("info") or {}).get("root") or "~/.hyper"
+        return {"dir": root + "/controller", "name": self.name, "holder": self.holder,
+                "line": {"seq": seq, "mac": mac(self.key, self.name, "intent", seq,
+                                                _rows_text(rows)), "rows": rows}}
 
     def drop(self) -> int:
         """Remove this workflow's backups from every replica that answers (its records are

@@ -490,7 +490,8 @@ def takeover(state: S.State, wid: str, *, wait: float | None = None,
     end = time.monotonic() + wait
     try:
         while True:
-            found = [g for g in reps.read() if g["found"]]
+            answered = reps.read()  # a launch's witness may be on a node with no record yet
+            found = [g for g in answered if g["found"]]
             kept = [g for g in found if g.get("blob")]  # HMACs verified (backup.trusted)
             if not kept:
                 raise InfraError(f"no backup of {wid} is on its nodes",
@@ -510,11 +511,11 @@ def takeover(state: S.State, wid: str, *, wait: float | None = None,
                 continue
             try:
                 export = with_intents(with_changes(unpack(newest["blob"]), newest["seq"],
-                                                   found), newest["seq"], found)
+                                                   found), newest["seq"], answered)
             except ValueError as e:
                 raise InfraError(f"the backup of {wid} on {newest['node']} cannot be read: "
                                  f"{e}") from None
-            reps.seq = max([newest["seq"]] + [i.get("seq", 0) for g in found
+            reps.seq = max([newest["seq"]] + [i.get("seq", 0) for g in answered
                                               for i in (g.get("intents") or [])
                                               + (g.get("log") or [])])
             try:

@@ -9,11 +9,14 @@ in a session of its own so the SSH connection that started it may end. It drives
 workflow of its state file whose lease it holds, each in a thread with a
 :class:`~hypercli.scheduler.Scheduler` over a :class:`BackedState`: the attempts a committed
 transaction is about to launch are written to the replicas (:mod:`hypercli.controller.backup`)
-before their launch is sent (a group commit, :class:`_Intents`: the node threads wait, not the
-scheduler), the whole records within FLUSH_EVERY s of any change, so whoever takes the
-workflow over knows every attempt that may have started. A lease it loses (another driver took
-the workflow) stops that thread at once, leaving the tasks running. It exits after IDLE_EXIT s
-with nothing to drive.
+before they start: a launch to a replica node carries its own intent (its witness, which that
+node's agent writes before it starts the attempt, :func:`_gated`) and goes at once; a launch
+to any other node waits in its node's thread until the group commit (:class:`_Intents`, one
+append per APPEND_GAP s at most, the scheduler never waiting) has it on a majority; the
+whole records follow within FLUSH_EVERY s of any change, so whoever takes the workflow over
+knows every attempt that may have started, but for the gap the backup module names. A lease
+it loses (another driver took the workflow) stops that thread at once, leaving the tasks
+running. It exits after IDLE_EXIT s with nothing to drive.
 """
 
 from __future__ import annotations
@@ -49,6 +52,13 @@ WHOLE_EVERY = 30.0
 #: s at most that a node thread which reported ends waits for the launches answering them
 #: (twice the intents' moving time: the scheduler's launch_delay), before it polls again
 MAX_DELAY = 0.25
+#: s at least between the starts of two intent appends: the launches placed meanwhile go in
+#: one (a launch to a replica node does not wait for it: it carries its witness, _gated)
+APPEND_GAP = 0.05
+#: a test seam, read only here: when set in the service's environment, it makes no intent
+#: append and no write of the records after the handover's, and sends launches as if their
+#: appends were on a majority (unsafe: for injecting a controller that dies first)
+TEST_NO_APPENDS = "HYPER_TEST_UNSAFE_NO_APPENDS"
 
 log = logging.getLogger("hypercli.controller")
 
@@ -86,11 +96,12 @@ class BackedState(S.State):
 
 class _Batch:
     """One group of launch intents: ``done`` is set once they are on a majority of the
-    replicas, or ``error`` says why they are not."""
+    replicas, or ``error`` says why they are not; ``rows``: attempt id → its row."""
 
     def __init__(self):
         self.done = threading.Event()
         self.error: HyperError | None = None
+        self.rows: dict = {}
 
 
 class _Intents(threading.Thread):
@@ -98,12 +109,16 @@ class _Intents(threading.Thread):
     section 9.4.7; the DeWitt et al. group commit of 1984): the rows recorded while one
     append is on its way to the replicas go together in the next one, so the replicas' time
     per append (a round trip, an fsync on each) is shared by every launch placed meanwhile,
-    and the scheduler never waits for it. A launch waits for its batch in its node's thread
-    (:func:`_gated`) before it is sent: still write-ahead."""
+    and the scheduler never waits for it. A launch to a node that is not a replica waits
+    for its batch in its node's thread (:func:`_gated`) before it is sent: still
+    write-ahead; one to a replica node carries its own intent (its witness) and goes at
+    once. Appends start at least ``gap`` s apart, so that many launches share one.
+    """
 
-    def __init__(self, replicas: Replicas, failed, took):
+    def __init__(self, replicas: Replicas, failed, took, gap: float = APPEND_GAP):
         super().__init__(name="intents", daemon=True)
-        self.replicas, self.failed, self.took = replicas, failed, took
+        self.replicas, self.failed, self.took, self.gap = replicas, failed, took, gap
+        self.skip = bool(os.environ.get(TEST_NO_APPENDS))  # the test seam (TEST_NO_APPENDS)
         self.cv = threading.Condition()
         self.rows: list = []
         self.batch = _Batch()
@@ -116,6 +131,7 @@ class _Intents(threading.Thread):
         """Queue ``rows`` (``State.start_attempts`` rows); returns the batch they go in."""
         with self.cv:
             self.rows += rows
+            self.batch.rows.update((r[0], r) for r in rows)
             self.cv.notify()
             return self.batch
 
@@ -125,16 +141,22 @@ class _Intents(threading.Thread):
             self.cv.notify()
 
     def run(self) -> None:
+        last = -self.gap
         while True:
             with self.cv:
                 while not self.rows and not self.stopping:
                     self.cv.wait()
                 if not self.rows:
                     return
+                rest = self.gap - (time.monotonic() - last)
+                if rest > 0 and not self.stopping:  # the launches placed meanwhile join
+                    self.cv.wait_for(lambda: self.stopping, rest)
                 rows, batch = self.rows, self.batch
                 self.rows, self.batch = [], _Batch()
-            began = time.monotonic()
+            began = last = time.monotonic()
             try:
+                if self.skip:
+                    continue  # (finally: the batch is let go unwritten)
                 self.replicas.intend(rows)
                 took = time.monotonic() - began
                 self.stats["appends"] += 1
@@ -180,6 +202,8 @@ class _Records:
         with ``forget``, then drop the change log's rows it holds from ``st`` (not on a
         :class:`BackedState`: that would be one more change). Raises as
         :meth:`Replicas.write`."""
+        if os.environ.get(TEST_NO_APPENDS):
+            return  # the test seam: nothing written after the handover's records
         with self.lock:
             whole = (whole or self.acked is None or self.log_bytes > self.whole_bytes
                      or time.monotonic() - self.whole_at >= self.whole_every)
@@ -204,18 +228,35 @@ class _Records:
             st.forget_changes(self.wid, made["mark"]["changes"])
 
 
-def _gated(worker, gates: dict, stats: dict | None = None) -> None:
+def _gated(worker, gates: dict, stats: dict | None = None, witness=None) -> None:
     """Make ``worker`` (a scheduler's NodeWorker) send a launch only once its attempts'
-    intents are on a majority of the replicas (``gates``: attempt id → :class:`_Batch`); a
-    launch whose batch failed is not sent (the drive stops, and the next one launches it
-    from the records: the agent's launch is idempotent per attempt id). ``stats``
-    (:class:`_Intents`'s) counts the launches that waited and the time they waited."""
+    intents are on a majority of the replicas (``gates``: attempt id → :class:`_Batch`), or
+    with their witness when its node is a replica (``witness``: (node name, rows) → the
+    witness, or None for a node that is not a replica: :meth:`Replicas.witness`; its rows
+    are every rank of the attempts launched): that node's agent writes the intent beside
+    its backups before it starts them, so the launch need not wait for the others. A
+    launch whose batch failed already is not sent (the drive stops, and the next one
+    launches it from the records: the agent's launch is idempotent per attempt id).
+    ``stats`` (:class:`_Intents`'s) counts the launches that waited and the time they
+    waited."""
     handle = worker._handle
 
     def gated(op, payload):
         if op == "launch":
-            for spec in payload:
-                batch = gates.pop(spec["id"], None)
+            held = [(spec, gates.pop(spec["id"], None)) for spec in payload]
+            held = [(spec, batch) for spec, batch in held if batch is not None]
+            if any(b.error is not None for _, b in held):
+                return False
+            if held and witness is not None:
+                keys = {tuple(b.rows[s["id"]][2:4]) for s, b in held if s["id"] in b.rows}
+                rows = {r[0]: r for _, b in held for r in b.rows.values()
+                        if tuple(r[2:4]) in keys}
+                w = witness(getattr(worker, "node", None), list(rows.values()))
+                if w is not None:
+                    for spec, _ in held:
+                        spec["witness"] = w
+                    held = []  # sent now, with their witness
+            for spec, batch in held:
                 if batch is not None:
                     if stats is not None and not batch.done.is_set():
                         began = time.monotonic()
@@ -553,7 +594,9 @@ class _Drive(threading.Thread):
 
             def took_(s: float) -> None:
                 took[0] = 0.8 * took[0] + 0.2 * s
-                if self.scheduler is not None:  # node threads wait for launches this long
+                if self.scheduler is not None and intents.stats["waits"]:  # node threads
+                    # wait for launches this long (only a launch to a node that is not a
+                    # replica waits for its append)
                     self.scheduler.launch_delay = min(2 * took[0], MAX_DELAY)
             gates: dict = {}
             intents = _Intents(self.replicas, failed, took_)
@@ -590,7 +633,8 @@ class _Drive(threading.Thread):
             try:
                 nodes = state.nodes(wf["cluster"], status="up")
                 self.scheduler = _Scheduler(state, self.wid, provider, nodes, gates=gates,
-                                            stats=intents.stats)
+                                            stats=intents.stats,
+                                            witness=self.replicas.witness)
                 if self.stopping:
                     return
                 log.info("driving %s on %d nodes", self.wid, len(nodes))
@@ -645,7 +689,7 @@ def _hang_up(provider, state: S.State, wid: str) -> None:
         log.warning("%s: connections not closed: %s", wid, e)
 
 
-def _Scheduler(*args, gates: dict, stats: dict | None = None, **kw):
+def _Scheduler(*args, gates: dict, stats: dict | None = None, witness=None, **kw):
     """A :class:`~hypercli.scheduler.Scheduler` whose node threads, the ones it starts
     with and those of replacement nodes, send launches as :func:`_gated` says."""
     from hypercli.scheduler import Scheduler
@@ -653,7 +697,7 @@ def _Scheduler(*args, gates: dict, stats: dict | None = None, **kw):
     class Gated(Scheduler):
         def _worker(self, n):
             w = super()._worker(n)
-            _gated(w, gates, stats)
+            _gated(w, gates, stats, witness)
             return w
     return Gated(*args, **kw)
 

@@ -92,7 +92,11 @@ Requests (``{"id": N, "op": OP, ...}``) and responses (``{"id": N, "ok": true, .
                                     its stdin, see SECRETS_PROLOGUE)); an attempt with
                                     an image on a node whose container runtime fails
                                     ``docker info`` is not started:
-                                    state "refused" + error + lacks "containers"; with
+                                    state "refused" + error + lacks "containers";
+                                    witness: {dir, name, holder, line} (a controller's
+                                    signed intent of the attempt, see Agent.witness):
+                                    appended to dir/name.intents before the attempt starts,
+                                    or the attempt is "refused" (lacks null); with
             ids: [id]?, wait: s?    wait > 0 it then waits as ``poll`` does, over the launched
                                     attempts and ``ids``, and answers with all their states
     poll    ids: [id], wait: s    → states: {id: state}; with wait > 0 returns as soon as one of
@@ -418,7 +422,9 @@ class Agent:
                 "root": self.root, "pid": os.getpid()}
 
     def op_launch(self, req):
-        states = {a["id"]: self.launch(a) for a in req.get("attempts", [])}
+        attempts = req.get("attempts", [])
+        refused = self.witness(attempts)
+        states = {a["id"]: refused.get(a["id"]) or self.launch(a) for a in attempts}
         refused = {k: v for k, v in states.items() if v["state"] == "refused"}
         if float(req.get("wait", 0) or 0) > 0 and len(refused) < len(states) + len(
                 req.get("ids", [])):  # then wait as ``poll`` does, one round trip
@@ -654,6 +660,72 @@ class Agent:
             return True
         except (ProcessLookupError, PermissionError):
             return False
+
+    def witness(self, specs):
+        """Write the witnesses of the launches of ``specs`` not seen before: a controller's
+        signed intent of the attempt (``witness: {"dir": its backups' folder here, "name":
+        the workflow's record there, "holder": the controller's lease holder id, "line":
+        {"seq", "mac", "rows"}}``, hypercli/controller/backup.py), appended to
+        ``<dir>/<name>.intents`` and fsynced under an flock of ``<name>.lock`` (the lock the
+        backups' server takes: its rewrite of that file when a whole copy lands keeps the
+        line), so that whoever takes the workflow over finds the attempt on this node even
+        when it reached no other. A launch whose record here names another holder whose
+        lease is live by this node's clock (ttl - (now - renewed_at) > 0, ttl null: for
+        ever; the backups' server's rule) is refused, as is one whose witness cannot be
+        written: a controller that lost its lease starts nothing through a node that saw
+        the takeover. Returns {attempt id: refused state}."""
+        import re
+        groups = {}
+        for spec in specs:
+            w = spec.get("witness")
+            if isinstance(w, dict) and not os.path.isdir(self.dir(spec["id"])):
+                groups.setdefault((w.get("dir"), w.get("name"), w.get("holder")),
+                                  []).append(spec)
+        refused = {}
+        for (folder, name, holder), group in groups.items():
+            lines = {}
+            for spec in group:
+                line = spec["witness"].get("line") or {}
+                lines.setdefault(line.get("seq"), line)
+            try:
+                if not (isinstance(folder, str) and isinstance(name, str) and re.fullmatch(
+                        r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}", name)):
+                    raise ValueError("a witness without a valid record name")
+                why = self._witness(os.path.expanduser(folder), name, holder,
+                                    list(lines.values()))
+            except (OSError, ValueError, TypeError) as e:
+                why = "its launch could not be witnessed on this node: %s" % e
+            if why:
+                for spec in group:
+                    refused[spec["id"]] = {"state": "refused", "error": why, "lacks": None}
+        return refused
+
+    @staticmethod
+    def _witness(folder, name, holder, lines):
+        """Append ``lines`` to ``folder/name.intents`` unless another holder's lease is live
+        in ``folder/name.json`` (:meth:`witness`); returns why not, or None."""
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        base = os.path.join(folder, name)
+        lock = os.open(base + ".lock", os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            have = _read_json(base + ".json")
+            if isinstance(have, dict) and have.get("holder") != holder:
+                ttl = have.get("ttl")
+                left = None if ttl is None else ttl - (time.time() - have.get("renewed_at", 0))
+                if left is None or left > 0:
+                    return ("workflow record %s is driven by %s here (its lease on this node); "
+                            "a launch from %s is refused" % (name, have.get("holder"), holder))
+            fd = os.open(base + ".intents", os.O_CREAT | os.O_WRONLY | os.O_APPEND
+                         | os.O_NOFOLLOW, 0o600)
+            try:
+                os.write(fd, b"".join(json.dumps(line).encode() + b"\n" for line in lines))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            return None
+        finally:
+            os.close(lock)
 
     def launch(self, spec):
         """Start one attempt (idempotent per attempt id): its folder, the lock taken, the
