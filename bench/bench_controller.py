@@ -10,8 +10,8 @@ the slowest):
   controller  ``python -m hypercli run RECIPE --controller --trust-new-hosts`` (the same
               scheduler on host 0, each launch's intent on a majority of hosts 1-3 before it
               is sent, several in one append: a group commit; the other changes within a
-              second; this process follows it, copying its records every second: one
-              ``python -m hypercli.controller export`` there each time, on the same 2 cores)
+              second; this process follows it, copying its records every second from one
+              ``python -m hypercli.controller follow`` there, on the same 2 cores)
   away        the same handed over with ``-d``: nothing of ``hyper`` runs here until the
               controller's drive has ended (its log line, looked for inside host 0 every
               2 s), then ``hyper attach`` copies the records here: the laptop closed
@@ -78,8 +78,8 @@ def _recipe(pool, controller, workers, home: str, on_controller: bool, exp: dict
 
 
 #: the sides of a dispatch round: driven from here; by the controller, followed from here
-#: (``hyper run --controller``: this process copies its records every second, each copy
-#: one ``python -m hypercli.controller export`` on the controller); by the controller with
+#: (``hyper run --controller``: this process copies its records every second, written by
+#: one ``python -m hypercli.controller follow`` on the controller); by the controller with
 #: this machine away (``-d``: nothing of ``hyper`` runs here until the end)
 SIDES = ("here", "controller", "away")
 ENDED = "grep -c 'intent appends' /root/.hyper/controller/controller.log 2>/dev/null"

@@ -172,6 +172,26 @@ def test_workflow_goes_on_without_this_machine_and_a_lost_worker(ssh_hosts, tmp_
     assert r.returncode == 0 and "hello 4" in r.stdout, r.stdout + r.stderr
 
 
+def test_a_run_followed_here_to_its_end_copies_the_records_and_stops_its_follower(
+        ssh_hosts, tmp_path, hyper, hyper_home):
+    """`hyper run --controller` followed here to the end: the progress shown as it comes over
+    one `follow` process on the controller, the run's exit status the workflow's, its records
+    and log copies here, and no follower left on the controller after."""
+    hosts = ssh_hosts.start(3, share=(ROOT, PACKAGES))
+    controller, workers = hosts[0], hosts[1:]
+    path = controller_recipe(tmp_path, ssh_hosts, controller, workers, gate=4, tasks=4)
+    r = hyper("run", path, "--controller", "--trust-new-hosts", timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "work 4/4 done" in r.stdout and "workflow far-1: succeeded" in r.stdout, r.stdout
+    wid = next(line.split()[0] for line in r.stdout.splitlines()
+               if "is driven by the controller" in line)
+    r = hyper("results", wid, "--json", timeout=60)
+    assert sorted(row["metrics"]["i"] for row in json.loads(r.stdout)) == list(range(4))
+    r = hyper("logs", f"{wid}/work-0002", timeout=60)
+    assert r.returncode == 0 and "hello 2" in r.stdout, r.stdout + r.stderr
+    assert controller.run("pgrep -f 'hypercli[.]controller follow'").stdout.strip() == ""
+
+
 def test_controller_killed_is_taken_over_from_the_backups(ssh_hosts, tmp_path, hyper,
                                                           hyper_home):
     """The controller's host killed mid-run: `hyper attach` reads the newest backup from the

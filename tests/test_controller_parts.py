@@ -713,3 +713,38 @@ def test_a_change_logged_but_not_yet_in_a_whole_copy_is_taken_over(tmp_path, wri
     finally:
         ctl.close()
         st.close()
+
+
+def test_follow_writes_each_change_once_a_still_sign_between_and_ends_with_the_workflow(
+        monkeypatch):
+    """The one process a follower runs on the controller (`python -m hypercli.controller
+    follow`): the export as a JSON line, ``{}`` while nothing changed, the last line once the
+    workflow has ended (or its lease was lost), and a follower gone (a closed pipe) ends it."""
+    import io
+    from hypercli.controller import host
+    answers = iter([("running", None), ("running", None), ("running", None),
+                    ("succeeded", None), ("never", None)])
+
+    def export(wid, since=None):
+        status, lost = next(answers)
+        return {"export": {"workflow": {"id": wid, "status": status}}, "lost": lost,
+                "driven": True, "ledger": [], "samples": []}
+    monkeypatch.setattr(host, "export", export)
+    out = io.StringIO()
+    assert host.follow("far-1", every=0, out=out) == 0
+    lines = [json.loads(x) for x in out.getvalue().splitlines()]
+    assert [x.get("export", {}).get("workflow", {}).get("status") for x in lines] == [
+        "running", None, None, "succeeded"]
+    assert lines[1] == lines[2] == {}
+
+    answers = iter([("running", None), ("running", "taken over by here-B")])
+    out = io.StringIO()
+    assert host.follow("far-1", every=0, out=out) == 0  # a lost lease is the last line
+    assert json.loads(out.getvalue().splitlines()[-1])["lost"] == "taken over by here-B"
+
+    class Gone(io.StringIO):
+        def write(self, s):
+            raise BrokenPipeError
+
+    answers = iter([("running", None)] * 3)
+    assert host.follow("far-1", every=0, out=Gone()) == 0

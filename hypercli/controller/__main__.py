@@ -5,6 +5,7 @@ answered as ``{"error", "hint", "exit_code", "kind"}`` with exit status 3.
 
     submit        stdin: the handover (host.submit)      serve   the service (host.serve)
     export WID [SINCE]  its records (and samples since)  logs WID  tar of its logs and outputs
+    follow WID [EVERY]  export's answer as a JSON line every EVERY s (1) until it ends
     cancel REF    cancel a workflow or task              status  the service and its workflows
     stop          stop the service, tasks left running   collected WID  its records were copied
 """
@@ -23,6 +24,8 @@ def main(argv: list[str]) -> int:
     try:
         if op == "serve":
             return host.serve()
+        if op == "follow":
+            return host.follow(args[0], float(args[1]) if len(args) > 1 else 1.0)
         if op == "logs":
             sys.stdout.buffer.write(host.logs_tar(args[0]))
             return 0

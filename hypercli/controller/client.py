@@ -152,6 +152,44 @@ class Controller:
             raise cls(f"controller {self.spec['name']}: {out.get('error')}", out.get("hint"))
         return out
 
+    def stream(self, op: str, *args: str, timeout: float = 60.0):
+        """Run ``python -m hypercli.controller OP ARGS`` there and yield each JSON line it
+        writes, as it comes, until it ends.
+
+        Raises:
+            InfraError, UsageError: it answered an error (with its hint).
+            HostUnreachable: the connection died, or no line came for ``timeout`` s.
+        """
+        from hypercli.ssh.conn import HostUnreachable
+        py = shlex.quote(self.spec["python"])
+        cmd = (f"cd && HYPER_HOME=$HOME/{REL_HOME} PYTHONPATH={self._lib()} exec {py} -m "
+               f"hypercli.controller {op} " + " ".join(shlex.quote(a) for a in args))
+        ch = self.conn.channel()
+        ch.settimeout(timeout)
+        try:
+            ch.exec_command(cmd)
+            ch.shutdown_write()
+            f = ch.makefile("rb")
+            while True:
+                try:
+                    line = f.readline()
+                except Exception as e:  # a timeout, or paramiko's errors of a broken session
+                    raise HostUnreachable(self.spec["name"], f"`{op}` stopped: {e}") from None
+                if not line:
+                    return
+                try:
+                    out = json.loads(line)
+                except ValueError:
+                    raise InfraError(f"controller {self.spec['name']}: `{op}` wrote "
+                                     f"{line[:200]!r}") from None
+                if "error" in out:
+                    cls = UsageError if out.get("exit_code") == 2 else InfraError
+                    raise cls(f"controller {self.spec['name']}: {out.get('error')}",
+                              out.get("hint"))
+                yield out
+        finally:
+            ch.close()
+
     def close(self) -> None:
         self.conn.close()
 
@@ -300,29 +338,38 @@ def refresh(state: S.State, wid: str, ctl: Controller | None = None,
         ctl = connect(_spec(state, link["name"]))
     try:
         since = link.get("samples_at") or 0.0
-        out = ctl.request("export", wid, *([repr(float(since))] if usage else []))
-        ended = out["export"]["workflow"]["status"] not in ("running", "cancelling")
-        if ended:
-            _copy_files(state, wf, ctl.request("logs", wid, raw=True, timeout=600))
-        spec = dict(wf.get("spec") or {})
-        spec["controller"] = {**link, "done": True} if ended else dict(link)
-        names = {n["name"] for n in state.nodes(wf["cluster"])}
-        samples = [r for r in out.get("samples") or [] if r.get("node") in names
-                   and isinstance(r.get("ts"), (int, float)) and isinstance(r.get("data"), dict)]
-        if samples:  # the next copy asks for the ones after these
-            spec["controller"]["samples_at"] = max(r["ts"] for r in samples) + 1e-6
-            state.add_samples(samples)
-        _take_ledger(state, wf["cluster"], out.get("ledger") or [])
-        state.import_workflow(_as_planned(state, wid, out["export"]), nodes=False,
-                              driver_pid=None, detached=0, spec=json.dumps(spec))
-        if ended:  # a cloud controller may now remove itself when idle
-            try:
-                ctl.request("collected", wid)
-            except HyperError:
-                pass
+        return _take(state, wid, ctl, ctl.request("export", wid, *(
+            [repr(float(since))] if usage else [])))
     finally:
         if own:
             ctl.close()
+
+
+def _take(state: S.State, wid: str, ctl: Controller, out: dict) -> dict:
+    """Copy one answer of the controller's ``export`` (:func:`refresh`) over this file's
+    records of ``wid``; when the workflow has ended there, its log copies and outputs too
+    (over ``ctl``), and close the link. Returns ``{"driven", "lost", "status"}``."""
+    wf = state.workflow(wid)
+    link = link_of(wf) or {}
+    ended = out["export"]["workflow"]["status"] not in ("running", "cancelling")
+    if ended:
+        _copy_files(state, wf, ctl.request("logs", wid, raw=True, timeout=600))
+    spec = dict(wf.get("spec") or {})
+    spec["controller"] = {**link, "done": True} if ended else dict(link)
+    names = {n["name"] for n in state.nodes(wf["cluster"])}
+    samples = [r for r in out.get("samples") or [] if r.get("node") in names
+               and isinstance(r.get("ts"), (int, float)) and isinstance(r.get("data"), dict)]
+    if samples:  # the next copy asks for the ones after these
+        spec["controller"]["samples_at"] = max(r["ts"] for r in samples) + 1e-6
+        state.add_samples(samples)
+    _take_ledger(state, wf["cluster"], out.get("ledger") or [])
+    state.import_workflow(_as_planned(state, wid, out["export"]), nodes=False,
+                          driver_pid=None, detached=0, spec=json.dumps(spec))
+    if ended:  # a cloud controller may now remove itself when idle
+        try:
+            ctl.request("collected", wid)
+        except HyperError:
+            pass
     return {"driven": out["driven"], "lost": out["lost"],
             "status": out["export"]["workflow"]["status"]}
 
@@ -430,9 +477,10 @@ def cancel(state: S.State, ref: str) -> tuple[str, int] | None:
 
 def follow(state: S.State, wid: str, *, interval: float = 1.0,
            on_change: Callable[[], None] = lambda: None) -> str:
-    """Copy a controller's records of ``wid`` here every ``interval`` s over one connection,
-    calling ``on_change`` when the task counts change, until the workflow ends; returns its
-    final status.
+    """Copy a controller's records of ``wid`` here every ``interval`` s, calling
+    ``on_change`` when the task counts change, until the workflow ends; returns its final
+    status. One process there writes them as they change (``python -m hypercli.controller
+    follow``, :func:`hypercli.controller.host.follow`) over one connection.
 
     Raises:
         Unreachable: the controller stopped answering (the hint says how to take over).
@@ -443,21 +491,27 @@ def follow(state: S.State, wid: str, *, interval: float = 1.0,
     ctl = connect(spec)
     last = None
     try:
+        answers = ctl.stream("follow", wid, repr(float(interval)),
+                             timeout=max(60.0, 10 * interval))
         while True:
             try:
-                r = refresh(state, wid, ctl)
+                out = next(answers, None)
+                if out is None:  # the process there ended before the workflow did
+                    raise InfraError("its follow stream ended")
+                if not out:  # nothing changed: it still answers
+                    continue
+                r = _take(state, wid, ctl, out)
             except HyperError as e:
                 raise Unreachable(spec["name"], str(e)) from None
             counts = state.counts(wid)
             if counts != last:
                 last = counts
                 on_change()
-            if r is None or r["status"] not in ("running", "cancelling"):
+            if r["status"] not in ("running", "cancelling"):
                 return state.workflow(wid)["status"]
             if r["lost"]:
                 raise InfraError(f"the controller no longer drives {wid}: {r['lost']}",
                                  f"`hyper attach {wid}` takes it over")
-            time.sleep(interval)
     finally:
         ctl.close()
 

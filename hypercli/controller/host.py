@@ -458,6 +458,31 @@ def export(wid: str, since: float | None = None) -> dict:
         state.close()
 
 
+def follow(wid: str, every: float = 1.0, out=None) -> int:
+    """Write :func:`export`'s answer for ``wid`` to ``out`` (stdout) as one JSON line now and
+    every ``every`` s after, until the workflow has ended or its lease was lost (that answer
+    is the last line); a line that would repeat the one before is written as ``{}`` (the
+    follower's sign that the controller still answers). One process for a follower (`hyper
+    run --controller`) instead of one ``export`` per copy: each costs a Python start and its
+    imports on the controller, 0.1-0.2 s of CPU (bench/RESULTS.md §17). Returns 0; a
+    follower that went away ends it (its pipe closes). Raises HyperError as :func:`export`."""
+    out = out or sys.stdout
+    last = None
+    while True:
+        got = export(wid)
+        text = json.dumps(got, separators=(",", ":"), default=str)
+        try:
+            out.write(("{}" if text == last else text) + "\n")
+            out.flush()
+        except BrokenPipeError:
+            return 0
+        last = text
+        if got["export"]["workflow"]["status"] not in ("running", "cancelling") \
+                or got["lost"]:
+            return 0
+        time.sleep(every)
+
+
 def logs_tar(wid: str) -> bytes:
     """A tar of the log copies kept here of the workflow's attempts (``<attempt>/stdout``,
     ``<attempt>/stderr``) and of its outputs in a ``file://`` storage (``outputs/<task>/``)."""
