@@ -12,6 +12,7 @@ import re
 import shutil
 import signal
 import socket
+import subprocess
 import urllib.error
 import urllib.request
 
@@ -66,8 +67,19 @@ def url_of(p: Streamed, what: str = "URL") -> str:
 
 
 def stop(p: Streamed) -> int:
+    """Ctrl-C: its exit status; when it has not ended 30 s later, the failure shows what it
+    printed and the stacks of its threads (SIGABRT, ``PYTHONFAULTHANDLER``)."""
     p.proc.send_signal(signal.SIGINT)
-    return p.wait(30)
+    try:
+        return p.wait(30)
+    except subprocess.TimeoutExpired:
+        p.proc.send_signal(signal.SIGABRT)
+        try:
+            p.wait(15)
+        except subprocess.TimeoutExpired:
+            p.stop()
+        raise AssertionError("it did not end within 30 s of SIGINT; it printed:\n"
+                             + "\n".join(p.out + p.err)) from None
 
 
 def reachable(ip: str, port: int) -> bool:
