@@ -179,9 +179,17 @@ LONG_FILES = ("test_engines.py", "test_recipes.py", "test_gang_ssh.py", "test_ss
 
 def pytest_configure(config):
     """pytest-xdist's ``--dist loadfile`` hands out the files with the most tests first
-    unless told not to (``--no-loadscope-reorder``): keep the order set below instead."""
+    unless told not to (``--no-loadscope-reorder``): keep the order set below instead.
+
+    A suite started in the background of a non-interactive shell (``cmd &``: CI launchers,
+    ``nohup``) has SIGINT ignored, and an ignored signal stays ignored across exec, so every
+    ``hyper`` a test starts would ignore the Ctrl-C the test sends it (the port tests hung
+    on it). A user's Ctrl-C comes from a terminal, where SIGINT is at its default: so it is
+    here, in this process and (a Python handler is reset at exec) in what it starts."""
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config, items):
