@@ -33,11 +33,25 @@ def test_distributed_training_recipe(hyper_home, hyper):
     assert row["metrics"]["world_size"] == 2 and row["metrics"]["in_sync"] is True
     assert row["metrics"]["loss"] < 0.05  # it learned (the noise floor is 1e-4)
     ranks = State().attempts("distributed-training-1", "train-0000")
-    errs = [(hyper_home / "local" / "tasks" / a["id"] / "stderr") for a in ranks]
-    assert sorted((a["rank"], a["status"]) for a in ranks) == [(0, "succeeded"),
+
+    def err(a) -> str:
+        f = hyper_home / "local" / "tasks" / a["id"] / "stderr"
+        return f.read_text()[-3000:] if f.exists() else ""
+    last = max(a["number"] for a in ranks)
+    final = [a for a in ranks if a["number"] == last]
+    assert sorted((a["rank"], a["status"]) for a in final) == [(0, "succeeded"),
                                                                 (1, "succeeded")], [
-        e.read_text()[-3000:] for e in errs if e.exists()]
-    assert len({a["node"] for a in ranks}) == 2
+        err(a) for a in ranks]
+    assert len({a["node"] for a in final}) == 2
+    # an attempt before it may have ended only by PyTorch's own abort of a rank tearing gloo
+    # down after the training's last barrier (C++ std::terminate at exit, code 134: seen once
+    # on a loaded machine), the gang stopped with it and retried; any other end fails here
+    for a in ranks:
+        if a["number"] != last and a["status"] == "failed":
+            assert a["exit_code"] == 134 and \
+                "terminate called without an active exception" in err(a), (a, err(a))
+        elif a["number"] != last:
+            assert a["status"] == "cancelled" and "stopped with its gang" in a["error"], a
     out = hyper_home / "storage" / "distributed-training-1" / "train-0000" / "model.pt"
     assert out.stat().st_size > 0
 
